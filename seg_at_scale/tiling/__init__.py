@@ -1,0 +1,30 @@
+"""Tile grids, halos and exact tiled inference/training."""
+
+from seg_at_scale.tiling.geometry import (
+    Footprint,
+    Tile,
+    TileGrid,
+    TilingError,
+    Window,
+    make_grid,
+    random_core,
+    split_axis,
+)
+from seg_at_scale.tiling.halo import empirical_halo, footprint, halo_width
+from seg_at_scale.tiling.predict import (
+    extend,
+    iter_tile_outputs,
+    predict_full,
+    predict_tiled,
+    read_window,
+    run_tile,
+    source_indices,
+    tiled_backward,
+)
+
+__all__ = [
+    "Footprint", "Tile", "TileGrid", "TilingError", "Window", "make_grid", "random_core",
+    "split_axis", "empirical_halo", "footprint", "halo_width", "extend", "iter_tile_outputs",
+    "predict_full", "predict_tiled", "read_window", "run_tile", "source_indices",
+    "tiled_backward",
+]
