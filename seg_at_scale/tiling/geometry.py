@@ -20,7 +20,7 @@ in image coordinates and may therefore start at negative values.
 >>> grid.shape, grid.tiles[0].core
 ((2, 2), Window(row=0, col=0, height=304, width=368))
 >>> round(grid.efficiency, 3)
-1.788
+2.443
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def split_axis(length: int, fp: Footprint, *, parts: int | None = None,
         partition ``[0, length)``.
 
     >>> split_axis(100, Footprint(halo=5, align=4), parts=3)
-    [(0, 32, 0, 40), (32, 64, 24, 72), (64, 100, 56, 104)]
+    [(0, 32, 0, 40), (32, 64, 24, 72), (64, 100, 56, 100)]
     """
     if length < 1:
         raise TilingError(f"{name} length must be positive, got {length}")

@@ -1,0 +1,19 @@
+"""The ``>>>`` examples in the docstrings are part of the documentation: keep them true."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "seg_at_scale.tiling.geometry",
+    "seg_at_scale.tiling.halo",
+    "seg_at_scale.tiling.predict",
+    "seg_at_scale.models.unet",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
