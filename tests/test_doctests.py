@@ -10,6 +10,8 @@ MODULES = [
     "seg_at_scale.tiling.halo",
     "seg_at_scale.tiling.predict",
     "seg_at_scale.models.unet",
+    "seg_at_scale.io.geotags",
+    "seg_at_scale.io.raster",
 ]
 
 

@@ -48,6 +48,7 @@ class GeoTags:
     Attributes:
         tags: ``(code, tifffile dtype code, count, value)`` per tag, sorted by code. ASCII
             values are ``str``; numeric values are tuples of Python numbers.
+
     """
 
     tags: tuple[TagTuple, ...] = ()
@@ -61,6 +62,7 @@ class GeoTags:
 
         Returns:
             The tags listed in :data:`GEOTIFF_TAG_CODES` that the page has.
+
         """
         found = []
         for code in GEOTIFF_TAG_CODES:
@@ -78,17 +80,18 @@ class GeoTags:
         return not self.tags
 
     def to_extratags(self) -> list[tuple[int, int, int, Any, bool]]:
-        """The tags in ``tifffile.TiffWriter.write(extratags=...)`` form.
+        """Return the tags in ``tifffile.TiffWriter.write(extratags=...)`` form.
 
         Returns:
             ``(code, dtype, count, value, writeonce)`` tuples; ASCII tags have count 0 so
             ``tifffile`` counts the bytes (and the terminating NUL) itself.
+
         """
         return [(code, dtype, count, value, True) for code, dtype, count, value in self.tags]
 
 
 def _geokey_directory(epsg: int) -> tuple[int, ...]:
-    """A GeoKeyDirectory for a projected CRS given by EPSG code, pixel-is-area, metres."""
+    """Build a GeoKeyDirectory for a projected CRS given by EPSG code, pixel-is-area, metres."""
     keys = [
         (1024, 0, 1, 1),  # GTModelTypeGeoKey = ModelTypeProjected
         (1025, 0, 1, 1),  # GTRasterTypeGeoKey = RasterPixelIsArea
@@ -101,7 +104,7 @@ def _geokey_directory(epsg: int) -> tuple[int, ...]:
 
 
 def _citation(epsg: int) -> str:
-    """A human-readable CRS name for GeoAsciiParams ('|' terminates each entry)."""
+    """Name the CRS for humans, for for GeoAsciiParams ('|' terminates each entry)."""
     if 32601 <= epsg <= 32660:
         return f"WGS 84 / UTM zone {epsg - 32600}N|"
     if 32701 <= epsg <= 32760:
@@ -111,7 +114,7 @@ def _citation(epsg: int) -> str:
 
 def example_geotags(origin: tuple[float, float] = (500000.0, 4500000.0), pixel_size: float = 1.0,
                     epsg: int = 32633) -> GeoTags:
-    """A valid north-up GeoTIFF header (used by tests and the synthetic data generator).
+    """Build a valid north-up GeoTIFF header (used by tests and the synthetic data generator).
 
     Args:
         origin: ``(x, y)`` map coordinates of the top-left corner of the top-left pixel.
@@ -120,6 +123,7 @@ def example_geotags(origin: tuple[float, float] = (500000.0, 4500000.0), pixel_s
 
     Returns:
         ModelPixelScale, ModelTiepoint, GeoKeyDirectory and GeoAsciiParams tags.
+
     """
     citation = _citation(epsg)
     keys = list(_geokey_directory(epsg))

@@ -17,7 +17,7 @@ from PIL import Image
 
 from seg_at_scale.errors import InputError
 from seg_at_scale.io.raster import RasterReader
-from seg_at_scale.io.writer import write_atomic, check_output_path
+from seg_at_scale.io.writer import check_output_path, write_atomic
 from seg_at_scale.tiling.geometry import Window
 
 __all__ = ["DEFAULT_PALETTE", "IGNORE_INDEX", "default_palette", "overview_stride",
@@ -50,7 +50,7 @@ def overview_stride(height: int, width: int, max_side: int) -> int:
 
 
 def read_overview(reader: RasterReader, max_side: int = 1024) -> np.ndarray:
-    """A decimated view ``image[:, ::s, ::s]`` read band by band with bounded memory.
+    """Read a decimated view ``image[:, ::s, ::s]`` read band by band with bounded memory.
 
     Args:
         reader: an open raster.
@@ -58,6 +58,7 @@ def read_overview(reader: RasterReader, max_side: int = 1024) -> np.ndarray:
 
     Returns:
         ``[C, ceil(H / s), ceil(W / s)]`` in the file's dtype.
+
     """
     if max_side < 1:
         raise InputError(f"read_overview of '{reader.path}': max_side={max_side}; use >= 1")
@@ -122,6 +123,7 @@ def write_preview_png(path: str | os.PathLike[str], image: np.ndarray,
 
     Returns:
         ``path``.
+
     """
     out = check_output_path(path, overwrite, key="preview")
     image = np.asarray(image)

@@ -89,7 +89,17 @@ class RasterReader:
         nodata: the ``nodata`` argument, else the GDAL_NODATA tag, else None.
         geotags: GeoTIFF tags of page 0 (empty if it has none).
         bytes_read: bytes of tile / strip data read so far (for I/O accounting).
+
     """
+
+    path: Path
+    height: int
+    width: int
+    bands: int
+    dtype: np.dtype
+    nodata: float | None
+    geotags: GeoTags
+    bytes_read: int
 
     def __init__(self, path: str | os.PathLike[str], *, nodata: float | None = None) -> None:
         self.path = Path(path)
@@ -100,10 +110,22 @@ class RasterReader:
         self._lock = threading.Lock()
         self.bytes_read = 0
         page = self._open()
+        try:
+            self._describe(page)
+        except BaseException:
+            self._close_handles()
+            raise
+
+    def _describe(self, page: tifffile.TiffPage) -> None:
+        """Set the public attributes from page 0 and refuse layouts we cannot read."""
         self.height, self.width = int(page.imagelength), int(page.imagewidth)
         self.bands = int(page.samplesperpixel)
+        if page.dtype is None:
+            raise _cannot_read(self.path, f"unsupported sample format ({page.bitspersample}-bit,"
+                                          f" SampleFormat {page.sampleformat})")
         self.dtype = np.dtype(page.dtype)
         self.geotags = GeoTags.from_page(page)
+        nodata = self._nodata_arg
         self.nodata = nodata if nodata is not None else self._nodata_tag(page)
         self._planar = self.bands > 1 and int(page.planarconfig) == 2
         if page.is_tiled:
@@ -150,7 +172,7 @@ class RasterReader:
         """Refuse volumes and truncated files up front, with a clear message."""
         if int(page.imagedepth) != 1:
             raise _cannot_read(self.path, f"it is a 3-D volume (depth {page.imagedepth})")
-        ends = [o + n for o, n in zip(page.dataoffsets, page.databytecounts) if o and n]
+        ends = [o + n for o, n in zip(self._offsets, self._counts, strict=True) if o and n]
         size = self.path.stat().st_size
         if ends and max(ends) > size:
             raise InputError(f"'{self.path}' is truncated: its data ends at byte {max(ends)} "
@@ -221,6 +243,7 @@ class RasterReader:
         Raises:
             InputError: the window is empty, or outside the image without ``fill``, or a
                 segment cannot be decoded.
+
         """
         if window.height < 1 or window.width < 1:
             raise InputError(f"cannot read {window} from '{self.path}': the window is empty")
@@ -245,7 +268,7 @@ class RasterReader:
         return out
 
     def _segments(self, r0: int, r1: int, c0: int, c1: int) -> list[int]:
-        """Indices (into offsets/bytecounts) of the segments overlapping the box."""
+        """List the indices (into offsets/bytecounts) of the segments overlapping the box."""
         sh, sw = self._seg
         n_r, n_c = -(-self.height // sh), -(-self.width // sw)
         planes = range(self.bands) if self._planar else range(1)
@@ -276,7 +299,7 @@ class RasterReader:
         with self._lock:
             self._fh.seek(offset)
             data = self._fh.read(count)
-        self.bytes_read += len(data)
+            self.bytes_read += len(data)
         if len(data) != count:
             raise OSError(f"short read at byte {offset}: {len(data)} of {count} bytes")
         return data

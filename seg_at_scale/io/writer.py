@@ -26,7 +26,13 @@ import tifffile
 from seg_at_scale.errors import InputError, OutputExistsError
 from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags
 
-__all__ = ["BIGTIFF_THRESHOLD", "check_output_path", "write_atomic", "write_raster", "write_raster_bands"]
+__all__ = [
+    "BIGTIFF_THRESHOLD",
+    "check_output_path",
+    "write_atomic",
+    "write_raster",
+    "write_raster_bands",
+]
 
 #: Uncompressed image bytes from which BigTIFF is chosen automatically (as ``tifffile``
 #: does: 4 GiB minus 32 MiB of head room for tags and offsets).
@@ -49,12 +55,19 @@ def check_output_path(path: str | os.PathLike[str], overwrite: bool, *,
 
     Raises:
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
+
     """
     path = Path(path)
     if path.exists() and not overwrite:
         raise OutputExistsError(f"{key} '{path}' already exists; pass overwrite=true to replace "
                                 "it (or choose another path)")
     return path
+
+
+def _check_tile(tile: tuple[int, int], path: Path) -> None:
+    if len(tile) != 2 or any(int(t) < 16 or int(t) % 16 for t in tile):
+        raise InputError(f"writing '{path}': tile={tuple(tile)} is not a TIFF tile size; "
+                         "use multiples of 16, e.g. (256, 256), or tile=None for strips")
 
 
 def _partial_path(path: Path) -> Path:
@@ -129,7 +142,7 @@ def _strips(blocks: Iterator[np.ndarray], rows_left: int, compression: str | Non
 
 
 def _strip_encoder(compression: str | None) -> Any:
-    """The codec ``tifffile`` would use for ``compression`` (no predictor)."""
+    """Return the codec ``tifffile`` would use for ``compression`` (no predictor)."""
     if not compression:
         return lambda data: data.tobytes()
     name = compression.upper()
@@ -210,6 +223,7 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
         OutputExistsError: ``path`` exists and ``overwrite`` is false.
         InputError: a band's shape or dtype does not fit, or the rows do not sum to ``H``.
             The partial file is removed and an existing ``path`` is left untouched.
+
     """
     path = check_output_path(path, overwrite)
     dt = np.dtype(dtype)
@@ -217,6 +231,7 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
     if min(c, h, w) < 1:
         raise InputError(f"writing '{path}': shape {shape} must be (bands, rows, cols) >= 1")
     if tile is not None:
+        _check_tile(tile, path)
         block = int(tile[0])
         data: Iterator[Any] = _tiles(_row_blocks(bands, (c, h, w), dt, block, path), tile, w)
         buffersize = block * (-(-w // tile[1]) * tile[1]) * c * dt.itemsize  # one tile row
@@ -256,6 +271,7 @@ def write_raster(path: str | os.PathLike[str], array: np.ndarray, *,
 
     Returns:
         ``path``.
+
     """
     arr = np.asarray(array)
     arr = arr[None] if arr.ndim == 2 else arr
@@ -270,6 +286,8 @@ def write_raster(path: str | os.PathLike[str], array: np.ndarray, *,
                                   compression=compression, bigtiff=bigtiff, geotags=geotags,
                                   nodata=nodata, overwrite=overwrite)
     out = check_output_path(path, overwrite)
+    if tile is not None:
+        _check_tile(tile, out)
     rows = max(1, min(h, _STRIP_BYTES // (w * arr.dtype.itemsize)))
 
     def write(tmp: Path) -> None:

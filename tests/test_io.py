@@ -1,0 +1,321 @@
+"""Raster I/O: windowed reads equal slices, streaming writes round-trip, errors are clear."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+from PIL import Image
+
+from seg_at_scale.errors import InputError, OutputExistsError
+from seg_at_scale.io import (
+    RasterReader,
+    example_geotags,
+    read_overview,
+    read_raster,
+    write_preview_png,
+    write_raster,
+    write_raster_bands,
+)
+from seg_at_scale.io import preview as preview_mod
+from seg_at_scale.io import raster as raster_mod
+from seg_at_scale.io.preview import default_palette
+from seg_at_scale.tiling.geometry import Window
+
+sys.path.insert(0, str(Path(__file__).parent))
+from io_helpers import CountingFile, make_array  # noqa: E402
+
+H, W = 301, 257  # not multiples of the tile / strip sizes
+TILE = (64, 48)
+WINDOWS = [
+    Window(0, 0, H, W),  # everything
+    Window(0, 0, 1, 1),
+    Window(63, 47, 2, 2),  # four tiles meet
+    Window(17, 5, 150, 100),
+    Window(250, 200, 51, 57),  # bottom-right partial tiles
+    Window(300, 0, 1, W),  # last row
+]
+
+
+def _windows_match(path: Path, array: np.ndarray) -> None:
+    with RasterReader(path) as reader:
+        assert reader.shape == array.shape and reader.dtype == array.dtype
+        for win in WINDOWS:
+            np.testing.assert_array_equal(reader.read(win), array[(slice(None), *win.slices())])
+
+
+@pytest.mark.parametrize("tile", [TILE, None], ids=["tiled", "striped"])
+@pytest.mark.parametrize("compression", [None, "zlib", "lzw"])
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "float32"])
+def test_windows_equal_slices_formats(tmp_path: Path, tile: tuple[int, int] | None,
+                                      compression: str | None, dtype: str) -> None:
+    array = make_array((3, H, W), dtype)
+    path = write_raster(tmp_path / "a.tif", array, tile=tile, compression=compression)
+    _windows_match(path, array)
+
+
+@pytest.mark.parametrize("tile", [TILE, None], ids=["tiled", "striped"])
+@pytest.mark.parametrize("bands", [1, 3, 4])
+@pytest.mark.parametrize("planar", [False, True], ids=["interleaved", "planar"])
+@pytest.mark.parametrize("bigtiff", [False, True], ids=["tiff", "bigtiff"])
+def test_windows_equal_slices_layouts(tmp_path: Path, tile: tuple[int, int] | None, bands: int,
+                                      planar: bool, bigtiff: bool) -> None:
+    array = make_array((bands, H, W), "uint16", seed=bands)
+    path = write_raster(tmp_path / "a.tif", array, tile=tile, planar=planar, bigtiff=bigtiff)
+    with tifffile.TiffFile(path) as tif:
+        page = tif.pages.first
+        assert tif.is_bigtiff == bigtiff and page.is_tiled == (tile is not None)
+        assert page.samplesperpixel == bands
+        assert bands == 1 or (int(page.planarconfig) == 2) == planar
+    _windows_match(path, array)
+
+
+def test_single_band_is_plain_2d(tmp_path: Path) -> None:
+    mask = make_array((H, W), "uint8")
+    path = write_raster(tmp_path / "m.tif", mask)
+    assert tifffile.imread(path).shape == (H, W)
+    np.testing.assert_array_equal(read_raster(path), mask[None])
+
+
+FILL_WINDOWS = [
+    Window(-5, -7, 20, 30),
+    Window(290, 250, 40, 30),
+    Window(-700, -600, 1500, 1400),  # further out than the image is long: reflect repeats
+    Window(400, -300, 10, 20),  # entirely outside
+]
+
+
+@pytest.mark.parametrize("fill", ["reflect", "constant"])
+@pytest.mark.parametrize("window", FILL_WINDOWS, ids=str)
+def test_fill_equals_numpy_pad(tmp_path: Path, fill: str, window: Window) -> None:
+    array = make_array((2, H, W), "float32")
+    path = write_raster(tmp_path / "a.tif", array, tile=TILE)
+    p = 800
+    padded = np.pad(array, ((0, 0), (p, p), (p, p)), mode=fill)  # type: ignore[call-overload]
+    expected = padded[:, window.row + p:window.row_end + p, window.col + p:window.col_end + p]
+    with RasterReader(path) as reader:
+        np.testing.assert_array_equal(reader.read(window, fill=fill), expected)  # type: ignore[arg-type]
+
+
+def test_reflect_single_row_image(tmp_path: Path) -> None:
+    array = make_array((1, 1, 37), "uint8")
+    path = write_raster(tmp_path / "a.tif", array, tile=None)
+    expected = np.pad(array, ((0, 0), (5, 5), (3, 3)), mode="reflect")
+    with RasterReader(path) as reader:
+        np.testing.assert_array_equal(reader.read(Window(-5, -3, 11, 43), fill="reflect"),
+                                      expected)
+
+
+def test_out_of_bounds_without_fill_names_file_window_size(tmp_path: Path) -> None:
+    path = write_raster(tmp_path / "scene.tif", make_array((1, H, W), "uint8"))
+    with RasterReader(path) as reader, pytest.raises(InputError) as err:
+        reader.read(Window(-1, 0, 10, 10))
+    message = str(err.value)
+    assert "scene.tif" in message and "row=-1" in message and f"{H}x{W}" in message
+
+
+def test_reads_only_the_tiles_a_window_touches(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    array = make_array((4, 2000, 1800), "uint8")
+    path = write_raster(tmp_path / "big.tif", array, tile=(128, 128), compression="zlib")
+    window = Window(1000, 900, 100, 100)
+    with tifffile.TiffFile(path) as tif:
+        page = tif.pages.first
+        header = min(page.dataoffsets)  # header + IFD + tag values precede the tiles
+        n_cols = -(-1800 // 128)
+        touched = [i * n_cols + j for i in (7, 8) for j in (7,)]  # rows 1000-1099, cols 900-999
+        touched_bytes = sum(page.databytecounts[k] for k in touched)
+    monkeypatch.setattr(raster_mod, "_open_binary", lambda p: CountingFile(p, "rb"))
+    CountingFile.count = 0
+    with RasterReader(path) as reader:
+        patch = reader.read(window)
+    np.testing.assert_array_equal(patch, array[(slice(None), *window.slices())])
+    assert CountingFile.count < 3 * touched_bytes + header
+    assert CountingFile.count < path.stat().st_size / 50
+
+
+@pytest.mark.parametrize("tile", [TILE, None], ids=["tiled", "striped"])
+def test_streaming_writer_uneven_bands(tmp_path: Path, tile: tuple[int, int] | None) -> None:
+    array = make_array((3, H, W), "uint16")
+    edges = np.cumsum([0, 37, 100, 1, 163])
+    bands = (array[:, a:b] for a, b in zip(edges[:-1], edges[1:], strict=True))
+    path = write_raster_bands(tmp_path / "s.tif", array.shape, array.dtype, bands, tile=tile)
+    np.testing.assert_array_equal(read_raster(path), array)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.tif"]
+
+
+def test_streaming_writer_failure_keeps_existing_file(tmp_path: Path) -> None:
+    path = write_raster(tmp_path / "s.tif", make_array((1, H, W), "uint8"))
+    before = path.read_bytes()
+
+    def bands():  # type: ignore[no-untyped-def]
+        yield np.zeros((1, 100, W), np.uint8)
+        raise RuntimeError("model crashed")
+
+    with pytest.raises(RuntimeError, match="model crashed"):
+        write_raster_bands(path, (1, H, W), np.uint8, bands(), overwrite=True)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.tif"]
+
+
+def test_writer_refuses_existing_output(tmp_path: Path) -> None:
+    path = write_raster(tmp_path / "s.tif", make_array((1, 20, 30), "uint8"))
+    with pytest.raises(OutputExistsError) as err:
+        write_raster(path, make_array((1, 20, 30), "uint8"))
+    assert str(err.value) == (f"output '{path}' already exists; pass overwrite=true to replace "
+                              "it (or choose another path)")
+
+
+@pytest.mark.parametrize("shapes, fragment", [
+    ([(3, 100, W - 1)], "a band has shape (3, 100, 256)"),
+    ([(2, 100, W)], "a band has shape (2, 100, 257)"),
+    ([(3, 100, W), (3, 100, W)], f"200 rows but the image has {H}"),
+    ([(3, 200, W), (3, 200, W)], f"more than the {H} rows"),
+])
+def test_streaming_writer_rejects_bad_bands(tmp_path: Path, shapes: list[tuple[int, ...]],
+                                            fragment: str) -> None:
+    bands = (np.zeros(s, np.uint8) for s in shapes)
+    with pytest.raises(InputError) as err:
+        write_raster_bands(tmp_path / "s.tif", (3, H, W), np.uint8, bands)
+    assert fragment in str(err.value) and "s.tif" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype, nodata", [("uint16", 65535.0), ("float32", -9999.5),
+                                           ("float32", float("nan"))])
+def test_geotags_and_nodata_round_trip(tmp_path: Path, dtype: str, nodata: float) -> None:
+    tags = example_geotags(origin=(612345.5, 5012345.0), pixel_size=0.5, epsg=32633)
+    path = write_raster(tmp_path / "g.tif", make_array((2, H, W), dtype), geotags=tags,
+                        nodata=nodata)
+    with RasterReader(path) as reader:
+        assert reader.geotags == tags and not reader.geotags.is_empty
+        np.testing.assert_equal(reader.nodata, nodata)
+    with tifffile.TiffFile(path) as tif:
+        geo = tif.pages.first.geotiff_tags
+        assert int(geo["ProjectedCSTypeGeoKey"]) == 32633
+        assert geo["ModelPixelScale"] == [0.5, 0.5, 0.0]
+    with RasterReader(path, nodata=7.0) as reader:
+        assert reader.nodata == 7.0  # the argument wins over the tag
+
+
+def test_plain_tiff_has_no_geotags_or_nodata(tmp_path: Path) -> None:
+    path = write_raster(tmp_path / "p.tif", make_array((1, 20, 30), "uint8"))
+    with RasterReader(path) as reader:
+        assert reader.geotags.is_empty and reader.nodata is None and not reader.is_float
+
+
+def test_nodata_outside_dtype_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="nodata=-1 cannot be stored in uint8"):
+        write_raster(tmp_path / "n.tif", make_array((1, 20, 30), "uint8"), nodata=-1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_truncated_file_message(tmp_path: Path) -> None:
+    path = write_raster(tmp_path / "cut.tif", make_array((3, H, W), "uint8"))
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        fh.truncate(size - 100)
+    with pytest.raises(InputError) as err:
+        RasterReader(path)
+    assert str(err.value) == (f"'{path}' is truncated: its data ends at byte {size} but the "
+                              f"file has {size - 100} bytes. Re-copy or re-generate it.")
+
+
+@pytest.mark.parametrize("content", [b"this is not a tiff at all", None], ids=["text", "missing"])
+def test_unreadable_file_message(tmp_path: Path, content: bytes | None) -> None:
+    path = tmp_path / "notatiff.tif"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(InputError) as err:
+        RasterReader(path)
+    message = str(err.value)
+    assert message.startswith(f"cannot read '{path}' as TIFF: ")
+    assert message.endswith("Check the path, or re-create / re-copy the file.")
+
+
+def test_corrupt_tile_is_reported_with_file_and_window(tmp_path: Path) -> None:
+    path = write_raster(tmp_path / "bad.tif", make_array((1, H, W), "uint8"), tile=TILE)
+    with tifffile.TiffFile(path) as tif:
+        offset = tif.pages.first.dataoffsets[0]
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(b"\xff" * 64)
+    with RasterReader(path) as reader:
+        np.testing.assert_array_equal(reader.read(Window(200, 200, 5, 5)).shape, (1, 5, 5))
+        with pytest.raises(InputError, match=r"cannot decode rows 0:5, cols 0:5 of '.*bad.tif'"):
+            reader.read(Window(0, 0, 5, 5))
+
+
+def test_pickled_reader_reads_the_same(tmp_path: Path) -> None:
+    path = write_raster(tmp_path / "a.tif", make_array((3, H, W), "uint8"), nodata=3)
+    window = Window(-10, 40, 100, 120)
+    with RasterReader(path) as reader:
+        expected = reader.read(window, fill="reflect")
+        payload = pickle.dumps(reader)
+    assert len(payload) < 500  # path + nodata only, no file handle or data
+    clone = pickle.loads(payload)
+    np.testing.assert_array_equal(clone.read(window, fill="reflect"), expected)
+    assert clone.nodata == 3 and clone.shape == (3, H, W)
+    clone.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_reader_reopens_after_fork(tmp_path: Path) -> None:
+    array = make_array((2, H, W), "uint8")
+    path = write_raster(tmp_path / "a.tif", array)
+    window = Window(100, 30, 64, 64)
+    with RasterReader(path) as reader:
+        reader.read(window)  # the parent's handle is open before forking
+        pid = os.fork()
+        if pid == 0:  # child: must not use the parent's file offset
+            ok = reader._fh is not None and np.array_equal(
+                reader.read(window), array[(slice(None), *window.slices())])
+            os._exit(0 if ok and reader._pid == os.getpid() else 1)
+        _, status = os.waitpid(pid, 0)
+        np.testing.assert_array_equal(reader.read(window), array[(slice(None), *window.slices())])
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_read_overview_equals_strided_array(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    array = make_array((3, H, W), "uint16")
+    path = write_raster(tmp_path / "a.tif", array, tile=TILE)
+    monkeypatch.setattr(preview_mod, "_BAND_BYTES", 3 * W * 2 * 9)  # several row bands
+    with RasterReader(path) as reader:
+        overview = read_overview(reader, max_side=100)
+    assert overview.shape == (3, 76, 65)  # stride ceil(301 / 100) = 4
+    np.testing.assert_array_equal(overview, array[:, ::4, ::4])
+
+
+def test_preview_blends_palette_over_image(tmp_path: Path) -> None:
+    image = make_array((4, 37, 41), "uint16")
+    mask = np.tile(np.arange(41) % 5, (37, 1)).astype(np.uint8)
+    mask[mask == 4] = 255  # ignored: not drawn
+    alpha, palette = 0.4, default_palette(4)
+    base = np.asarray(Image.open(write_preview_png(tmp_path / "b.png", image, None, 4)))
+    path = write_preview_png(tmp_path / "m.png", image, mask, 4, alpha=alpha)
+    blended = np.asarray(Image.open(path)).astype(np.float64)
+    assert blended.shape == (37, 41, 3)
+    for k in range(4):
+        expected = np.round((1 - alpha) * base[mask == k] + alpha * np.asarray(palette[k]))
+        np.testing.assert_array_equal(blended[mask == k], expected)
+    np.testing.assert_array_equal(blended[mask == 255], base[mask == 255])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.png", "m.png"]
+
+
+def test_preview_gray_and_bad_mask(tmp_path: Path) -> None:
+    image = make_array((1, 20, 30), "float32")
+    rgb = np.asarray(Image.open(write_preview_png(tmp_path / "g.png", image, None, 2)))
+    assert (rgb[..., 0] == rgb[..., 1]).all() and rgb.min() == 0 and rgb.max() == 255
+    with pytest.raises(InputError, match="mask holds class id 7 but num_classes=2"):
+        write_preview_png(tmp_path / "x.png", image, np.full((20, 30), 7), 2)
+
+
+def test_writer_rejects_bad_tile_size(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=r"tile=\(100, 64\) is not a TIFF tile size"):
+        write_raster(tmp_path / "t.tif", make_array((1, 20, 30), "uint8"), tile=(100, 64))
