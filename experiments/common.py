@@ -1,0 +1,102 @@
+"""Shared helpers of the benchmark scripts: machine description, JSON output, peak memory.
+
+Every benchmark prints its figures and saves them as JSON under ``experiments/results/``
+together with :func:`machine`, so a number always travels with the machine it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores, memory, library versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def save(name: str, figures: dict[str, Any]) -> Path:
+    """Print ``figures`` and write ``results/<name>.json`` with the machine attached."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+           **figures}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=2, default=float) + "\n")
+    print(json.dumps(doc, indent=2, default=float))
+    print(f"saved {path}")
+    return path
+
+
+def _child(fn: Callable[..., Any], args: tuple, queue: mp.Queue) -> None:
+    try:
+        queue.put(("ok", fn(*args)))
+    except BaseException as e:  # report, don't hang the parent
+        queue.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def run_isolated(fn: Callable[..., Any], *args: Any, poll_s: float = 0.01) -> dict[str, Any]:
+    """Run ``fn(*args)`` in a fresh process; return its result and its peak RSS in MiB.
+
+    Peak RSS is sampled from the parent every ``poll_s`` and also read from the child's
+    ``ru_maxrss`` equivalent (``psutil``'s ``peak_wset``/``vms`` are not portable), so the
+    figure is the larger of the sampled maximum and what the child reports itself.
+    ``fn`` must be a module-level function (it is pickled by the ``spawn`` context).
+    """
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, args, queue))
+    t0 = time.perf_counter()
+    proc.start()
+    ps = psutil.Process(proc.pid)
+    peak = 0
+    result = None
+    while proc.is_alive() or result is None:
+        try:
+            peak = max(peak, ps.memory_info().rss)
+        except psutil.Error:
+            pass
+        try:
+            result = queue.get(timeout=poll_s)
+            break
+        except Exception:
+            if not proc.is_alive() and queue.empty():
+                break
+    proc.join()
+    status, value = result if result is not None else ("error", f"exit code {proc.exitcode}")
+    return {"status": status, "result": value, "peak_rss_mib": peak / 2**20,
+            "wall_s": time.perf_counter() - t0}
+
+
+def peak_rss_self_mib() -> float:
+    """This process's peak resident set size so far (Linux ``ru_maxrss``), MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
