@@ -45,13 +45,21 @@ class Normalizer:
     std: Sequence[float] = (1.0,)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.standardize(self.rescale(x))
+
+    def rescale(self, x: np.ndarray) -> np.ndarray:
+        """Raw samples to float32 in about ``[0, 1]`` (where photometric augmentation acts)."""
+        return x.astype(np.float32) * np.float32(self.scale)
+
+    def standardize(self, x: np.ndarray) -> np.ndarray:
+        """``(x - mean) / std`` per band of a rescaled ``[C, h, w]`` array."""
         c = x.shape[0]
         mean = np.asarray(self.mean, np.float32).reshape(-1, 1, 1)
         std = np.asarray(self.std, np.float32).reshape(-1, 1, 1)
         if mean.shape[0] not in (1, c) or std.shape[0] not in (1, c):
             raise InputError(f"normalization has {mean.shape[0]} means / {std.shape[0]} stds "
                              f"for {c} bands; give one value per band (data.mean / data.std)")
-        return (x.astype(np.float32) * np.float32(self.scale) - mean) / std
+        return (x - mean) / std
 
 
 @dataclass
@@ -184,6 +192,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str] | RasterReade
         :class:`PredictionStats` with timings and the class histogram.
     """
     out_path = check_output_path(output, overwrite)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     reader = image if isinstance(image, RasterReader) else RasterReader(image, nodata=nodata)
     fp = fp or footprint(model)
     grid = make_grid(reader.height, reader.width, fp, q=q, tile_size=None if q else tile_size)

@@ -1,0 +1,94 @@
+"""Pieces shared by the train and predict entry points (the only readers of DictConfigs)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from seg_at_scale.errors import ConfigError
+from seg_at_scale.inference import Normalizer, PredictionStats, predict_raster
+from seg_at_scale.io import RasterReader, read_overview, write_preview_png
+from seg_at_scale.metrics import confusion_from_rasters, iou_from_confusion
+from seg_at_scale.tiling import Footprint, footprint
+
+__all__ = ["model_footprint", "normalizer_of", "predict_scene", "format_iou", "save_run_config",
+           "RUN_CONFIG"]
+
+log = logging.getLogger(__name__)
+
+RUN_CONFIG = "run_config.yaml"  # resolved config + computed values, saved with every run
+
+
+def model_footprint(model: nn.Module, halo: Any) -> Footprint:
+    """The model's footprint; ``halo`` is ``"auto"`` or an int that overrides it."""
+    fp = footprint(model)
+    if halo in (None, "auto"):
+        return fp
+    if not isinstance(halo, int) or halo < 0:
+        raise ConfigError(f"tiling.halo={halo!r}: use 'auto' or a non-negative int")
+    if halo < fp.halo:
+        log.warning("tiling.halo=%d is below the model's halo %d: tiles will NOT be exact",
+                    halo, fp.halo)
+    return Footprint(halo, fp.align, fp.padding, fp.out_residue)
+
+
+def normalizer_of(data: DictConfig) -> Normalizer:
+    return Normalizer(float(data.scale), tuple(data.mean), tuple(data.std))
+
+
+def predict_scene(model: nn.Module, fp: Footprint, image: Path, output: Path, *,
+                  normalizer: Normalizer, tile_size: int | None, q: int | None,
+                  fast: bool, overwrite: bool, nodata: float | None = None,
+                  mask: Path | None = None, num_classes: int = 0, ignore_index: int = 255,
+                  preview: bool = True) -> dict[str, Any]:
+    """Predict one image file whole; optionally score it and draw a preview."""
+    model.eval()
+    if fast:
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    stats: PredictionStats = predict_raster(
+        model, image, output, q=q, tile_size=tile_size, fp=fp, normalizer=normalizer,
+        autocast=torch.bfloat16 if fast else None, channels_last=fast, nodata=nodata,
+        overwrite=overwrite)
+    out: dict[str, Any] = {"image": str(image), "prediction": str(output),
+                           "tiles": stats.tiles, "efficiency": round(stats.efficiency, 4),
+                           "seconds": round(stats.total_s, 2),
+                           "mpix_per_s": round(stats.mpix_per_s, 3),
+                           "read_s": round(stats.read_s, 2), "model_s": round(stats.model_s, 2),
+                           "write_s": round(stats.write_s, 2)}
+    if mask is not None:
+        cm = confusion_from_rasters(output, mask, num_classes, ignore_index)
+        iou = iou_from_confusion(cm)
+        out["iou"] = [None if np.isnan(v) else round(float(v), 4) for v in iou]
+        out["miou"] = round(float(np.nanmean(iou)), 4)
+        out["pixel_accuracy"] = round(float(np.trace(cm) / max(cm.sum(), 1)), 4)
+    if preview:
+        png = output.with_suffix(".png")
+        with RasterReader(image) as img, RasterReader(output) as pred:
+            write_preview_png(png, read_overview(img, 1024), read_overview(pred, 1024)[0],
+                              num_classes)
+        out["preview"] = str(png)
+    return out
+
+
+def format_iou(result: dict[str, Any], class_names: list[str]) -> str:
+    """One line per class plus the mean, for the console."""
+    lines = [f"  {name:<12s} IoU {v if v is not None else float('nan'):.4f}"
+             for name, v in zip(class_names, result.get("iou", []))]
+    lines.append(f"  {'mIoU':<12s}     {result.get('miou', float('nan')):.4f}")
+    return "\n".join(lines)
+
+
+def save_run_config(cfg: DictConfig, out_dir: Path, computed: dict[str, Any]) -> Path:
+    """Write the resolved config with the computed values (halo, E, ...) into the run."""
+    doc = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(doc, dict)
+    doc["computed"] = computed
+    path = out_dir / RUN_CONFIG
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(doc)))
+    return path

@@ -1,0 +1,137 @@
+"""LightningModule for halo-tiled semantic segmentation.
+
+Optimisation is manual so that whole-image grid training is exact: each tile's loss is
+its core's summed pixel loss divided by the whole image's pixel weight (``batch["norm"]``),
+gradients accumulate over the image's tiles, and the optimiser steps on the image's last
+tile (``batch["last"]``). Random-tile batches carry their own weight and step every batch.
+Metrics are named ``{stage}/{name}`` (``val/miou``, ``val/iou_road``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassJaccardIndex
+
+from seg_at_scale.tasks.losses import CrossEntropy
+
+__all__ = ["SegmentationTask", "poly_lr"]
+
+
+def poly_lr(optimizer: torch.optim.Optimizer, total_steps: int, power: float = 0.9,
+            warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """Polynomial decay ``(1 - step / total)^power`` (the seed's schedule), optional warm-up."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return max(0.0, 1 - step / max(1, total_steps)) ** power
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class SegmentationTask(pl.LightningModule):
+    """Train and validate a segmentation network on halo tiles.
+
+    Args:
+        model: the network ``[B, C, h, w] -> [B, K, h', w']``.
+        num_classes: K.
+        class_names: names for per-class metrics (default ``class_k``).
+        loss: a pixel loss returning ``(sum, weight)``; default weighted cross-entropy.
+        optimizer: partial ``params -> Optimizer`` (Hydra ``_partial_: true``).
+        scheduler: partial ``(optimizer, total_steps) -> LRScheduler`` stepped per optimiser
+            step, or None.
+        ignore_index: label without loss or metric.
+        gradient_clip: max gradient norm (0 = off).
+        channels_last: NHWC layout for the network (faster convolutions on CPU).
+    """
+
+    def __init__(self, model: nn.Module, num_classes: int, *,
+                 class_names: Sequence[str] | None = None, loss: nn.Module | None = None,
+                 optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+                 scheduler: Callable[..., Any] | None = None, ignore_index: int = 255,
+                 gradient_clip: float = 0.0, channels_last: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model = model
+        self.num_classes, self.ignore_index = num_classes, ignore_index
+        self.class_names = list(class_names or [f"class_{k}" for k in range(num_classes)])
+        self.loss = loss or CrossEntropy(num_classes, ignore_index=ignore_index)
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.gradient_clip, self.channels_last = gradient_clip, channels_last
+        self.val_iou = MulticlassJaccardIndex(num_classes, average="none",
+                                              ignore_index=ignore_index)
+        self.save_hyperparameters(ignore=["model", "loss", "optimizer", "scheduler"])
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.model(x)
+
+    # ----- training --------------------------------------------------------------------
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        opt = self.optimizers()
+        logits = self(batch["image"])
+        loss_sum, weight = self.loss(logits, batch["target"])
+        norm = batch["norm"].sum().to(loss_sum.dtype).clamp_min(1e-12)
+        loss = loss_sum / norm
+        self.manual_backward(loss)
+        self._image_loss = getattr(self, "_image_loss", 0.0) + float(loss.detach())
+        if bool(batch["last"].all()):
+            if self.gradient_clip:
+                self.clip_gradients(opt, gradient_clip_val=self.gradient_clip,
+                                    gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched = self.lr_schedulers()
+            if sched is not None:
+                sched.step()  # type: ignore[union-attr]
+            self.log("train/loss", self._image_loss, prog_bar=True, batch_size=1)
+            self._image_loss = 0.0
+        del weight
+        return loss.detach()
+
+    # ----- validation ------------------------------------------------------------------
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        logits = self(batch["image"])
+        loss_sum, _ = self.loss(logits, batch["target"])
+        self.log("val/loss", loss_sum / batch["norm"].sum().to(loss_sum.dtype).clamp_min(1e-12),
+                 reduce_fx="sum", on_epoch=True, batch_size=1, sync_dist=True)
+        self.val_iou.update(logits.argmax(1), batch["target"])
+
+    def on_validation_epoch_end(self) -> None:
+        iou = self.val_iou.compute()
+        present = ~torch.isnan(iou)
+        self.log("val/miou", iou[present].mean() if present.any() else torch.tensor(0.0),
+                 prog_bar=True)
+        for name, v in zip(self.class_names, iou):
+            self.log(f"val/iou_{name}", v)
+        self.val_iou.reset()
+
+    # ----- optimisation ----------------------------------------------------------------
+
+    def configure_optimizers(self) -> Any:
+        make = self.optimizer_factory or (lambda p: torch.optim.AdamW(p, lr=1e-3))
+        opt = make(self.parameters())
+        if self.scheduler_factory is None:
+            return opt
+        total = self._optimizer_steps()
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(
+            opt, total_steps=total), "interval": "step"}}
+
+    def _optimizer_steps(self) -> int:
+        """Optimiser steps in the whole run (images per epoch in grid mode)."""
+        trainer = self.trainer
+        if trainer.max_steps and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        loader = trainer.datamodule.train_dataloader() if trainer.datamodule else None
+        ds = getattr(loader, "dataset", None)
+        per_epoch = len(ds.groups) if hasattr(ds, "groups") else len(loader or [])
+        return max(1, per_epoch * int(trainer.max_epochs or 1))
