@@ -1,0 +1,112 @@
+"""Predict a whole image file with a trained run, streaming tiles, exactly as untiled.
+
+Run it::
+
+    seg-predict run=runs/same_small/<date> image=scene.tif output=scene_mask.tif
+    seg-predict run=... image=big.tif output=big_mask.tif tile_size=2048 fast=false
+    seg-predict run=... image=a.tif output=a_mask.tif mask=a_truth.tif   # also scores it
+
+The output is a tiled uint8 TIFF (255 = no data) with the input's GeoTIFF tags, written
+under a temporary name and renamed when complete; a PNG preview is drawn beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from seg_at_scale.cli.common import RUN_CONFIG, format_iou, model_footprint, normalizer_of
+from seg_at_scale.cli.common import predict_scene
+from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.io import check_output_path
+
+log = logging.getLogger("seg_at_scale.predict")
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def load_run(run: str | Path, ckpt: str = "best") -> tuple[DictConfig, nn.Module, Path]:
+    """The run's saved config, its network with trained weights, and the checkpoint used."""
+    run = Path(run)
+    cfg_path = run / RUN_CONFIG
+    if not cfg_path.exists():
+        raise InputError(f"run='{run}' has no {RUN_CONFIG}; give the folder of a training "
+                         "run (it holds run_config.yaml and checkpoints/)")
+    cfg = OmegaConf.load(cfg_path)
+    assert isinstance(cfg, DictConfig)
+    path = _checkpoint(run, ckpt)
+    model = instantiate(cfg.model)
+    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    model.load_state_dict({k[len("model."):]: v for k, v in state.items()
+                           if k.startswith("model.")})
+    return cfg, model.eval(), path
+
+
+def _checkpoint(run: Path, ckpt: str) -> Path:
+    folder = run / "checkpoints"
+    if ckpt not in ("best", "last"):
+        path = Path(ckpt)
+    elif ckpt == "last":
+        path = folder / "last.ckpt"
+    else:
+        ranked = sorted((p for p in folder.glob("*.ckpt") if p.name != "last.ckpt"),
+                        key=lambda p: _miou_of(p.name))
+        path = ranked[-1] if ranked else folder / "last.ckpt"
+    if not path.exists():
+        raise InputError(f"ckpt={ckpt!r}: no checkpoint at '{path}'; use ckpt=last, ckpt=best "
+                         "or a path to a .ckpt file")
+    return path
+
+
+def _miou_of(name: str) -> float:
+    try:
+        return float(name.rsplit("miou", 1)[1].removesuffix(".ckpt"))
+    except (IndexError, ValueError):
+        return -1.0
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but CUDA is not available; use device=cpu")
+    return torch.device(name)
+
+
+def run_prediction(cfg: DictConfig) -> dict[str, Any]:
+    """Predict ``cfg.image`` into ``cfg.output`` with the run ``cfg.run``."""
+    output = check_output_path(cfg.output, cfg.overwrite, key="output")  # fail before work
+    image = Path(cfg.image)
+    if not image.exists():
+        raise InputError(f"image='{image}' does not exist; give the path of a TIFF to predict")
+    train_cfg, model, ckpt = load_run(cfg.run, cfg.ckpt)
+    model = model.to(_device(cfg.device))
+    fp = model_footprint(model, train_cfg.tiling.halo)
+    res = predict_scene(model, fp, image, output, normalizer=normalizer_of(train_cfg.data),
+                        tile_size=cfg.tile_size, q=cfg.q, fast=cfg.fast,
+                        overwrite=cfg.overwrite, nodata=cfg.nodata,
+                        mask=Path(cfg.mask) if cfg.mask else None,
+                        num_classes=train_cfg.data.num_classes,
+                        ignore_index=train_cfg.data.ignore_index, preview=cfg.preview)
+    res["checkpoint"] = str(ckpt)
+    res["halo"] = fp.halo
+    if "miou" in res:
+        log.info("scores:\n%s", format_iou(res, list(train_cfg.data.class_names)))
+    return res
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="predict")
+def main(cfg: DictConfig) -> None:
+    """Console entry point ``seg-predict``."""
+    print(json.dumps(run_prediction(cfg), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny synthetic scenes written in the real on-disk format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from seg_at_scale.io import example_geotags, write_raster
+
+
+@pytest.fixture()
+def scene_files(tmp_path: Path):
+    """Factory: write ``<name>_image.tif`` / ``<name>_mask.tif`` into a folder."""
+
+    def make(folder: Path, name: str = "a", shape=(4, 203, 171), classes: int = 5,
+             seed: int = 0, dtype=np.uint8, mask=None) -> tuple[Path, Path]:
+        rng = np.random.default_rng(seed)
+        folder.mkdir(parents=True, exist_ok=True)
+        if np.issubdtype(dtype, np.floating):
+            image = rng.random(shape).astype(dtype)
+        else:
+            image = rng.integers(0, 255, shape).astype(dtype)
+        labels = rng.integers(0, classes, shape[1:]).astype(np.uint8) if mask is None else mask
+        img = write_raster(folder / f"{name}_image.tif", image, tile=(64, 64),
+                           geotags=example_geotags())
+        msk = write_raster(folder / f"{name}_mask.tif", labels, tile=(64, 64))
+        return img, msk
+
+    return make

@@ -1,0 +1,113 @@
+import numpy as np
+import pytest
+import torch
+
+from seg_at_scale.data.scenes import Scene, find_scenes, validate_scene
+from seg_at_scale.data.tiles import GridTiles, ImageGroupedSampler, RandomTiles, pad_collate
+from seg_at_scale.errors import InputError
+from seg_at_scale.inference import Normalizer
+from seg_at_scale.io import write_raster
+from seg_at_scale.models import UNet
+from seg_at_scale.tasks.losses import CrossEntropy
+from seg_at_scale.tiling import extend
+
+
+def test_mask_size_mismatch_is_named(tmp_path, scene_files):
+    img, _ = scene_files(tmp_path, shape=(4, 203, 171))
+    write_raster(tmp_path / "a_mask.tif", np.zeros((203, 170), np.uint8), overwrite=True)
+    with pytest.raises(InputError, match=r"a_mask.tif' is 203x170 but image .*a_image.tif' "
+                                         r"is 203x171"):
+        validate_scene(Scene(img, tmp_path / "a_mask.tif"), num_classes=5)
+
+
+def test_label_out_of_range_is_named(tmp_path, scene_files):
+    labels = np.zeros((97, 131), np.uint8)
+    labels[40, 77] = 7
+    img, msk = scene_files(tmp_path, shape=(3, 97, 131), mask=labels)
+    with pytest.raises(InputError, match=r"has label 7 at row 40, col 77, but "
+                                         r"data.num_classes=5"):
+        validate_scene(Scene(img, msk), num_classes=5)
+    labels[40, 77] = 255  # the ignore index is allowed
+    write_raster(msk, labels, overwrite=True)
+    assert validate_scene(Scene(img, msk), num_classes=5).class_counts[0] == 97 * 131 - 1
+
+
+def test_missing_mask_and_empty_folder_are_named(tmp_path, scene_files):
+    with pytest.raises(InputError, match="does not exist"):
+        find_scenes(tmp_path / "nope")
+    img, msk = scene_files(tmp_path)
+    msk.unlink()
+    with pytest.raises(InputError, match=r"has no mask: expected .*a_mask.tif"):
+        find_scenes(tmp_path)
+
+
+def test_nan_without_nodata_is_refused_and_nodata_is_ignored(tmp_path, scene_files):
+    img, msk = scene_files(tmp_path, shape=(2, 61, 67), dtype=np.float32)
+    image = np.random.default_rng(0).random((2, 61, 67)).astype(np.float32)
+    image[:, 10, 20] = np.nan
+    write_raster(img, image, overwrite=True)
+    scene = validate_scene(Scene(img, msk), num_classes=5)
+    fp = UNet(2, 5, levels=2, base_width=2, padding="same").footprint()
+    ds = GridTiles([scene], fp, Normalizer(1.0), q=1)
+    with pytest.raises(InputError, match=r"a_image.tif' has NaN pixels and no nodata value; "
+                                         r"set data.nodata"):
+        ds[0]
+    ds = GridTiles([scene], fp, Normalizer(1.0), q=1, nodata=float("nan"))
+    assert ds[0]["target"][10, 20] == 255 and torch.isfinite(ds[0]["image"]).all()
+
+
+@pytest.mark.parametrize("padding", ["valid", "same"])
+def test_grid_tiles_carry_each_label_once(tmp_path, scene_files, padding):
+    img, msk = scene_files(tmp_path, shape=(4, 203, 171))
+    scene = validate_scene(Scene(img, msk), num_classes=5)
+    fp = UNet(4, 5, levels=3, base_width=2, padding=padding).footprint()
+    ds = GridTiles([scene], fp, Normalizer(), q=3)
+    labelled = sum(int((ds[i]["target"] != 255).sum()) for i in range(len(ds)))
+    assert labelled == 203 * 171 == sum(scene.class_counts)
+    assert [bool(ds[i]["last"]) for i in range(len(ds))] == [False] * 8 + [True]
+    assert all(float(ds[i]["norm"]) == 203 * 171 for i in range(len(ds)))
+
+
+def test_grid_tiles_give_the_whole_image_gradient(tmp_path, scene_files):
+    """The training data path (reader -> tiles -> core targets -> loss / norm) is exact."""
+    img, msk = scene_files(tmp_path, shape=(4, 141, 117))
+    scene = validate_scene(Scene(img, msk), num_classes=5)
+    torch.manual_seed(0)
+    net = UNet(4, 5, levels=3, base_width=4, padding="valid").double()
+    fp, norm, loss = net.footprint(), Normalizer(), CrossEntropy(5, [1, 2, 1, 1, 3])
+    ds = GridTiles([scene], fp, norm, q=2, class_weights=[1, 2, 1, 1, 3])
+    for i in range(len(ds)):
+        s, _ = loss(net(ds[i]["image"][None].double()), ds[i]["target"][None])
+        (s / ds[i]["norm"]).backward()
+    tiled = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    from seg_at_scale.io import read_raster
+    x = torch.from_numpy(norm(read_raster(img)))[None].double()
+    t = torch.from_numpy(read_raster(msk).astype(np.int64))
+    s, w = loss(net(extend(x, fp))[..., :141, :117], t)
+    (s / w).backward()
+    for p, g in zip(net.parameters(), tiled):
+        assert (p.grad - g).norm() <= 1e-10 * p.grad.norm()
+
+
+def test_random_tiles_are_reproducible_and_aligned(tmp_path, scene_files):
+    img, msk = scene_files(tmp_path, shape=(4, 203, 171))
+    scene = validate_scene(Scene(img, msk), num_classes=5)
+    fp = UNet(4, 5, levels=3, base_width=2, padding="same").footprint()
+    a = RandomTiles([scene], fp, Normalizer(), core=64, samples_per_epoch=4, seed=3)
+    b = RandomTiles([scene], fp, Normalizer(), core=64, samples_per_epoch=4, seed=3)
+    for i in (0, 5, 11):
+        assert torch.equal(a[i]["image"], b[i]["image"])
+        assert torch.equal(a[i]["target"], b[i]["target"])
+        assert int((a[i]["target"] != 255).sum()) <= 64 * 64
+    batch = pad_collate([a[i] for i in range(6)])
+    assert batch["image"].shape[0] == 6 and batch["image"].shape[-1] % fp.align == 0
+
+
+def test_grouped_sampler_keeps_images_together():
+    s = ImageGroupedSampler([[0, 1, 2], [3, 4], [5]], shuffle=True, seed=1)
+    order = list(s)
+    assert sorted(order) == list(range(6))
+    runs = [order[i:i + 3] for i in range(len(order))]
+    assert [0, 1, 2] in runs
+    assert any(order[i:i + 2] == [3, 4] for i in range(5))
