@@ -56,6 +56,7 @@ class SegmentationTask(pl.LightningModule):
                  scheduler: Callable[..., Any] | None = None, ignore_index: int = 255,
                  gradient_clip: float = 0.0, channels_last: bool = False) -> None:
         super().__init__()
+        class_names = [str(c) for c in class_names] if class_names is not None else None
         self.automatic_optimization = False
         self.model = model
         self.num_classes, self.ignore_index = num_classes, ignore_index
