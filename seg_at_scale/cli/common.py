@@ -39,6 +39,7 @@ def model_footprint(model: nn.Module, halo: Any) -> Footprint:
 
 
 def normalizer_of(data: DictConfig) -> Normalizer:
+    """The input normalisation a data config describes."""
     return Normalizer(float(data.scale), tuple(data.mean), tuple(data.std))
 
 

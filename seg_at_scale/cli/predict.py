@@ -23,8 +23,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from seg_at_scale.cli.common import RUN_CONFIG, format_iou, model_footprint, normalizer_of
-from seg_at_scale.cli.common import predict_scene
+from seg_at_scale.cli.common import (
+    RUN_CONFIG,
+    format_iou,
+    model_footprint,
+    normalizer_of,
+    predict_scene,
+)
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import check_output_path
 

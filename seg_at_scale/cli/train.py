@@ -68,6 +68,7 @@ def computed_values(dm: TileDataModule, fp: Any, cfg: DictConfig) -> dict[str, A
 
 
 def resolve_ckpt(cfg: DictConfig, out_dir: Path) -> str | None:
+    """Checkpoint to resume from: ``auto`` = the run folder's last.ckpt when present."""
     if cfg.ckpt_path in (None, "none"):
         return None
     if cfg.ckpt_path == "auto":

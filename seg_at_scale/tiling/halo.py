@@ -40,8 +40,10 @@ _ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.PR
 
 
 def footprint(model: nn.Module, *, align: int | None = None) -> Footprint:
-    """The model's :class:`Footprint`: its own analytic one if it has ``footprint()``,
-    else measured (padding from a forward pass, halo by :func:`empirical_halo`).
+    """The model's :class:`Footprint`, analytic when the model provides one.
+
+    Models with a ``footprint()`` method (the U-Nets) answer analytically; any other model
+    is measured (padding from a forward pass, halo by :func:`empirical_halo`).
 
     Args:
         model: any 2-D segmentation network ``[B, C, H, W] -> [B, K, H', W']``.
