@@ -1,0 +1,42 @@
+import pytorch_lightning as pl
+import torch
+
+from seg_at_scale.data.datamodule import TileDataModule
+from seg_at_scale.models import UNet
+from seg_at_scale.tasks import SegmentationTask, poly_lr
+
+
+def test_poly_lr_decays_to_zero_after_warmup():
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
+    sched = poly_lr(opt, total_steps=100, power=0.9, warmup_steps=10)
+    lrs = []
+    for _ in range(100):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0.001 and abs(lrs[9] - 0.01) < 1e-12
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert abs(opt.param_groups[0]["lr"]) < 1e-12
+
+
+def test_grid_mode_steps_once_per_image_on_the_whole_image_gradient(tmp_path, scene_files):
+    for k in range(2):
+        scene_files(tmp_path / "train", name=f"s{k}", shape=(3, 83, 97), seed=k)
+    scene_files(tmp_path / "val", name="v", shape=(3, 83, 97), seed=9)
+    torch.manual_seed(0)
+    net = UNet(3, 5, levels=2, base_width=4, padding="same")
+    dm = TileDataModule(str(tmp_path), net.footprint(), 5, mode="grid", q=2)
+    steps = []
+
+    class Count(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            steps.append(trainer.global_step)
+
+    task = SegmentationTask(net, 5, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, callbacks=[Count()],
+                         num_sanity_val_steps=0, accelerator="cpu")
+    trainer.fit(task, datamodule=dm)
+    assert len(steps) == 8  # 2 images x 4 tiles
+    assert steps == [0, 0, 0, 1, 1, 1, 1, 2]  # the optimiser steps on each image's last tile
+    assert 0.0 <= float(trainer.callback_metrics["val/miou"]) <= 1.0
