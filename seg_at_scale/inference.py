@@ -29,9 +29,9 @@ from torch import nn
 
 from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader, check_output_path, write_raster_bands
-from seg_at_scale.tiling import Footprint, Tile, TileGrid, footprint, make_grid
+from seg_at_scale.tiling import Footprint, Tile, TileGrid, Window, footprint, make_grid
 
-__all__ = ["Normalizer", "PredictionStats", "predict_raster", "IGNORE_INDEX"]
+__all__ = ["Normalizer", "PredictionStats", "predict_raster", "read_valid", "IGNORE_INDEX"]
 
 IGNORE_INDEX = 255
 
@@ -92,21 +92,33 @@ def _fill(fp: Footprint) -> str:
     return "reflect" if fp.padding == "valid" else "constant"
 
 
-def _load(reader: RasterReader, tile: Tile, fp: Footprint, norm: Normalizer
-          ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Normalised input window and its no-data mask (None when all pixels are valid)."""
-    raw = reader.read(tile.read, fill=_fill(fp))  # type: ignore[arg-type]
-    invalid = None
+def read_valid(reader: RasterReader, window: Window, fill: str
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Raw window ``[C, h, w]`` with no-data samples zeroed, and its no-data mask ``[h, w]``.
+
+    A pixel is no-data when all its bands equal the reader's nodata value (NaN allowed);
+    the mask is None when there is none. NaN in a float image without a nodata value is
+    refused: it would silently poison the model's output.
+    """
+    raw = reader.read(window, fill=fill)  # type: ignore[arg-type]
     if reader.nodata is not None:
         nd = reader.nodata
         bad = np.isnan(raw) if np.isnan(nd) else raw == nd
-        invalid = bad.all(axis=0)
-        raw = np.where(bad, 0, raw)
-    elif reader.is_float and np.isnan(raw).any():
+        if not bad.any():
+            return raw, None
+        return np.where(bad, 0, raw), bad.all(axis=0)
+    if reader.is_float and np.isnan(raw).any():
         raise InputError(
-            f"'{reader.path}' has NaN pixels in rows {tile.read.row}..{tile.read.row_end} and "
-            "no nodata value; set a nodata value (predict: nodata=<value>, data: "
-            "data.nodata=<value>) so those pixels are masked, or clean the file")
+            f"'{reader.path}' has NaN pixels in rows {window.row}..{window.row_end} and no "
+            "nodata value; set one (seg-predict: nodata=<value>; training: data.nodata=<value>,"
+            " e.g. nan) so those pixels are masked, or clean the file")
+    return raw, None
+
+
+def _load(reader: RasterReader, tile: Tile, fp: Footprint, norm: Normalizer
+          ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Normalised input window and its no-data mask (None when all pixels are valid)."""
+    raw, invalid = read_valid(reader, tile.read, _fill(fp))
     return norm(raw), invalid
 
 

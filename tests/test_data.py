@@ -49,8 +49,8 @@ def test_nan_without_nodata_is_refused_and_nodata_is_ignored(tmp_path, scene_fil
     scene = validate_scene(Scene(img, msk), num_classes=5)
     fp = UNet(2, 5, levels=2, base_width=2, padding="same").footprint()
     ds = GridTiles([scene], fp, Normalizer(1.0), q=1)
-    with pytest.raises(InputError, match=r"a_image.tif' has NaN pixels and no nodata value; "
-                                         r"set data.nodata"):
+    with pytest.raises(InputError, match=r"a_image.tif. has NaN pixels in rows .* and no "
+                                         r"nodata value; set one"):
         ds[0]
     ds = GridTiles([scene], fp, Normalizer(1.0), q=1, nodata=float("nan"))
     assert ds[0]["target"][10, 20] == 255 and torch.isfinite(ds[0]["image"]).all()

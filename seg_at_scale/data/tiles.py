@@ -22,7 +22,7 @@ from torch.utils.data import Dataset, Sampler
 
 from seg_at_scale.data.scenes import Scene
 from seg_at_scale.errors import InputError
-from seg_at_scale.inference import Normalizer
+from seg_at_scale.inference import Normalizer, read_valid
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Footprint, Tile, make_grid, random_core
 
@@ -66,33 +66,21 @@ class _SceneTiles(Dataset):
         """Normalised window ``[C, h, w]`` and core-only target ``[h', w']`` for a tile."""
         image_r, mask_r = self._open(k)
         fill = "reflect" if self.fp.padding == "valid" else "constant"
-        raw = image_r.read(tile.read, fill=fill)  # type: ignore[arg-type]
-        invalid = _invalid(raw, image_r)
-        x = self.normalizer.rescale(np.where(invalid[None], 0, raw) if invalid.any() else raw)
+        raw, invalid = read_valid(image_r, tile.read, fill)
+        x = self.normalizer.rescale(raw)
         # labels over the whole input window, ignore outside the core and on no-data
         labels = np.full((tile.read.height, tile.read.width), self.ignore_index, np.int64)
         core = tile.core
         lr, lc = core.row - tile.read.row, core.col - tile.read.col
         labels[lr : lr + core.height, lc : lc + core.width] = mask_r.read(core)[0]
-        labels[invalid] = self.ignore_index
+        if invalid is not None:
+            labels[invalid] = self.ignore_index
         if self.transform is not None:  # geometric: image and labels alike; photometric: image
             x, labels = self.transform(x, labels)
         x = self.normalizer.standardize(x)
         h = self.fp.halo if self.fp.padding == "valid" else 0  # output = window - 2 halo
         target = labels[h : labels.shape[0] - h, h : labels.shape[1] - h]
         return np.ascontiguousarray(x), np.ascontiguousarray(target, dtype=np.int64)
-
-
-def _invalid(raw: np.ndarray, reader: RasterReader) -> np.ndarray:
-    """No-data pixels of a window ``[h, w]``; NaN without a nodata value is an error."""
-    if reader.nodata is not None:
-        nd = reader.nodata
-        return (np.isnan(raw) if np.isnan(nd) else raw == nd).all(axis=0)
-    if reader.is_float and np.isnan(raw).any():
-        raise InputError(
-            f"'{reader.path}' has NaN pixels and no nodata value; set data.nodata=<value> "
-            "(e.g. data.nodata=nan) so they are ignored, or clean the file")
-    return np.zeros(raw.shape[1:], bool)
 
 
 class GridTiles(_SceneTiles):
