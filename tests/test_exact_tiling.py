@@ -9,16 +9,36 @@ from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import extend, predict_full, predict_tiled, tiled_backward
 
 
+def lively(net: torch.nn.Module) -> torch.nn.Module:
+    """Variance-keeping random weights: PyTorch's default init makes an untrained U-Net
+    predict one class everywhere, which would let a label comparison pass trivially."""
+    for m in net.modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.ConvTranspose2d)):
+            torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+            torch.nn.init.uniform_(m.bias, -0.5, 0.5)
+    return net.eval()
+
+
+def assert_labels_equal(tiled: torch.Tensor, ref: torch.Tensor) -> None:
+    """Labels agree wherever the reference is not a tie within float noise (~1e-7)."""
+    labels = ref.argmax(1)
+    assert labels.unique().numel() > 1  # a non-trivial labelling
+    top2 = ref.topk(2, dim=1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 1e-5 * ref.abs().max()
+    assert decided.float().mean() > 0.999
+    assert torch.equal(tiled.argmax(1)[decided], labels[decided])
+
+
 @pytest.mark.parametrize("q", [1, 2, 3, 5])
 def test_valid_unet_tiled_equals_untiled_on_611x733(q):
     torch.manual_seed(0)
-    net = UNet(in_channels=3, num_classes=4, levels=4, convs_per_level=2, base_width=4,
-               padding="valid").eval()
+    net = lively(UNet(in_channels=3, num_classes=4, levels=4, convs_per_level=2, base_width=4,
+                      padding="valid"))
     x = torch.randn(1, 3, 611, 733)
     ref, tiled = predict_full(net, x), predict_tiled(net, x, q=q)
     assert tiled.shape == (1, 4, 611, 733)
-    assert (tiled - ref).abs().max() <= 1e-5
-    assert torch.equal(tiled.argmax(1), ref.argmax(1))
+    assert (tiled - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert_labels_equal(tiled, ref)
 
 
 @pytest.mark.parametrize("q", [2, 3, (2, 5)])
@@ -26,28 +46,33 @@ def test_valid_unet_tiled_equals_untiled_on_611x733(q):
 def test_same_unet_tiled_equals_untiled(q, upsample):
     # sides are multiples of the downsampling factor (8) but not of the tile
     torch.manual_seed(1)
-    net = UNet(in_channels=4, num_classes=5, levels=4, convs_per_level=2, base_width=4,
-               padding="same", upsample=upsample).eval()
+    net = lively(UNet(in_channels=4, num_classes=5, levels=4, convs_per_level=2, base_width=4,
+                      padding="same", upsample=upsample))
     x = torch.randn(2, 4, 184, 232)
     ref, tiled = predict_full(net, x), predict_tiled(net, x, q=q)
-    assert (tiled - ref).abs().max() <= 1e-5
-    assert torch.equal(tiled.argmax(1), ref.argmax(1))
+    assert (tiled - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert_labels_equal(tiled, ref)
 
 
 def test_same_unet_on_sides_not_multiple_of_alignment():
     torch.manual_seed(2)
-    net = UNet(in_channels=1, num_classes=2, levels=3, base_width=4, padding="same").eval()
+    net = lively(UNet(in_channels=1, num_classes=2, levels=3, base_width=4, padding="same"))
     x = torch.randn(1, 1, 131, 97)
-    ref = net(F.pad(x, (0, 3, 0, 1)))[..., :131, :97]  # zero-extended to multiples of 4
-    assert (predict_tiled(net, x, tile_size=70) - ref).abs().max() <= 1e-5
+    with torch.no_grad():
+        ref = net(F.pad(x, (0, 3, 0, 1)))[..., :131, :97]  # zero-extended to multiples of 4
+    tiled = predict_tiled(net, x, tile_size=70)
+    assert (tiled - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert_labels_equal(tiled, ref)
 
 
 def test_tile_size_and_bf16_fast_path_agree_with_reference():
     torch.manual_seed(3)
-    net = UNet(in_channels=2, num_classes=3, levels=3, base_width=8, padding="same").eval()
+    net = lively(UNet(in_channels=2, num_classes=3, levels=3, base_width=8, padding="same"))
     x = torch.randn(1, 2, 212, 156)
     ref = predict_full(net, x)
-    assert (predict_tiled(net, x, tile_size=96) - ref).abs().max() <= 1e-5
+    tiled = predict_tiled(net, x, tile_size=96)
+    assert (tiled - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert_labels_equal(tiled, ref)
     fast = predict_tiled(net, x, tile_size=96, autocast=torch.bfloat16)
     agree = (fast.argmax(1) == ref.argmax(1)).float().mean()
     assert agree >= 0.99  # bf16 is an approximation; labels agree almost everywhere
