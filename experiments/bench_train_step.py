@@ -235,8 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--q", type=int, nargs="+", default=[4, 8])
     p.add_argument("--repeats", type=int, default=1, help="timed steps after the warm-up")
     p.add_argument("--untiled-sides", type=int, nargs="+", default=[1024, 1536, 2048, 2560])
-    p.add_argument("--tiled-sides", type=int, nargs="+", default=[1024, 2048, 4096],
-                   help="add 8192 for a ~20 min longer run: memory is flat anyway")
+    p.add_argument("--tiled-sides", type=int, nargs="+", default=[2048, 4096, 8192],
+                   help="sides of the tiled scaling runs (each >= 2x --scale-tile)")
     p.add_argument("--scale-tile", type=int, default=1024, help="tile_size of the scaling runs")
     p.add_argument("--confirm", action="store_true",
                    help="run untiled at the extrapolated 16 GiB side (needs ~18 GiB free)")
