@@ -41,7 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import peak_rss_self_mib, run_isolated, save  # noqa: E402
 
-from seg_at_scale.data.synthetic import SceneGenerator, write_scene  # noqa: E402
+from seg_at_scale.data.synthetic import SceneGenerator  # noqa: E402
+from seg_at_scale.data.synthetic_dataset import write_scene  # noqa: E402
 from seg_at_scale.inference import Normalizer, predict_raster  # noqa: E402
 from seg_at_scale.io import write_raster_bands  # noqa: E402
 from seg_at_scale.models import UNet  # noqa: E402

@@ -12,6 +12,8 @@ MODULES = [
     "seg_at_scale.models.unet",
     "seg_at_scale.io.geotags",
     "seg_at_scale.io.raster",
+    "seg_at_scale.data.synthetic",
+    "seg_at_scale.data.scenes",
 ]
 
 

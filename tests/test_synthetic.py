@@ -9,10 +9,9 @@ import pytest
 
 from seg_at_scale.cli.synth import main
 from seg_at_scale.data import synthetic
-from seg_at_scale.data.synthetic import (
-    CLASSES,
+from seg_at_scale.data.synthetic import CLASSES, SceneGenerator
+from seg_at_scale.data.synthetic_dataset import (
     DatasetManifest,
-    SceneGenerator,
     make_dataset,
     scene_seed,
     write_scene,

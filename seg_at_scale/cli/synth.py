@@ -17,7 +17,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from seg_at_scale.data.synthetic import SceneGenerator, make_dataset, write_scene
+from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.data.synthetic_dataset import make_dataset, write_scene
 from seg_at_scale.errors import SegAtScaleError
 
 __all__ = ["build_parser", "main"]

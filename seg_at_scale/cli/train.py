@@ -33,7 +33,7 @@ from seg_at_scale.cli.common import (
     save_run_config,
 )
 from seg_at_scale.data.datamodule import TileDataModule
-from seg_at_scale.data.synthetic import make_dataset
+from seg_at_scale.data.synthetic_dataset import make_dataset
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import make_grid
 

@@ -30,36 +30,21 @@ True
 
 from __future__ import annotations
 
-import json
-import os
-import zlib
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from seg_at_scale.errors import InputError
-from seg_at_scale.io import check_output_path, example_geotags, write_raster_bands
 from seg_at_scale.tiling.geometry import Window
 
 __all__ = [
     "CLASSES",
-    "DEFAULT_SPLITS",
     "IGNORE_INDEX",
-    "DatasetManifest",
     "SceneGenerator",
-    "make_dataset",
-    "scene_seed",
-    "write_scene",
 ]
 
 CLASSES: tuple[str, ...] = ("background", "vegetation", "water", "road", "building")
 IGNORE_INDEX = 255
-DEFAULT_SPLITS: Mapping[str, int] = MappingProxyType({"train": 8, "val": 2, "test": 1})
 #: Bump when the generator's output changes, so that stale datasets on disk are detected.
 GENERATOR_VERSION = 1
 BACKGROUND, VEGETATION, WATER, ROAD, BUILDING, SHADOW = range(6)  # SHADOW: a look, not a class
@@ -398,202 +383,3 @@ def _mask_from_look(look: np.ndarray) -> np.ndarray:
 
 
 # -- writing scenes and datasets ----------------------------------------------------------
-
-
-def write_scene(image_path: str | os.PathLike[str], mask_path: str | os.PathLike[str],
-                gen: SceneGenerator, *, tile: tuple[int, int] | None = (256, 256),
-                band_rows: int = 1024, compression: str | None = "zlib",
-                overwrite: bool = False) -> tuple[Path, Path]:
-    """Stream a whole scene to a (Geo)TIFF image and mask, ``band_rows`` rows at a time.
-
-    The mask is written by a second thread that renders it on its own (mask-only rendering
-    is ~4x cheaper than the image), so memory stays at one band of rows per file and the
-    two files are compressed in parallel. Both carry :func:`example_geotags`.
-
-    Args:
-        image_path: output image, ``[bands, H, W]`` of ``gen.dtype``.
-        mask_path: output mask, ``[H, W]`` uint8 class indices.
-        gen: the scene.
-        tile: TIFF tile size, or None for strips.
-        band_rows: rows rendered per step (memory: ``band_rows * W * (bands + 1)`` bytes
-            plus ~50 bytes per pixel of a 1024 x 1024 block).
-        compression: ``tifffile`` compression name, or None.
-        overwrite: replace existing outputs.
-
-    Returns:
-        ``(image_path, mask_path)``.
-
-    Raises:
-        OutputExistsError: an output exists and ``overwrite`` is false (nothing is written).
-    """
-    if band_rows < 1:
-        raise ValueError(f"band_rows={band_rows} must be >= 1")
-    image_path = check_output_path(image_path, overwrite, key="image_path")
-    mask_path = check_output_path(mask_path, overwrite, key="mask_path")
-    windows = [Window(r, 0, min(band_rows, gen.height - r), gen.width)
-               for r in range(0, gen.height, band_rows)]
-    options: dict[str, Any] = dict(tile=tile, compression=compression,
-                                   geotags=example_geotags(), overwrite=overwrite)
-    masks: Iterator[np.ndarray] = (gen.render_mask(w) for w in windows)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="synth-mask") as pool:
-        mask_job = pool.submit(write_raster_bands, mask_path, (1, gen.height, gen.width),
-                               np.uint8, masks, **options)
-        images = (gen.render(w)[0] for w in windows)
-        write_raster_bands(image_path, gen.shape, gen.dtype, images, **options)
-        mask_job.result()
-    return image_path, mask_path
-
-
-def scene_seed(seed: int, split: str, index: int) -> int:
-    """Derive the seed of scene ``index`` of ``split`` (stable across runs and machines)."""
-    return int(_hash(seed, zlib.crc32(split.encode()), index, 0x5CE7E)) >> 1
-
-
-@dataclass(frozen=True)
-class DatasetManifest:
-    """What :func:`make_dataset` wrote (``root/manifest.json``).
-
-    Attributes:
-        root: dataset folder.
-        parameters: everything the pixels depend on (generator version, seed, size, splits).
-        classes: class names, index = mask value.
-        files: split -> ``((image, mask), ...)`` absolute paths.
-        seeds: split -> per-scene seeds (``SceneGenerator(seed, height, width)``).
-        ignore_index: mask value that is not a class (unused by the generator).
-    """
-
-    root: Path
-    parameters: dict[str, Any]
-    classes: tuple[str, ...]
-    files: dict[str, tuple[tuple[Path, Path], ...]]
-    seeds: dict[str, tuple[int, ...]]
-    ignore_index: int = IGNORE_INDEX
-
-    @property
-    def path(self) -> Path:
-        """The manifest file."""
-        return self.root / "manifest.json"
-
-    def all_files(self) -> list[Path]:
-        """Every image and mask path, split by split."""
-        return [p for pairs in self.files.values() for pair in pairs for p in pair]
-
-    def to_json(self) -> dict[str, Any]:
-        """Serialise with paths relative to ``root`` (the folder can be moved)."""
-        return {"parameters": self.parameters, "classes": list(self.classes),
-                "ignore_index": self.ignore_index,
-                "files": {s: [{"image": i.relative_to(self.root).as_posix(),
-                               "mask": m.relative_to(self.root).as_posix(), "seed": seed}
-                              for (i, m), seed in zip(pairs, self.seeds[s], strict=True)]
-                          for s, pairs in self.files.items()}}
-
-    @classmethod
-    def load(cls, root: str | os.PathLike[str]) -> DatasetManifest:
-        """Read ``root/manifest.json``.
-
-        Raises:
-            InputError: the manifest is missing or unreadable.
-        """
-        root = Path(root)
-        try:
-            data = json.loads((root / "manifest.json").read_text())
-            files = {s: tuple((root / e["image"], root / e["mask"]) for e in entries)
-                     for s, entries in data["files"].items()}
-            seeds = {s: tuple(int(e["seed"]) for e in entries)
-                     for s, entries in data["files"].items()}
-            return cls(root, dict(data["parameters"]), tuple(data["classes"]), files, seeds,
-                       int(data["ignore_index"]))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise InputError(f"cannot read dataset manifest '{root / 'manifest.json'}': {exc}. "
-                             "Delete the folder or pass overwrite=True to regenerate it") from exc
-
-    def save(self) -> Path:
-        """Write the manifest atomically (last, so it only ever describes complete files)."""
-        tmp = self.path.with_name(".manifest.json.partial")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(tmp, self.path)
-        return self.path
-
-
-def _plan(root: Path, splits: Mapping[str, int], height: int, width: int,
-          seed: int) -> DatasetManifest:
-    """Describe the dataset ``make_dataset`` is asked for, before writing anything."""
-    for name, count in splits.items():
-        if not name or "/" in name or "\\" in name or count < 0:
-            raise ValueError(f"split {name!r}: {count} scenes; use a plain folder name and a "
-                             "count >= 0")
-    params = {"generator_version": GENERATOR_VERSION, "seed": int(seed), "height": int(height),
-              "width": int(width), "splits": {s: int(n) for s, n in splits.items()}}
-    files = {s: tuple((root / s / f"scene_{k}_image.tif", root / s / f"scene_{k}_mask.tif")
-                      for k in range(n)) for s, n in splits.items()}
-    seeds = {s: tuple(scene_seed(seed, s, k) for k in range(n)) for s, n in splits.items()}
-    return DatasetManifest(root, params, CLASSES, files, seeds)
-
-
-def make_dataset(root: str | os.PathLike[str], *, splits: Mapping[str, int] = DEFAULT_SPLITS,
-                 height: int = 1024, width: int = 1024, seed: int = 0,
-                 overwrite: bool = False) -> DatasetManifest:
-    """Create (or reuse) the synthetic dataset ``root/<split>/scene_<k>_{image,mask}.tif``.
-
-    Reuse is the common case (the demo calls this on every run): if ``root/manifest.json``
-    records the same parameters and all its files exist, nothing is written.
-
-    Args:
-        root: dataset folder (created).
-        splits: scenes per split.
-        height: scene height in px.
-        width: scene width in px.
-        seed: dataset seed; scene ``k`` of split ``s`` uses ``scene_seed(seed, s, k)``.
-        overwrite: regenerate a dataset made with other parameters, and replace files
-            that exist without a manifest.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        InputError: ``root`` holds a dataset made with other parameters and ``overwrite``
-            is false; the message names the parameter.
-        OutputExistsError: a scene file exists without a manifest and ``overwrite`` is false.
-    """
-    want = _plan(Path(root), splits, height, width, seed)
-    old = _existing(want, overwrite)
-    same = old is not None and old.parameters == want.parameters
-    if old is not None and not same and not overwrite:
-        raise InputError(_differs(want, old))
-    written = 0
-    for split, pairs in want.files.items():
-        for k, pair in enumerate(pairs):
-            if same and all(p.exists() for p in pair):
-                continue  # reuse
-            pair[0].parent.mkdir(parents=True, exist_ok=True)
-            gen = SceneGenerator(want.seeds[split][k], height, width)
-            write_scene(*pair, gen, overwrite=overwrite or same)
-            written += 1
-    if old is not None:  # files of an older, different dataset that no longer belong
-        for stale in set(old.all_files()) - set(want.all_files()):
-            stale.unlink(missing_ok=True)
-    if written or not same:
-        want.root.mkdir(parents=True, exist_ok=True)
-        want.save()
-    return want
-
-
-def _existing(want: DatasetManifest, overwrite: bool) -> DatasetManifest | None:
-    """Load the manifest already in ``want.root``, if any (unreadable + overwrite: None)."""
-    if not want.path.exists():
-        return None
-    try:
-        return DatasetManifest.load(want.root)
-    except InputError:
-        if overwrite:
-            return None
-        raise
-
-
-def _differs(want: DatasetManifest, old: DatasetManifest) -> str:
-    """Name the first differing parameter, both values and the fix."""
-    key = next(k for k in sorted(set(want.parameters) | set(old.parameters))
-               if want.parameters.get(k) != old.parameters.get(k))
-    return (f"'{want.root}' holds a synthetic dataset made with {key}="
-            f"{old.parameters.get(key)!r} but {key}={want.parameters.get(key)!r} was asked; "
-            f"delete '{want.root}' or pass overwrite=True to regenerate it")
