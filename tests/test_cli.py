@@ -111,3 +111,12 @@ def test_notebook_runs_on_a_tiny_run(tmp_path, monkeypatch):
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                    for o in c.get("outputs", []))
     assert "mIoU" in text and "efficiency E =" in text  # the asserts inside passed too
+
+
+def test_hparams_search_composes_a_sweep_on_val_miou():
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("train", overrides=["hparams_search=lr_sweep", *TINY],
+                      return_hydra_config=True)
+    assert cfg.optimized_metric == "val/miou"
+    assert cfg.callbacks.model_checkpoint.monitor == cfg.optimized_metric
+    assert "task.optimizer.lr" in cfg.hydra.sweeper.params
