@@ -1,6 +1,6 @@
 """Moonshot: a 50,000 x 50,000 4-band synthetic scene predicted end to end on this machine.
 
-    .venv/bin/python experiments/bench_moonshot.py            # 50000 x 50000, up to ~45 min
+    .venv/bin/python experiments/bench_moonshot.py            # 50000 x 50000, ~12 min (quiet)
     .venv/bin/python experiments/bench_moonshot.py --quick    # 4096 x 4096 smoke run
 
 Target (issue): a 50,000 x 50,000 4-band image (2.5 gigapixels, written by the synthetic

@@ -215,7 +215,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str] | RasterReade
     def counted() -> Iterator[np.ndarray]:
         for band in _bands(model, reader, grid, normalizer or Normalizer(), device, autocast,
                            channels_last, stats):
-            hist[:] += np.bincount(band.ravel(), minlength=256)
+            # torch counts uint8 directly; np.bincount would first copy the band to int64
+            hist[:] += torch.bincount(torch.from_numpy(band).reshape(-1), minlength=256).numpy()
             yield band
 
     t0 = time.perf_counter()
