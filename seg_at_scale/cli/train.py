@@ -22,7 +22,7 @@ from typing import Any
 import hydra
 import pytorch_lightning as pl
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
+from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig
 
 from seg_at_scale.cli.common import (
@@ -45,8 +45,13 @@ def build_data(cfg: DictConfig, fp: Any) -> TileDataModule:
     """Make the synthetic scenes if asked, and the DataModule."""
     d, t = cfg.data, cfg.tiling
     if d.synthetic.enabled:
-        make_dataset(d.root, splits=dict(d.synthetic.splits), height=d.synthetic.height,
-                     width=d.synthetic.width, seed=d.synthetic.seed)
+        # data.synthetic.generator: a function (root, splits, height, width, seed) writing
+        # <root>/<split>/<name>_image.tif + _mask.tif; the satellite scenes by default.
+        path = d.synthetic.get("generator") or "seg_at_scale.data.synthetic_dataset.make_dataset"
+        maker = get_method(path) if path != "seg_at_scale.data.synthetic_dataset.make_dataset" \
+            else make_dataset
+        maker(d.root, splits=dict(d.synthetic.splits), height=d.synthetic.height,
+              width=d.synthetic.width, seed=d.synthetic.seed)
     return TileDataModule(
         d.root, fp, d.num_classes, mode=t.mode, q=t.q, tile_size=t.tile_size,
         core_size=t.core_size or 128, samples_per_epoch=t.samples_per_epoch or 0,

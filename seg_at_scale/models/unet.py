@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.models.layers import Merge, Skip
 from seg_at_scale.tiling.geometry import Footprint
 
 __all__ = ["UNet", "UNetSize", "UNET_SIZES"]
@@ -150,6 +151,26 @@ class UNet(nn.Module):
             x = torch.cat([_center_crop(skip, x.shape[-2], x.shape[-1]), x], dim=1)
             x = block(x)
         return self.head(x)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The network as a flat layer list (one entry per conv, ReLU, pool, ...).
+
+        Encoder level ``k`` stashes its output as ``skip{k}``; the decoder pops it. The
+        layers are this model's own modules, so ``run_layers(net.pipeline_layers(), x)``
+        equals ``net(x)`` exactly.
+        """
+        layers: list[nn.Module] = []
+        for k, block in enumerate(self.down):
+            body = [m for m in block if not isinstance(m, nn.Identity)]
+            if k < self.levels - 1:
+                layers += body[:-1] + [Skip(body[-1], stash=(f"skip{k}",)), self.pool]
+            else:
+                layers += body
+        for j, (up, block) in enumerate(zip(self.ups, self.up_blocks)):
+            k = self.levels - 2 - j
+            layers += [up, Skip(Merge("concat"), pop=(f"skip{k}",))]
+            layers += [m for m in block if not isinstance(m, nn.Identity)]
+        return layers + [self.head]
 
     # ----- geometry (analytic) -----------------------------------------------------------
 
