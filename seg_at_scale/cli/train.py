@@ -33,11 +33,11 @@ from seg_at_scale.cli.common import (
     save_run_config,
 )
 from seg_at_scale.data.datamodule import TileDataModule
-from seg_at_scale.data.synthetic_dataset import make_dataset
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import make_grid
 
 log = logging.getLogger("seg_at_scale.train")
+DEFAULT_GENERATOR = "seg_at_scale.data.synthetic_dataset.make_dataset"
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
@@ -47,9 +47,7 @@ def build_data(cfg: DictConfig, fp: Any) -> TileDataModule:
     if d.synthetic.enabled:
         # data.synthetic.generator: a function (root, splits, height, width, seed) writing
         # <root>/<split>/<name>_image.tif + _mask.tif; the satellite scenes by default.
-        path = d.synthetic.get("generator") or "seg_at_scale.data.synthetic_dataset.make_dataset"
-        maker = get_method(path) if path != "seg_at_scale.data.synthetic_dataset.make_dataset" \
-            else make_dataset
+        maker = get_method(d.synthetic.get("generator") or DEFAULT_GENERATOR)
         maker(d.root, splits=dict(d.synthetic.splits), height=d.synthetic.height,
               width=d.synthetic.width, seed=d.synthetic.seed)
     return TileDataModule(
