@@ -1,0 +1,190 @@
+"""Largest trainable tile per memory mode within a budget, and what each mode costs in time.
+
+Run it::
+
+    python experiments/bench_memory.py                        # small + medium U-Net, 6 GiB
+    python experiments/bench_memory.py --models small --rel-tol 0.15 --name bench_memory_quick
+
+For each U-Net size and memory mode, on this machine's CPU:
+
+* the largest legal square tile whose training step (forward, loss, backward, AdamW step;
+  fresh process, peak RSS) fits ``--budget-gb`` (:func:`seg_at_scale.memory.find_largest_tile`);
+* step time per input megapixel, at one common side for every mode (``--time-side``, best
+  of ``--rounds`` interleaved rounds), and
+  at each mode's own largest tile, relative to ``none`` measured in the same run;
+* ``mode@precision`` rows (default: ``checkpoint@bf16-mixed``) combine a mode with autocast;
+* the halo overhead E on a ``--image`` x ``--image`` scene at the auto-chosen tile vs the
+  default tile (512, ``conf/tiling``), and the whole-image training throughput that follows
+  (output Mpix/s = 1 / (E x seconds per input Mpix); also per CPU-second, which a loaded
+  machine disturbs less than wall time).
+
+On a CPU, ``offload`` moves nothing (saved tensors already live in host memory): the wrapper
+runs the ``none`` code path there, and ``checkpoint_offload`` the ``checkpoint`` one; the
+script says so in the JSON instead of spending minutes measuring the same code twice.
+Saves ``experiments/results/<name>.json`` with the machine and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import save  # noqa: E402  (saves machine() with the figures)
+
+from seg_at_scale.memory import (  # noqa: E402
+    GIB,
+    MemoryConfig,
+    StepMeasure,
+    StepSpec,
+    find_largest_tile,
+    measure_step,
+)
+from seg_at_scale.memory.sides import legal_side  # noqa: E402
+from seg_at_scale.models import UNET_SIZES, UNet  # noqa: E402
+from seg_at_scale.tiling import make_grid  # noqa: E402
+
+DEFAULT_TILE = 512  # conf/tiling/random.yaml tile_size
+
+
+def build(size: str) -> UNet:
+    s = UNET_SIZES[size]
+    torch.manual_seed(0)
+    return UNet(in_channels=4, num_classes=5, levels=s.levels, convs_per_level=s.convs_per_level,
+                base_width=s.base_width, padding="same")
+
+
+def mode_spec(label: str, granularity: str, spec: dict[str, Any], **extra: Any) -> StepSpec:
+    """``mode`` or ``mode@precision`` (e.g. ``checkpoint@bf16-mixed``) as a step spec."""
+    mode, _, precision = label.partition("@")
+    return StepSpec(MemoryConfig(mode, granularity=granularity),
+                    precision=precision or "32-true", **spec, **extra)
+
+
+def time_modes(net: UNet, modes: list[str], side: int, spec: dict[str, Any],
+               granularity: str, rounds: int) -> dict[str, Any]:
+    """Seconds per input Mpix of every mode at one side.
+
+    Fresh process per measurement, two steps each (the second is timed); the modes are
+    interleaved over ``rounds`` rounds and the fastest is kept, so a burst of load from
+    elsewhere hits one round of every mode rather than all rounds of one.
+    """
+    out: dict[str, Any] = {}
+    for r in range(rounds):
+        for mode in modes:
+            m = measure_step(net, side, mode_spec(mode, granularity, spec, repeats=1))
+            prev = out.setdefault(mode, {"s_per_mpix": math.inf, "cpu_s_per_mpix": math.inf})
+            prev["s_per_mpix"] = round(min(prev["s_per_mpix"], m.seconds_per_mpix), 3)
+            prev["cpu_s_per_mpix"] = round(min(prev["cpu_s_per_mpix"], m.cpu_seconds_per_mpix), 3)
+            prev["peak_mib"] = round(m.peak_bytes / 2**20, 1)
+            print(f"  round {r}, time at {side}^2, {mode}: {m.seconds_per_mpix:.2f} s/Mpix wall, "
+                  f"{m.cpu_seconds_per_mpix:.2f} CPU, peak {m.peak_bytes / 2**20:.0f} MiB",
+                  flush=True)
+    for v in out.values():
+        v["time_vs_none"] = round(v["s_per_mpix"] / out["none"]["s_per_mpix"], 3)
+        v["cpu_time_vs_none"] = round(v["cpu_s_per_mpix"] / out["none"]["cpu_s_per_mpix"], 3)
+    return out
+
+
+def search_modes(net: UNet, modes: list[str], args: argparse.Namespace,
+                 spec: dict[str, Any]) -> dict[str, Any]:
+    """Largest tile per mode; CPU offload modes reuse the mode they run as on a CPU."""
+    found: dict[str, Any] = {}
+    for mode in modes:
+        same_as = {"offload": "none", "checkpoint_offload": "checkpoint"}.get(mode)
+        if same_as and same_as in found:
+            found[mode] = dict(found[same_as], note=f"CPU: runs the {same_as} code path "
+                               "(no device memory to offload)")
+            continue
+        t0 = time.perf_counter()
+        s = find_largest_tile(net, int(args.budget_gb * GIB),
+                              mode_spec(mode, args.granularity, spec),
+                              max_side=args.max_side, rel_tol=args.rel_tol,
+                              max_probes=args.max_probes)
+        best = next(p for p in reversed(s.probes) if p.side == s.side)
+        failed = [p.side for p in s.probes if not p.fits]
+        found[mode] = {"side": s.side, "peak_mib": round(s.peak_bytes / 2**20, 1),
+                       "bracket_fail": min((f for f in failed if f > s.side), default=None),
+                       "bytes_per_pixel": round(s.bytes_per_pixel, 1),
+                       "s_per_mpix_at_side": round(best.seconds_per_mpix, 3),
+                       "cpu_s_per_mpix_at_side": round(best.cpu_seconds_per_mpix, 3),
+                       "probes": [(p.side, round(p.peak_bytes / 2**20), p.fits) for p in s.probes],
+                       "search_s": round(time.perf_counter() - t0, 1)}
+        print(f"  {mode}: largest tile {s.side}^2 (peak {s.peak_bytes / 2**20:.0f} MiB, "
+              f"{len(s.probes)} probes, {found[mode]['search_s']} s)", flush=True)
+    return found
+
+
+def halo_overhead(net: UNet, found: dict[str, Any], image: int, default: StepMeasure,
+                  ) -> dict[str, Any]:
+    """E and whole-image throughput at the default tile and at each mode's auto tile."""
+    fp = net.footprint()
+    side0 = legal_side(fp, DEFAULT_TILE)
+    e0 = make_grid(image, image, fp, tile_size=side0).efficiency
+    out: dict[str, Any] = {"image": image, "default_tile": side0, "E_default": round(e0, 4),
+                           "mpix_per_s_default": round(1 / (e0 * default.seconds_per_mpix), 4),
+                           "mpix_per_cpu_s_default": round(
+                               1 / (e0 * default.cpu_seconds_per_mpix), 4)}
+    for mode, f in found.items():
+        e = make_grid(image, image, fp, tile_size=f["side"]).efficiency
+        out[mode] = {"tile": f["side"], "E": round(e, 4),
+                     "mpix_per_s": round(1 / (e * f["s_per_mpix_at_side"]), 4),
+                     "mpix_per_cpu_s": round(1 / (e * f["cpu_s_per_mpix_at_side"]), 4)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="small,medium")
+    p.add_argument("--modes", default="none,checkpoint,offload,checkpoint_offload,"
+                   "checkpoint@bf16-mixed", help="mode or mode@precision, comma-separated")
+    p.add_argument("--granularity", default="level")
+    p.add_argument("--budget-gb", type=float, default=6.0)
+    p.add_argument("--rel-tol", type=float, default=0.08)
+    p.add_argument("--max-probes", type=int, default=6)
+    p.add_argument("--max-side", type=int, default=16384)
+    p.add_argument("--time-side", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
+    p.add_argument("--image", type=int, default=10000)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--name", default="bench_memory")
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    spec = {"channels_last": True, "threads": args.threads}
+    load0, t0 = os.getloadavg(), time.perf_counter()
+    results: dict[str, Any] = {}
+    for size in args.models.split(","):
+        net = build(size)
+        print(f"{size} U-Net: {sum(q.numel() for q in net.parameters()) / 1e6:.2f} M params",
+              flush=True)
+        timing = time_modes(net, modes, legal_side(net.footprint(), args.time_side), spec,
+                            args.granularity, args.rounds)
+        t_default = measure_step(net, legal_side(net.footprint(), DEFAULT_TILE),
+                                 StepSpec(repeats=1, **spec))
+        found = search_modes(net, modes, args, spec)
+        none_side = found["none"]["side"]
+        for f in found.values():
+            f["side_vs_none"] = round(f["side"] / none_side, 3)
+            for k in ("s_per_mpix_at_side", "cpu_s_per_mpix_at_side"):
+                f[k.replace("s_per_mpix", "time_vs_none")] = round(f[k] / found["none"][k], 3)
+        results[size] = {"timing_common_side": timing, "largest_tile": found,
+                         "halo_overhead": halo_overhead(net, found, args.image, t_default)}
+    save(args.name, {
+        "budget_gib": args.budget_gb, "time_side": args.time_side, "rounds": args.rounds,
+        "granularity": args.granularity, "rel_tol": args.rel_tol,
+        "measure": "peak RSS (VmHWM) of a fresh process running one training step",
+        "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
+        "wall_s": round(time.perf_counter() - t0, 1), "results": results,
+        "goals": {"checkpoint_side_vs_none": ">= 2", "checkpoint_time_vs_none": "<= 1.35",
+                  "offload_time_vs_none": "< 1.30"}})
+
+
+if __name__ == "__main__":
+    main()
