@@ -65,21 +65,31 @@ def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> li
 
 
 def class_histogram(mask: RasterReader, num_classes: int, ignore_index: int,
-                    band_rows: int = 1024) -> list[int]:
-    """Pixels per class over the whole mask, read in row bands; checks label values."""
-    if mask.bands != 1:
-        raise InputError(f"mask '{mask.path}' has {mask.bands} bands; masks are single-band "
-                         "label images (one class id per pixel)")
+                    band_rows: int = 1024, mask_bands: int = 1) -> list[int]:
+    """Pixels per class over the whole mask, read in row bands; checks label values.
+
+    ``mask_bands > 1``: one label band per image plane (e.g. detector wire planes); the
+    histogram counts all bands.
+    """
+    if mask.bands != mask_bands:
+        if mask_bands == 1:
+            raise InputError(f"mask '{mask.path}' has {mask.bands} bands; masks are "
+                             "single-band label images (one class id per pixel), or set "
+                             "data.mask_bands for one label band per plane (data.mask_bands=1 "
+                             "now)")
+        raise InputError(f"mask '{mask.path}' has {mask.bands} bands but data.mask_bands="
+                         f"{mask_bands}; give one label band per plane or fix data.mask_bands")
     if np.issubdtype(mask.dtype, np.floating):
         raise InputError(f"mask '{mask.path}' has float samples ({mask.dtype}); store class "
                          "ids as an integer type (uint8 for up to 255 classes)")
     counts = np.zeros(max(num_classes, ignore_index + 1), np.int64)
     for r0 in range(0, mask.height, band_rows):
         h = min(band_rows, mask.height - r0)
-        labels = mask.read(Window(r0, 0, h, mask.width))[0]
+        labels = mask.read(Window(r0, 0, h, mask.width))
         bad = (labels >= num_classes) & (labels != ignore_index)
         if bad.any():
-            r, c = np.argwhere(bad)[0]
+            b, r, c = np.argwhere(bad)[0]
+            labels = labels[b]
             raise InputError(
                 f"mask '{mask.path}' has label {int(labels[r, c])} at row {r0 + r}, col {c}, "
                 f"but data.num_classes={num_classes} (valid labels 0..{num_classes - 1}, "
@@ -89,7 +99,8 @@ def class_histogram(mask: RasterReader, num_classes: int, ignore_index: int,
     return [int(v) for v in counts[:num_classes]]
 
 
-def validate_scene(scene: Scene, num_classes: int, ignore_index: int = 255) -> Scene:
+def validate_scene(scene: Scene, num_classes: int, ignore_index: int = 255,
+                   mask_bands: int = 1) -> Scene:
     """Open and check a scene; fill ``scene.class_counts``. Raises :class:`InputError`."""
     with RasterReader(scene.image) as image:
         if scene.mask is None:
@@ -100,5 +111,6 @@ def validate_scene(scene: Scene, num_classes: int, ignore_index: int = 255) -> S
                     f"mask '{scene.mask}' is {mask.height}x{mask.width} but image "
                     f"'{scene.image}' is {image.height}x{image.width}; masks must cover the "
                     "image pixel for pixel")
-            scene.class_counts = class_histogram(mask, num_classes, ignore_index)
+            scene.class_counts = class_histogram(mask, num_classes, ignore_index,
+                                                 mask_bands=mask_bands)
     return scene
