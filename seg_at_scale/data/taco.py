@@ -1,0 +1,151 @@
+"""TACO (Trash Annotations in Context) converted to the project's scene layout.
+
+TACO is COCO-style: ``annotations.json`` (``images``, ``annotations`` with polygon
+``segmentation``, ``categories`` with ``supercategory``) beside the image folders
+(``batch_1/000006.jpg`` ...). Polygons are rasterised with ``pycocotools``; larger objects
+are painted first so small ones on top stay visible. Class 0 is background; the others
+are the 60 categories (``classes="category"``) or their supercategories
+(``classes="supercategory"``), in sorted order::
+
+    TACO_DATASET=/data/taco seg-train experiment=taco_waste
+
+The source folder is ``data.synthetic.options.source`` (default ``$TACO_DATASET``); images
+are split into train / val / test by a seeded shuffle. ``data.synthetic.options.classes``
+chooses categories or supercategories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pycocotools import mask as coco_mask
+
+from seg_at_scale.data.streets import fit_scene, read_rgb, write_street_scene
+from seg_at_scale.errors import ConfigError, InputError
+
+__all__ = ["TacoIndex", "load_taco", "rasterise", "convert_taco", "make_taco_dataset"]
+
+ENV = "TACO_DATASET"
+
+
+class TacoIndex:
+    """The parts of a COCO annotation file the conversion needs.
+
+    Args:
+        doc: the parsed ``annotations.json``.
+        classes: ``"category"`` or ``"supercategory"``.
+        path: the file (for error messages).
+    """
+
+    def __init__(self, doc: dict[str, Any], classes: str = "category",
+                 path: str = "annotations.json") -> None:
+        if classes not in ("category", "supercategory"):
+            raise ConfigError(f"TACO classes={classes!r}: use 'category' or 'supercategory'")
+        for key in ("images", "annotations", "categories"):
+            if key not in doc:
+                raise InputError(f"'{path}' has no {key!r} list: not a COCO annotation file")
+        cats = sorted(doc["categories"], key=lambda c: c["id"])
+        if classes == "category":
+            self.class_names = ("background", *(c["name"] for c in cats))
+            self.class_of = {c["id"]: k + 1 for k, c in enumerate(cats)}
+        else:
+            supers = sorted({c["supercategory"] for c in cats})
+            self.class_names = ("background", *supers)
+            self.class_of = {c["id"]: supers.index(c["supercategory"]) + 1 for c in cats}
+        self.images = sorted(doc["images"], key=lambda i: i["id"])
+        self.by_image: dict[int, list[dict[str, Any]]] = {i["id"]: [] for i in self.images}
+        for ann in doc["annotations"]:
+            if ann["image_id"] not in self.by_image:
+                raise InputError(f"'{path}': annotation {ann.get('id')} refers to image "
+                                 f"{ann['image_id']}, which is not in 'images'")
+            if ann["category_id"] not in self.class_of:
+                raise InputError(f"'{path}': annotation {ann.get('id')} has category "
+                                 f"{ann['category_id']}, which is not in 'categories'")
+            self.by_image[ann["image_id"]].append(ann)
+
+
+def load_taco(source: str | os.PathLike[str], classes: str = "category") -> TacoIndex:
+    """Read ``<source>/annotations.json``."""
+    path = Path(source) / "annotations.json"
+    if not path.exists():
+        raise InputError(f"no '{path}'; point ${ENV} at the TACO folder holding "
+                         "annotations.json and the image batches")
+    return TacoIndex(json.loads(path.read_text()), classes, str(path))
+
+
+def rasterise(index: TacoIndex, image: dict[str, Any]) -> np.ndarray:
+    """Class mask ``[H, W]`` uint8 of one image (0 = background, largest objects first)."""
+    h, w = int(image["height"]), int(image["width"])
+    out = np.zeros((h, w), np.uint8)
+    anns = sorted(index.by_image[image["id"]], key=lambda a: -float(a.get("area", 0.0)))
+    for ann in anns:
+        seg = ann["segmentation"]
+        if isinstance(seg, list):  # polygons [[x0, y0, x1, y1, ...], ...]
+            polys = [p for p in seg if len(p) >= 6]
+            if not polys:
+                continue
+            rle = coco_mask.merge(coco_mask.frPyObjects(polys, h, w))
+        elif isinstance(seg.get("counts"), list):  # uncompressed RLE (iscrowd)
+            rle = coco_mask.frPyObjects(seg, h, w)
+        else:
+            rle = seg
+        out[coco_mask.decode(rle).astype(bool)] = index.class_of[ann["category_id"]]
+    return out
+
+
+def convert_taco(source: str | os.PathLike[str], root: str | os.PathLike[str],
+                 splits: Mapping[str, int], *, classes: str = "category", seed: int = 0,
+                 height: int | None = None, width: int | None = None) -> Path:
+    """Write TACO scenes under ``root`` (reused when ``root/manifest.json`` matches).
+
+    Args:
+        source: TACO folder (``annotations.json`` + images).
+        root: output folder.
+        splits: images per split, taken in this order from a seeded shuffle.
+        classes: ``"category"`` (61 classes with background) or ``"supercategory"``.
+        seed: shuffle seed.
+        height: scale images down (aspect kept) to fit this height; None keeps them.
+        width: and this width.
+    """
+    root = Path(root)
+    index = load_taco(source, classes)
+    params = {"dataset": "taco", "source": str(Path(source).resolve()), "classes": classes,
+              "seed": int(seed), "splits": {k: int(v) for k, v in splits.items()},
+              "height": height, "width": width, "class_names": list(index.class_names)}
+    manifest = root / "manifest.json"
+    if manifest.exists() and json.loads(manifest.read_text()) == params:
+        return root
+    need = sum(params["splits"].values())  # type: ignore[union-attr]
+    if need > len(index.images):
+        raise ConfigError(f"data.synthetic.splits asks for {need} TACO images but "
+                          f"'{source}' has {len(index.images)}; lower the split counts")
+    order = np.random.default_rng(seed).permutation(len(index.images))
+    start = 0
+    for split, count in params["splits"].items():  # type: ignore[union-attr]
+        for k in order[start : start + count]:
+            info = index.images[int(k)]
+            mask = rasterise(index, info)
+            rgb = read_rgb(Path(source) / info["file_name"], mask.shape)
+            rgb, mask = fit_scene(rgb, mask, height, width)
+            name = f"taco_{int(info['id']):06d}"
+            write_street_scene(root / split, name, rgb, mask, overwrite=True)
+        start += count
+    manifest.write_text(json.dumps(params, indent=2) + "\n")
+    return root
+
+
+def make_taco_dataset(root: str | os.PathLike[str], splits: Mapping[str, int],
+                      height: int | None, width: int | None, seed: int = 0, *,
+                      source: str | None = None, classes: str = "category") -> Path:
+    """``data.synthetic.generator`` form: converts ``source`` (default ``$TACO_DATASET``)."""
+    source = source or os.environ.get(ENV)
+    if not source:
+        raise ConfigError(f"data=taco needs data.synthetic.options.source or ${ENV}: set it "
+                          "to the TACO folder holding annotations.json")
+    return convert_taco(source, root, splits, classes=classes, seed=seed, height=height,
+                        width=width)

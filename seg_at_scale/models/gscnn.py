@@ -1,0 +1,582 @@
+"""Gated-SCNN (Takikawa et al. 2019, "Gated Shape CNNs for Semantic Segmentation").
+
+Written from the paper. Three parts:
+
+* **regular stream**: a ResNet-style backbone (stem, four stages of residual blocks), output
+  stride 8 as in the paper: stages 3 and 4 keep the resolution and dilate instead;
+* **shape stream**: full-resolution residual blocks interleaved with gated convolutional
+  layers (GCL): ``alpha = sigmoid(conv1x1(concat(s, up(r))))``, ``s <- conv1x1(s * alpha + s)``,
+  driven by the regular stream's stage 1, 2 and 4 features; its 1-channel output is the
+  boundary map (logits);
+* **fusion**: the boundary map (as a probability) is concatenated with the image gradient
+  (a Canny band computed in the data pipeline and stored as an extra input band, never
+  computed here) and squeezed to one attention channel, which feeds the ASPP head as an
+  extra branch beside the paper's image-level pooling; a DeepLab-v3+-style decoder with the
+  stage 1 features gives the segmentation logits.
+
+``model(x)`` returns the segmentation logits ``[B, K, H, W]`` (``output="seg"``), so
+``seg_at_scale.tiling.predict_tiled`` works unchanged; ``forward_dual`` returns
+``(seg, boundary)``; ``output="packed"`` returns both in one tensor ``[B, K + 1, H, W]``
+(for pipelines, which carry a single tensor; :func:`unpack` splits it).
+
+**Exactness.** The image-level pooling branch averages the last backbone features over the
+whole input, so a tile alone does not see the statistic the whole image would. Inference
+is made exact in two passes (:func:`predict_tiled_two_pass`): pass 1 runs the backbone
+over the tiles and averages the core features, pass 2 runs the tiles with that average
+fixed (:meth:`GSCNN.fixed_image_pool`); :func:`tiled_backward_two_pass` does the same for
+the exact whole-image gradient. The halo is the receptive field with the pooled value
+held constant, measured by :func:`seg_at_scale.tiling.empirical_halo` on a 1-channel twin of
+the architecture (the receptive field depends on kernels, strides and dilations only).
+Train-mode BatchNorm still sees tile statistics (``norm="none"`` or frozen statistics for
+exact tiled training).
+
+>>> net = GSCNN.from_preset("tiny", in_channels=4, num_classes=3).eval()
+>>> seg, edge = net.forward_dual(torch.zeros(1, 4, 64, 48))
+>>> tuple(seg.shape), tuple(edge.shape), net.downsampling_factor
+((1, 3, 64, 48), (1, 1, 64, 48), 8)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from seg_at_scale.errors import ConfigError
+from seg_at_scale.models.layers import Skip
+from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
+from seg_at_scale.tiling.halo import empirical_halo
+from seg_at_scale.tiling.predict import PixelLoss, predict_tiled, read_window, tiled_backward
+
+__all__ = ["GSCNN", "GSCNNSize", "GSCNN_SIZES", "unpack", "image_pool_mean",
+           "predict_tiled_two_pass", "tiled_backward_two_pass"]
+
+STRIDE = 8  # output stride of the regular stream (the paper's)
+
+
+@dataclass(frozen=True)
+class GSCNNSize:
+    """Depth and width of a Gated-SCNN preset.
+
+    Attributes:
+        stem_width: channels of the two stem convolutions (output at 1/2).
+        widths: channels of the four backbone stages (1/4, 1/8, 1/8 dilated 2, 1/8 dilated 4).
+        blocks: residual blocks per stage.
+        shape_widths: channels of the shape stream's three residual block + GCL stages.
+        aspp_width: channels of each ASPP branch.
+        aspp_rates: dilations of the three 3 x 3 ASPP branches (the paper: 12, 24, 36 at
+            output stride 8).
+        decoder_width: channels of the decoder convolutions.
+    """
+
+    stem_width: int
+    widths: tuple[int, int, int, int]
+    blocks: tuple[int, int, int, int]
+    shape_widths: tuple[int, int, int]
+    aspp_width: int
+    aspp_rates: tuple[int, int, int]
+    decoder_width: int
+
+
+GSCNN_SIZES: dict[str, GSCNNSize] = {
+    "tiny": GSCNNSize(8, (8, 16, 16, 16), (1, 1, 1, 1), (8, 8, 4), 16, (1, 2, 3), 16),
+    "small": GSCNNSize(16, (24, 32, 64, 64), (1, 1, 2, 1), (16, 8, 8), 32, (2, 4, 6), 32),
+    "medium": GSCNNSize(32, (64, 128, 256, 256), (2, 2, 3, 2), (32, 16, 8), 128, (6, 12, 18),
+                        128),
+    # in the spirit of the paper's WideResNet38 backbone (width 64 -> 1024, 15 blocks)
+    "wide": GSCNNSize(64, (128, 256, 512, 1024), (3, 3, 6, 3), (64, 32, 16), 256, (12, 24, 36),
+                      256),
+}
+
+
+def _conv(cin: int, cout: int, k: int, norm: str, *, stride: int = 1, dilation: int = 1,
+          relu: bool = True) -> nn.Sequential:
+    """``k x k`` same-padded convolution, optional BatchNorm, optional ReLU."""
+    layers: list[nn.Module] = [nn.Conv2d(cin, cout, k, stride=stride, dilation=dilation,
+                                         padding=dilation * (k // 2), bias=norm == "none")]
+    if norm == "batch":
+        layers.append(nn.BatchNorm2d(cout))
+    if relu:
+        layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class ResBlock(nn.Module):
+    """Basic residual block: ``relu(proj(x) + conv-norm-relu-conv-norm(x))``."""
+
+    def __init__(self, cin: int, cout: int, norm: str, *, stride: int = 1,
+                 dilation: int = 1) -> None:
+        super().__init__()
+        self.body = nn.Sequential(_conv(cin, cout, 3, norm, stride=stride, dilation=dilation),
+                                  _conv(cout, cout, 3, norm, dilation=dilation, relu=False))
+        self.proj = (nn.Identity() if cin == cout and stride == 1
+                     else _conv(cin, cout, 1, norm, stride=stride, relu=False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(self.proj(x) + self.body(x))
+
+
+def _upsample(x: Tensor, size: Sequence[int]) -> Tensor:
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x, size=tuple(size), mode="bilinear", align_corners=False)
+
+
+class ShapeIn(nn.Module):
+    """Shape stream input: the stem features (1/2) projected, then upsampled to full size."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(cin, cout, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _upsample(self.proj(x), (2 * x.shape[-2], 2 * x.shape[-1]))
+
+
+class GatedConv(nn.Module):
+    """Gated convolutional layer (the paper's eq. 1-2).
+
+    ``r`` (regular-stream features at any resolution) is squeezed to one channel and
+    upsampled to ``s``; ``alpha = sigmoid(conv1x1(concat(s, r)))``; the output is
+    ``conv1x1(s * alpha + s)`` (residual gating, then a channel-wise weighting).
+    """
+
+    def __init__(self, shape_in: int, regular_in: int, cout: int) -> None:
+        super().__init__()
+        self.squeeze = nn.Conv2d(regular_in, 1, 1)
+        self.attention = nn.Conv2d(shape_in + 1, 1, 1)
+        self.out = nn.Conv2d(shape_in, cout, 1)
+
+    def forward(self, s: Tensor, r: Tensor) -> Tensor:
+        r = _upsample(self.squeeze(r), s.shape[-2:])
+        alpha = torch.sigmoid(self.attention(torch.cat([s, r], dim=1)))
+        return self.out(s * alpha + s)
+
+
+class EdgeFusion(nn.Module):
+    """``sigmoid(conv1x1(concat(sigmoid(boundary logits), canny)))``: one attention channel."""
+
+    def __init__(self, edge_band: int | None) -> None:
+        super().__init__()
+        self.edge_band = edge_band
+        self.conv = nn.Conv2d(1 if edge_band is None else 2, 1, 1)
+
+    def forward(self, edge_logits: Tensor, *inputs: Tensor) -> Tensor:
+        maps = [torch.sigmoid(edge_logits)]
+        if self.edge_band is not None:
+            b = self.edge_band
+            maps.append(inputs[0][:, b : b + 1 if b != -1 else None])
+        return torch.sigmoid(self.conv(torch.cat(maps, dim=1)))
+
+
+class ImagePool(nn.Module):
+    """The paper's image-level pooling branch: global mean, 1x1 conv, ReLU, broadcast.
+
+    ``fixed`` (``[B, C, 1, 1]``), when set, replaces the mean: the two-pass scheme puts the
+    whole image's mean there so that every tile sees it.
+    """
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 1)
+        self.fixed: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = x.mean(dim=(2, 3), keepdim=True) if self.fixed is None else self.fixed.to(x)
+        return F.relu(self.conv(m)).expand(-1, -1, *x.shape[-2:])
+
+
+class ASPP(nn.Module):
+    """Atrous spatial pyramid pooling with image pooling and the boundary branch.
+
+    ``forward(feat, boundary)``: ``feat [B, C, h, w]`` at 1/8, ``boundary [B, 1, 8h, 8w]``
+    (the fused attention, averaged over each 8 x 8 block so tiles stay aligned).
+    """
+
+    def __init__(self, cin: int, width: int, rates: Sequence[int], norm: str,
+                 image_pool: bool) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList([_conv(cin, width, 1, norm)] + [
+            _conv(cin, width, 3, norm, dilation=r) for r in rates])
+        self.pool = ImagePool(cin, width) if image_pool else None
+        self.edge = _conv(1, width, 1, "none")
+        n = len(self.branches) + 1 + (self.pool is not None)
+        self.project = _conv(n * width, width, 1, norm)
+
+    def forward(self, feat: Tensor, boundary: Tensor) -> Tensor:
+        outs = [b(feat) for b in self.branches]
+        if self.pool is not None:
+            outs.append(self.pool(feat))
+        outs.append(self.edge(F.avg_pool2d(boundary, STRIDE)))
+        return self.project(torch.cat(outs, dim=1))
+
+
+class Decoder(nn.Module):
+    """``forward(x, low)``: upsample ASPP output to stage 1 (1/4), fuse, classify, upsample."""
+
+    def __init__(self, cin: int, low_in: int, width: int, num_classes: int, norm: str) -> None:
+        super().__init__()
+        self.low = _conv(low_in, max(8, width // 4), 1, norm)
+        self.fuse = nn.Sequential(_conv(cin + max(8, width // 4), width, 3, norm),
+                                  _conv(width, width, 3, norm))
+        self.classify = nn.Conv2d(width, num_classes, 1)
+
+    def forward(self, x: Tensor, low: Tensor) -> Tensor:
+        x = torch.cat([_upsample(x, low.shape[-2:]), self.low(low)], dim=1)
+        y = self.classify(self.fuse(x))
+        return _upsample(y, (4 * low.shape[-2], 4 * low.shape[-1]))
+
+
+class _SelectBands(nn.Module):
+    def __init__(self, drop: int | None, channels: int) -> None:
+        super().__init__()
+        keep = [c for c in range(channels) if drop is None or c != drop % channels]
+        self.register_buffer("keep", torch.tensor(keep), persistent=False)
+        self.all = len(keep) == channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x if self.all else x.index_select(1, self.keep)
+
+
+class _Take(nn.Module):
+    """Pipeline helper: continue with the popped value."""
+
+    def forward(self, x: Tensor, popped: Tensor) -> Tensor:
+        return popped
+
+
+class _Swap(nn.Module):
+    """Pipeline helper: ``body(popped, x)`` (the flowing value is the second argument)."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: Tensor, popped: Tensor) -> Tensor:
+        return self.body(popped, x)
+
+
+class _Finish(nn.Module):
+    """Pipeline helper: pack ``[seg, boundary]`` or drop the boundary."""
+
+    def __init__(self, packed: bool) -> None:
+        super().__init__()
+        self.packed = packed
+
+    def forward(self, seg: Tensor, edge: Tensor) -> Tensor:
+        return torch.cat([seg, edge], dim=1) if self.packed else seg
+
+
+def unpack(y: Tensor) -> tuple[Tensor, Tensor]:
+    """Split a packed output ``[B, K + 1, H, W]`` into ``(seg, boundary [B, 1, H, W])``."""
+    return y[:, :-1], y[:, -1:]
+
+
+class GSCNN(nn.Module):
+    """Gated-SCNN: regular stream, gated shape stream, fusion with ASPP.
+
+    Args:
+        in_channels: input bands, including the Canny band when ``edge_band`` is set.
+        num_classes: K.
+        stem_width, widths, blocks, shape_widths, aspp_width, aspp_rates, decoder_width:
+            see :class:`GSCNNSize` (:meth:`from_preset` fills them from a preset).
+        edge_band: index of the image-gradient (Canny) band in the input, or None when the
+            input has none; the regular stream sees the other bands.
+        norm: ``"batch"`` (the paper) or ``"none"`` (exact tiled training).
+        image_pool: keep the paper's image-level pooling branch in ASPP (whole-image
+            statistic: exact tiling needs :func:`predict_tiled_two_pass`).
+        output: what ``forward`` returns: ``"seg"`` logits or ``"packed"`` ``[seg, boundary]``.
+        padding: only ``"same"`` (accepted so configs can name it like the U-Net's).
+        **unknown: refused with a :class:`ConfigError` naming them.
+
+    Shapes:
+        ``[B, in_channels, H, W] -> [B, K, H, W]`` (packed: ``K + 1``); H and W multiples of 8.
+    """
+
+    downsampling_factor = STRIDE
+
+    def __init__(self, in_channels: int = 4, num_classes: int = 7, *, stem_width: int = 16,
+                 widths: Sequence[int] = (24, 32, 64, 64), blocks: Sequence[int] = (1, 1, 2, 1),
+                 shape_widths: Sequence[int] = (16, 8, 8), aspp_width: int = 32,
+                 aspp_rates: Sequence[int] = (2, 4, 6), decoder_width: int = 32,
+                 edge_band: int | None = -1, norm: str = "batch", image_pool: bool = True,
+                 output: str = "seg", padding: str = "same", **unknown: object) -> None:
+        super().__init__()
+        if unknown:
+            raise ConfigError(
+                f"Gated-SCNN got unknown model keys {sorted(unknown)} (a U-Net model_size?); "
+                f"use model_size=gscnn_<{'|'.join(GSCNN_SIZES)}> with model=gscnn")
+        self.size = GSCNNSize(stem_width, tuple(widths), tuple(blocks),  # type: ignore[arg-type]
+                              tuple(shape_widths), aspp_width, tuple(aspp_rates),  # type: ignore[arg-type]
+                              decoder_width)
+        _check(self.size, in_channels, num_classes, edge_band, norm, output, padding)
+        self.in_channels, self.num_classes = in_channels, num_classes
+        self.edge_band, self.norm, self.output = edge_band, norm, output
+        self.select = _SelectBands(edge_band, in_channels)
+        cin = in_channels - (edge_band is not None)
+        self.stem = nn.Sequential(_conv(cin, stem_width, 3, norm),
+                                  _conv(stem_width, stem_width, 3, norm, stride=2))
+        self.stages = nn.ModuleList()
+        prev = stem_width
+        for k, (w, n) in enumerate(zip(widths, blocks)):
+            stride, dil = (2, 1) if k < 2 else (1, 2 ** (k - 1))
+            self.stages.append(nn.Sequential(*[
+                ResBlock(prev if i == 0 else w, w, norm, stride=stride if i == 0 else 1,
+                         dilation=dil) for i in range(n)]))
+            prev = w
+        sides = (widths[0], widths[1], widths[3])  # stage 1, 2 and 4 drive the shape stream
+        self.shape_in = ShapeIn(stem_width, shape_widths[0])
+        self.shape_blocks = nn.ModuleList(ResBlock(c, c, norm) for c in shape_widths)
+        outs = list(shape_widths[1:]) + [shape_widths[-1]]
+        self.gates = nn.ModuleList(GatedConv(c, r, o) for c, r, o in
+                                   zip(shape_widths, sides, outs))
+        self.shape_out = nn.Conv2d(shape_widths[-1], 1, 1)
+        self.fusion = EdgeFusion(edge_band)
+        self.aspp = ASPP(widths[3], aspp_width, aspp_rates, norm, image_pool)
+        self.decoder = Decoder(aspp_width, widths[0], decoder_width, num_classes, norm)
+        self._footprint: Footprint | None = None
+
+    @classmethod
+    def from_preset(cls, name: str, **kwargs: object) -> GSCNN:
+        """A model from a :data:`GSCNN_SIZES` preset; ``kwargs`` as for the constructor."""
+        if name not in GSCNN_SIZES:
+            raise ConfigError(f"Gated-SCNN size {name!r} is unknown; use one of "
+                              f"{sorted(GSCNN_SIZES)}")
+        return cls(**asdict(GSCNN_SIZES[name]), **kwargs)  # type: ignore[arg-type]
+
+    # ----- forward ----------------------------------------------------------------------
+
+    def backbone(self, x: Tensor) -> list[Tensor]:
+        """Regular stream: ``[stem (1/2), stage1 (1/4), stage2 (1/8), stage3, stage4]``."""
+        _check_input(x, self.in_channels)
+        feats = [self.stem(self.select(x))]
+        for stage in self.stages:
+            feats.append(stage(feats[-1]))
+        return feats
+
+    def forward_dual(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(seg logits [B, K, H, W], boundary logits [B, 1, H, W])``."""
+        stem, f1, f2, _, f4 = self.backbone(x)
+        s = self.shape_in(stem)
+        for block, gate, side in zip(self.shape_blocks, self.gates, (f1, f2, f4)):
+            s = gate(block(s), side)
+        edge = self.shape_out(s)
+        fused = self.fusion(edge, x)
+        seg = self.decoder(self.aspp(f4, fused), f1)
+        return seg, edge
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Segmentation logits ``[B, K, H, W]`` (or ``[seg, boundary]`` when packed)."""
+        seg, edge = self.forward_dual(x)
+        return torch.cat([seg, edge], dim=1) if self.output == "packed" else seg
+
+    # ----- flat form --------------------------------------------------------------------
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The network as a flat layer list with named skips (this model's own modules).
+
+        The input is stashed for the Canny band, the backbone's side features are stashed
+        as ``low``/``side1``/``side2``/``side3``/``feat``, and the shape stream pops them;
+        the last layer packs or drops the boundary as ``output`` says, so
+        ``run_layers(net.pipeline_layers(), x)`` equals ``net(x)`` exactly.
+        """
+        layers: list[nn.Module] = []
+        if self.edge_band is not None:
+            layers.append(Skip(nn.Identity(), stash=("input",)))
+        layers += [self.select, self.stem[0], Skip(self.stem[1], stash=("shape",))]
+        stash = {0: ("low", "side1"), 1: ("side2",), 3: ("side3", "feat")}
+        for k, stage in enumerate(self.stages):
+            blocks = list(stage)
+            layers += blocks[:-1]
+            layers.append(Skip(blocks[-1], stash=stash[k]) if k in stash else blocks[-1])
+        layers += [Skip(_Take(), pop=("shape",)), self.shape_in]
+        for k, (block, gate) in enumerate(zip(self.shape_blocks, self.gates)):
+            layers += [block, Skip(gate, pop=(f"side{k + 1}",))]
+        layers.append(Skip(self.shape_out, stash=("edge",)))
+        layers.append(Skip(self.fusion, pop=("input",)) if self.edge_band is not None
+                      else self.fusion)
+        layers += [Skip(_Swap(self.aspp), pop=("feat",)), Skip(self.decoder, pop=("low",)),
+                   Skip(_Finish(self.output == "packed"), pop=("edge",))]
+        return layers
+
+    # ----- tiling -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def fixed_image_pool(self, pooled: Tensor | None) -> Iterator[None]:
+        """Within the block, image pooling uses ``pooled [B, C, 1, 1]`` instead of the mean."""
+        pool = self.aspp.pool
+        if pool is None:
+            yield
+            return
+        before, pool.fixed = pool.fixed, pooled
+        try:
+            yield
+        finally:
+            pool.fixed = before
+
+    def pooled_width(self) -> int:
+        """Channels of the features that the image-level pooling averages."""
+        return self.size.widths[3]
+
+    def footprint(self) -> Footprint:
+        """Halo from the empirical receptive-field probe, image pooling held constant.
+
+        Measured on a twin of the architecture with one channel per layer (same kernels,
+        strides, dilations: the receptive field does not depend on widths), once per
+        geometry and process, so it costs seconds even for the wide preset.
+        """
+        if self._footprint is None:
+            geometry = replace(self.size, stem_width=1, widths=(1, 1, 1, 1),
+                               shape_widths=(1, 1, 1), aspp_width=1, decoder_width=4)
+            halo = _twin_halo(geometry, self.in_channels, self.edge_band, self.norm,
+                              self.aspp.pool is not None)
+            self._footprint = Footprint(halo, STRIDE, "same", 0)
+        return self._footprint
+
+
+@functools.lru_cache(maxsize=16)
+def _twin_halo(geometry: GSCNNSize, in_channels: int, edge_band: int | None, norm: str,
+               image_pool: bool) -> int:
+    twin = GSCNN(in_channels, 1, **asdict(geometry), edge_band=edge_band, norm=norm,
+                 image_pool=image_pool, output="packed")
+    with twin.fixed_image_pool(torch.zeros(1, 1, 1, 1, dtype=torch.float64)):
+        return empirical_halo(twin, align=STRIDE)
+
+
+def _check(size: GSCNNSize, in_channels: int, num_classes: int, edge_band: int | None,
+           norm: str, output: str, padding: str) -> None:
+    if len(size.widths) != 4 or len(size.blocks) != 4 or min(size.blocks) < 1:
+        raise ConfigError(f"model.widths {list(size.widths)} and model.blocks "
+                          f"{list(size.blocks)} need 4 entries each, blocks >= 1")
+    if len(size.shape_widths) != 3 or len(size.aspp_rates) != 3:
+        raise ConfigError(f"model.shape_widths {list(size.shape_widths)} and model.aspp_rates "
+                          f"{list(size.aspp_rates)} need 3 entries each")
+    if norm not in ("batch", "none"):
+        raise ConfigError(f"model.norm={norm!r}: use 'batch' or 'none'")
+    if output not in ("seg", "packed"):
+        raise ConfigError(f"model.output={output!r}: use 'seg' or 'packed'")
+    if padding != "same":
+        raise ConfigError(f"model.padding={padding!r}: Gated-SCNN supports 'same' only")
+    low = 2 if edge_band is not None else 1
+    if in_channels < low or num_classes < 1:
+        raise ConfigError(f"model.in_channels={in_channels} (num_classes={num_classes}): "
+                          f"need >= {low} bands (image + Canny band when edge_band is set)")
+    if edge_band is not None and not -in_channels <= edge_band < in_channels:
+        raise ConfigError(f"model.edge_band={edge_band} is not a band of {in_channels}; "
+                          "give the Canny band's index (-1 = last) or null")
+
+
+def _check_input(x: Tensor, channels: int) -> None:
+    if x.dim() != 4 or x.shape[1] != channels:
+        raise ValueError(f"Gated-SCNN expects [B, {channels}, H, W], got {list(x.shape)}")
+    h, w = x.shape[-2:]
+    if h % STRIDE or w % STRIDE:
+        raise ValueError(f"Gated-SCNN input {h} x {w}: sides must be multiples of {STRIDE} "
+                         "(tiling pads to them; for a bare call pad the image first)")
+
+
+# ----- two-pass tiling: the image-level pooling over the whole image ---------------------
+
+
+def _feature_core(tile: Tile) -> tuple[slice, slice]:
+    """Where the tile's core lies in its 1/8 feature map (cores are aligned to 8)."""
+    r0 = (tile.core.row - tile.read.row) // STRIDE
+    c0 = (tile.core.col - tile.read.col) // STRIDE
+    return (slice(r0, r0 + -(-tile.core.height // STRIDE)),
+            slice(c0, c0 + -(-tile.core.width // STRIDE)))
+
+
+def _core_feature_sums(model: GSCNN, image: Tensor, grid: TileGrid) -> Iterator[Tensor]:
+    """Per tile: the last backbone features summed over the core ``[B, C, 1, 1]``."""
+    device = next(model.parameters()).device
+    for tile in grid:
+        x = read_window(image, tile.read, grid.footprint).to(device)
+        rows, cols = _feature_core(tile)
+        yield model.backbone(x)[-1][..., rows, cols].sum(dim=(2, 3), keepdim=True)
+
+
+def _feature_count(grid: TileGrid) -> int:
+    return (grid.extended.height // STRIDE) * (grid.extended.width // STRIDE)
+
+
+@torch.no_grad()
+def image_pool_mean(model: GSCNN, image: Tensor, grid: TileGrid) -> Tensor:
+    """Pass 1: the whole image's mean of the pooled features ``[B, C, 1, 1]``, tile by tile.
+
+    Equals ``model.backbone(extend(image))[-1].mean((2, 3))`` up to summation order
+    (accumulated in float64).
+    """
+    total: Tensor | None = None
+    for s in _core_feature_sums(model, image, grid):
+        total = s.double() if total is None else total + s.double()
+        dtype = s.dtype
+    assert total is not None
+    return (total / _feature_count(grid)).to(dtype)
+
+
+def _grid(model: GSCNN, image: Tensor, q: int | tuple[int, int] | None,
+          tile_size: int | tuple[int, int] | None, fp: Footprint | None) -> TileGrid:
+    return make_grid(image.shape[-2], image.shape[-1], fp or model.footprint(), q=q,
+                     tile_size=tile_size if q is None else None)
+
+
+def predict_tiled_two_pass(model: GSCNN, image: Tensor, *,
+                           q: int | tuple[int, int] | None = None,
+                           tile_size: int | tuple[int, int] | None = None,
+                           fp: Footprint | None = None,
+                           autocast: torch.dtype | None = None,
+                           out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """Exact tiled inference for Gated-SCNN: pass 1 pools, pass 2 predicts.
+
+    Args:
+        model: the network in eval mode.
+        image: ``[B, C, H, W]``.
+        q: tiles per side, or
+        tile_size: largest input window.
+        fp: footprint (default ``model.footprint()``).
+        autocast: as for :func:`seg_at_scale.tiling.predict_tiled`.
+        out_dtype: dtype of the returned output.
+
+    Returns:
+        The model's output ``[B, K, H, W]``, equal to ``predict_full(model, image)``.
+    """
+    grid = _grid(model, image, q, tile_size, fp)
+    pooled = image_pool_mean(model, image, grid) if model.aspp.pool is not None else None
+    with model.fixed_image_pool(pooled):
+        return predict_tiled(model, image, q=q, tile_size=tile_size, fp=grid.footprint,
+                             autocast=autocast, out_dtype=out_dtype)
+
+
+def tiled_backward_two_pass(model: GSCNN, image: Tensor, target: Tensor, loss: PixelLoss, *,
+                            q: int | tuple[int, int] | None = None,
+                            tile_size: int | tuple[int, int] | None = None,
+                            fp: Footprint | None = None) -> Tensor:
+    """Exact whole-image gradient of a pixel loss on the segmentation, tile by tile.
+
+    The loss depends on the parameters directly and through the pooled mean ``p``:
+    ``dL/dθ = Σ_t ∂L_t/∂θ|_p + (Σ_t ∂L_t/∂p) · dp/dθ``. Pass 1 computes ``p``; pass 2 runs
+    :func:`seg_at_scale.tiling.tiled_backward` with ``p`` fixed and collecting its gradient
+    ``g``; pass 3 back-propagates ``g · dp/dθ`` through each tile's core features. Exact
+    when the network has no other whole-tile statistic (``norm="none"`` or eval mode).
+
+    Returns:
+        The whole-image loss (detached scalar).
+    """
+    grid = _grid(model, image, q, tile_size, fp)
+    if model.aspp.pool is None:
+        return tiled_backward(model, image, target, loss, q=q, tile_size=tile_size,
+                              fp=grid.footprint)
+    p = image_pool_mean(model, image, grid).requires_grad_(True)
+    with model.fixed_image_pool(p):
+        value = tiled_backward(model, image, target, loss, q=q, tile_size=tile_size,
+                               fp=grid.footprint)
+    if p.grad is not None:
+        g = p.grad / _feature_count(grid)
+        for s in _core_feature_sums(model, image, grid):
+            (s * g).sum().backward()
+    return value

@@ -1,0 +1,298 @@
+"""Gated-SCNN: flat form, exact two-pass tiling and gradients, loss terms, boundary F-score."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seg_at_scale.errors import ConfigError
+from seg_at_scale.models import GSCNN
+from seg_at_scale.models.gscnn import (
+    image_pool_mean,
+    predict_tiled_two_pass,
+    tiled_backward_two_pass,
+    unpack,
+)
+from seg_at_scale.models.layers import check_layers, run_layers
+from seg_at_scale.tasks.gscnn import (
+    GSCNNLoss,
+    boundary_f_counts,
+    boundary_f_score,
+    boundary_magnitude,
+    boundary_targets,
+)
+from seg_at_scale.tasks.losses import CrossEntropy
+from seg_at_scale.tiling import (
+    Footprint,
+    empirical_halo,
+    extend,
+    make_grid,
+    predict_full,
+    predict_tiled,
+    tiled_backward,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: on a shared 2-core machine OpenMP spinning makes small ops ~50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(**kw) -> GSCNN:
+    torch.manual_seed(0)
+    return GSCNN.from_preset("tiny", in_channels=4, num_classes=3, **kw)
+
+
+def loud_pool(net: GSCNN) -> GSCNN:
+    """Make the image-pooling branch matter, so that getting it wrong shows."""
+    with torch.no_grad():
+        net.aspp.pool.conv.weight.mul_(30)
+    return net
+
+
+# ----- flat form -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("output", ["seg", "packed"])
+@pytest.mark.parametrize("edge_band", [-1, None])
+def test_pipeline_layers_equal_model(output, edge_band):
+    net = tiny(output=output, edge_band=edge_band)
+    layers = net.pipeline_layers()
+    check_layers(layers)
+    x = torch.randn(2, 4, 72, 56)
+    for mode in (net.eval, net.train):  # train mode: BatchNorm sees the same batch either way
+        mode()
+        y = net(x)
+        assert torch.equal(run_layers(layers, x), y)
+    seg, edge = net.eval().forward_dual(x)
+    assert y.shape[1] == (4 if output == "packed" else 3)
+    if output == "packed":
+        assert all(torch.equal(a, b) for a, b in zip(unpack(net(x)), (seg, edge)))
+
+
+# ----- geometry and two-pass exactness ---------------------------------------------------
+
+
+def test_two_pass_tiling_equals_untiled_where_one_pass_does_not():
+    net = loud_pool(tiny()).double().eval()
+    fp = net.footprint()
+    assert (fp.align, fp.padding) == (8, "same") and fp.halo > 100
+    x = torch.randn(1, 4, 437, 389, dtype=torch.float64)
+    ref = predict_full(net, x)
+    for kw in ({"q": (3, 2)}, {"tile_size": 480}):
+        y = predict_tiled_two_pass(net, x, **kw, out_dtype=torch.float64)
+        assert (y - ref).abs().max() < 1e-12, kw
+    one_pass = predict_tiled(net, x, q=3)  # each tile pools its own window
+    assert (one_pass - ref).abs().max() > 1e-5
+    short = Footprint(fp.context - 8, 8, "same")  # one aligned block less context
+    y = predict_tiled_two_pass(net, x, q=3, fp=short, out_dtype=torch.float64)
+    assert (y - ref).abs().max() > 1e-10
+    grid = make_grid(437, 389, fp, q=3)
+    whole = net.backbone(extend(x, fp))[-1].mean(dim=(2, 3), keepdim=True)
+    assert torch.allclose(image_pool_mean(net, x, grid), whole, rtol=0, atol=1e-12)
+
+
+def test_two_pass_tiling_float32_and_eval_batchnorm():
+    net = loud_pool(tiny()).eval()
+    x = torch.randn(1, 4, 301, 277)
+    ref = predict_full(net, x)
+    assert (predict_tiled_two_pass(net, x, q=2) - ref).abs().max() < 1e-4
+
+
+def test_two_pass_gradient_equals_whole_image_gradient():
+    net = loud_pool(tiny(norm="none")).double()
+    x = torch.randn(1, 4, 397, 365, dtype=torch.float64)
+    target = torch.randint(0, 3, (1, 397, 365))
+    target[:, :40] = 255
+    loss = CrossEntropy(3)
+    s, w = loss(net(extend(x, net.footprint()))[..., :397, :365], target)
+    (s / w).backward()
+    ref = [p.grad.clone() for p in net.parameters()]
+
+    def rel_err(backward) -> tuple[float, float]:
+        net.zero_grad()
+        value = float(backward(net, x, target, loss, q=2))
+        return value, max(float((p.grad - r).abs().max() / r.abs().max().clamp_min(1e-30))
+                          for p, r in zip(net.parameters(), ref))
+
+    value, err = rel_err(tiled_backward_two_pass)
+    assert abs(value - float(s.detach() / w)) < 1e-6 and err < 1e-9
+    assert rel_err(tiled_backward)[1] > 1e-4  # one pass: each tile pools its own window
+
+
+@pytest.mark.slow
+def test_twin_halo_equals_the_full_models_probe():
+    net = tiny()
+    with net.fixed_image_pool(torch.zeros(1, net.pooled_width(), 1, 1, dtype=torch.float64)):
+        assert empirical_halo(net, align=8) == net.footprint().halo
+
+
+def test_bad_arguments_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="model_size=gscnn_"):
+        GSCNN(in_channels=4, num_classes=3, levels=4)
+    with pytest.raises(ConfigError, match="model.norm='group'"):
+        GSCNN(norm="group")
+    with pytest.raises(ConfigError, match="model.edge_band=5"):
+        GSCNN(in_channels=4, edge_band=5)
+    with pytest.raises(ConfigError, match="unknown; use one of"):
+        GSCNN.from_preset("huge")
+    with pytest.raises(ValueError, match="multiples of 8"):
+        tiny()(torch.zeros(1, 4, 60, 64))
+
+
+# ----- loss terms on hand-made tensors ---------------------------------------------------
+
+
+def test_boundary_targets_by_hand():
+    t = torch.tensor([[[0, 0, 1, 1],
+                       [0, 0, 1, 1],
+                       [255, 2, 2, 2]]])
+    want = torch.tensor([[[0, 1, 1, 0],
+                          [1, 1, 1, 1],
+                          [0, 1, 1, 1]]], dtype=torch.float32)
+    assert torch.equal(boundary_targets(t, radius=1), want)
+    wide = boundary_targets(torch.tensor([[[0, 0, 0, 0, 1]]]), radius=2)
+    assert wide.tolist() == [[[0, 0, 1, 1, 1]]]
+
+
+def test_boundary_magnitude_formula():
+    m = torch.rand(2, 3, 5, 7, dtype=torch.float64)
+    got = boundary_magnitude(m)
+    ref = torch.zeros(2, 5, 7, dtype=torch.float64)
+    for b in range(2):
+        for i in range(5):
+            for j in range(7):
+                s = 0.0
+                for k in range(3):
+                    dx = m[b, k, i, j + 1] - m[b, k, i, j] if j < 6 else 0.0
+                    dy = m[b, k, i + 1, j] - m[b, k, i, j] if i < 4 else 0.0
+                    s += float(dx) ** 2 + float(dy) ** 2
+                ref[b, i, j] = math.sqrt(s + 1e-12) / math.sqrt(2)
+    assert torch.allclose(got, ref, atol=1e-12)
+    step = F.one_hot(torch.tensor([[[0, 0, 1]]]), 2).permute(0, 3, 1, 2).double()
+    assert torch.allclose(boundary_magnitude(step), torch.tensor([[[0.0, 1.0, 0.0]]],
+                                                                  dtype=torch.float64), atol=1e-5)
+
+
+def test_loss_terms_match_their_formulas():
+    torch.manual_seed(1)
+    seg = torch.randn(1, 3, 3, 4, dtype=torch.float64)
+    edge = torch.randn(1, 1, 3, 4, dtype=torch.float64) * 3
+    t = torch.tensor([[[0, 0, 1, 1], [0, 0, 1, 1], [255, 2, 2, 2]]])
+    loss = GSCNNLoss(3, threshold=0.8, tau=0.5)
+    terms = loss.terms(seg, edge, t)
+    y = boundary_targets(t)[0]
+    valid = [(i, j) for i in range(3) for j in range(4) if t[0, i, j] != 255]
+    n = len(valid)
+    beta = 1 - sum(float(y[i, j]) for i, j in valid) / n
+    bce = 0.0
+    ce, att, picked = 0.0, 0.0, 0
+    for i, j in valid:
+        z, lab = float(edge[0, 0, i, j]), int(t[0, i, j])
+        p = 1 / (1 + math.exp(-z))
+        bce += -beta * y[i, j].item() * math.log(p) - (1 - beta) * (1 - y[i, j].item()) * \
+            math.log(1 - p)
+        logits = seg[0, :, i, j].tolist()
+        nll = math.log(sum(math.exp(v) for v in logits)) - logits[lab]
+        ce += nll
+        if p > 0.8:
+            att, picked = att + nll, picked + 1
+    assert terms["seg"][0].item() == pytest.approx(ce) and terms["seg"][1].item() == n
+    assert terms["edge"][0].item() == pytest.approx(bce)
+    assert terms["att"][0].item() == pytest.approx(att) and picked > 0
+    assert terms["att"][1].item() == picked
+    onehot = F.one_hot(t.clamp(0, 2), 3).permute(0, 3, 1, 2).double() * (t != 255)[:, None]
+    zeta = boundary_magnitude(torch.softmax(seg / 0.5, 1)) - boundary_magnitude(onehot)
+    assert terms["dual"][0].item() == pytest.approx(sum(abs(zeta[0, i, j].item())
+                                                        for i, j in valid))
+    total = ce / n + 20 * bce / n + sum(abs(zeta[0, i, j].item()) for i, j in valid) / n + \
+        att / picked
+    assert loss(seg, edge, t).item() == pytest.approx(total)
+
+
+def test_tile_shares_add_up_to_the_whole_image_ce():
+    seg = torch.randn(1, 3, 6, 10, dtype=torch.float64)
+    edge = torch.zeros(1, 1, 6, 10, dtype=torch.float64)
+    t = torch.randint(0, 3, (1, 6, 10))
+    loss = GSCNNLoss(3, edge_weight=0.0, dual_weight=0.0, att_weight=0.0)
+    norm = torch.tensor(60.0, dtype=torch.float64)
+    halves = [loss.combine(loss.terms(seg[..., c], edge[..., c], t[..., c]), norm)
+              for c in (slice(0, 3), slice(3, 10))]
+    assert (halves[0] + halves[1]).item() == pytest.approx(F.cross_entropy(seg, t).item())
+
+
+def test_bad_loss_config_is_refused():
+    with pytest.raises(ConfigError, match="threshold=1.5"):
+        GSCNNLoss(3, threshold=1.5)
+
+
+# ----- boundary F-score ------------------------------------------------------------------
+
+
+def _reference_counts(pred: np.ndarray, gt: np.ndarray, k_classes: int, tol: int) -> np.ndarray:
+    """Brute force: boundary pixels by their 8-neighbours, distances point to point."""
+    h, w = gt.shape
+    ignore = gt == 255
+
+    def boundary(lab: np.ndarray, k: int) -> list[tuple[int, int]]:
+        pts = []
+        for i in range(h):
+            for j in range(w):
+                if lab[i, j] != k or ignore[i, j]:
+                    continue
+                nbs = [(min(max(i + a, 0), h - 1), min(max(j + b, 0), w - 1))
+                       for a in (-1, 0, 1) for b in (-1, 0, 1)]
+                if any(lab[p] != k and not ignore[p] for p in nbs):
+                    pts.append((i, j))
+        return pts
+
+    def hits(a: list, b: list) -> int:
+        return sum(any((p[0] - q[0]) ** 2 + (p[1] - q[1]) ** 2 <= tol * tol for q in b)
+                   for p in a)
+
+    out = np.zeros((k_classes, 4))
+    for k in range(k_classes):
+        bp, bg = boundary(pred, k), boundary(gt, k)
+        out[k] = [hits(bp, bg), len(bp), hits(bg, bp), len(bg)]
+    return out
+
+
+def test_boundary_f_counts_equal_brute_force():
+    rng = np.random.default_rng(0)
+    gt = np.kron(rng.integers(0, 3, (4, 5)), np.ones((4, 4), np.int64))[:15, :17]
+    pred = np.roll(gt, 1, axis=1)
+    pred[rng.random(pred.shape) < 0.05] = 2
+    gt[:2, :3] = 255
+    got = boundary_f_counts(torch.from_numpy(pred)[None], torch.from_numpy(gt)[None], 3, 2)
+    np.testing.assert_array_equal(got.numpy(), _reference_counts(pred, gt, 3, 2))
+
+
+def test_boundary_f_score_shift_and_tolerance():
+    gt = torch.zeros(1, 20, 20, dtype=torch.long)
+    gt[:, 5:15, 5:15] = 1
+    pred = torch.roll(gt, 2, dims=2)
+    f_tight, _ = boundary_f_score(boundary_f_counts(pred, gt, 2, tolerance=0))
+    f_loose, mean = boundary_f_score(boundary_f_counts(pred, gt, 2, tolerance=2))
+    assert 0 < f_tight[1] < 1 and f_loose[1] == 1.0 and mean == 1.0
+    counts = torch.tensor([[3.0, 4.0, 2.0, 5.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    f, mean = boundary_f_score(counts)
+    p, r = 3 / 4, 2 / 5
+    assert f[0].item() == pytest.approx(2 * p * r / (p + r)) and torch.isnan(f[1])
+    assert mean.item() == pytest.approx(f[0].item())
+
+
+def test_docstring_example():
+    import doctest
+
+    import seg_at_scale.models.gscnn as module
+
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,277 @@
+"""Street-scene data for Gated-SCNN: synthetic streets, Cityscapes and TACO in their real
+formats (tiny trees / JSON written here), and every Gated-SCNN config running a fast step."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from seg_at_scale.cli.common import model_footprint
+from seg_at_scale.cli.train import build_data
+from seg_at_scale.data.cityscapes import CITYSCAPES_CLASSES, convert_cityscapes, label_lut
+from seg_at_scale.data.streets import (
+    STREET_CLASSES,
+    canny_band,
+    fit_scene,
+    make_street_dataset,
+    render_street,
+)
+from seg_at_scale.data.taco import convert_taco, load_taco
+from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.io import read_raster
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+# label id -> train id, by hand from the Cityscapes label table (ids 0, 4 are ignored)
+CS_EXPECTED = {0: 255, 4: 255, 7: 0, 8: 1, 11: 2, 21: 8, 23: 10, 24: 11, 26: 13, 33: 18}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: on a shared 2-core machine OpenMP spinning makes small ops ~50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def write_cityscapes(root: Path, split: str, city: str, n: int, seed: int = 0,
+                     size: tuple[int, int] = (44, 60)) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Tiny Cityscapes tree: ``leftImg8bit/<split>/<city>/*`` + ``gtFine/.../*_labelIds.png``."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k in range(n):
+        stem = f"{city}_{k:06d}_000019"
+        rgb = rng.integers(0, 255, (3, *size), dtype=np.uint8)
+        ids = rng.choice(list(CS_EXPECTED), size=size).astype(np.uint8)
+        img_dir, lbl_dir = root / "leftImg8bit" / split / city, root / "gtFine" / split / city
+        img_dir.mkdir(parents=True, exist_ok=True)
+        lbl_dir.mkdir(parents=True, exist_ok=True)
+        cv2.imwrite(str(img_dir / f"{stem}_leftImg8bit.png"), rgb.transpose(1, 2, 0)[..., ::-1])
+        cv2.imwrite(str(lbl_dir / f"{stem}_gtFine_labelIds.png"), ids)
+        out[stem] = (rgb, ids)
+    return out
+
+
+def write_taco(root: Path) -> None:
+    """Tiny TACO folder: two PNG photos and a COCO ``annotations.json`` with polygons."""
+    rng = np.random.default_rng(1)
+    (root / "batch_1").mkdir(parents=True)
+    for k in (1, 2):
+        img = rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)
+        cv2.imwrite(str(root / "batch_1" / f"{k:06d}.png"), img)
+    rect = [4, 4, 40, 4, 40, 30, 4, 30]
+    doc = {
+        "images": [{"id": 1, "file_name": "batch_1/000001.png", "width": 64, "height": 48},
+                   {"id": 2, "file_name": "batch_1/000002.png", "width": 64, "height": 48}],
+        "categories": [{"id": 7, "name": "Plastic bottle", "supercategory": "Bottle"},
+                       {"id": 0, "name": "Bottle cap", "supercategory": "Bottle cap"},
+                       {"id": 5, "name": "Glass bottle", "supercategory": "Bottle"}],
+        "annotations": [
+            {"id": 1, "image_id": 1, "category_id": 0, "area": 36.0, "iscrowd": 0,
+             "segmentation": [[10, 10, 16, 10, 16, 16, 10, 16]]},
+            {"id": 2, "image_id": 1, "category_id": 5, "area": 936.0, "iscrowd": 0,
+             "segmentation": [rect]},
+            {"id": 3, "image_id": 2, "category_id": 7, "area": 300.0, "iscrowd": 0,
+             "segmentation": [[30, 5, 60, 5, 60, 15, 30, 15], [2, 30, 12, 30, 12, 40]]},
+        ],
+    }
+    (root / "annotations.json").write_text(json.dumps(doc))
+
+
+# ----- synthetic streets ----------------------------------------------------------------
+
+
+def test_street_scenes_are_seeded_and_written_with_their_canny_band(tmp_path):
+    a, b = render_street(96, 160, 3), render_street(96, 160, 3)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(render_street(96, 160, 4)[0], a[0])
+    splits = {"train": 3, "val": 1}
+    make_street_dataset(tmp_path / "s", splits, 120, 200, seed=0)
+    image = read_raster(tmp_path / "s" / "train" / "street_0_image.tif")
+    assert image.shape == (4, 120, 200) and set(np.unique(image[3])) <= {0, 255}
+    np.testing.assert_array_equal(image[3], canny_band(image[:3]))
+    masks = [read_raster(p) for p in sorted((tmp_path / "s").glob("*/*_mask.tif"))]
+    assert len(masks) == 4
+    assert set(np.unique(np.stack(masks))) == set(range(len(STREET_CLASSES)))
+    stamp = (tmp_path / "s" / "train" / "street_0_image.tif").stat().st_mtime_ns
+    make_street_dataset(tmp_path / "s", splits, 120, 200, seed=0)  # reused, not rewritten
+    assert (tmp_path / "s" / "train" / "street_0_image.tif").stat().st_mtime_ns == stamp
+    with pytest.raises(InputError, match="seed=0 but seed=1 was asked"):
+        make_street_dataset(tmp_path / "s", splits, 120, 200, seed=1)
+
+
+def test_canny_band_refuses_non_rgb_and_fit_scene_halves():
+    with pytest.raises(InputError, match=r"RGB uint8 image \[3, H, W\], got float32"):
+        canny_band(np.zeros((3, 8, 8), np.float32))
+    rgb, mask = render_street(100, 180, 0)
+    small_rgb, small_mask = fit_scene(rgb, mask, 50, 1000)
+    assert small_rgb.shape == (3, 50, 90) and small_mask.shape == (50, 90)
+    np.testing.assert_array_equal(small_mask, cv2.resize(mask, (90, 50),
+                                                         interpolation=cv2.INTER_NEAREST))
+
+
+# ----- Cityscapes -------------------------------------------------------------------------
+
+
+def test_cityscapes_tree_converts_to_train_ids(tmp_path):
+    src = tmp_path / "cityscapes"
+    train = write_cityscapes(src, "train", "aachen", 2) | write_cityscapes(src, "train", "bonn", 1,
+                                                                             seed=1)
+    val = write_cityscapes(src, "val", "lindau", 1, seed=2)
+    convert_cityscapes(src, tmp_path / "out", {"train": 0, "val": 0, "test": 1})
+    assert len(CITYSCAPES_CLASSES) == 19 and CITYSCAPES_CLASSES[13] == "car"
+    assert all(label_lut()[i] == t for i, t in CS_EXPECTED.items())
+    for split, pairs in (("train", train), ("val", val), ("test", val)):
+        for stem, (rgb, ids) in pairs.items():
+            mask = read_raster(tmp_path / "out" / split / f"{stem}_mask.tif")[0]
+            want = np.vectorize(CS_EXPECTED.get)(ids)
+            np.testing.assert_array_equal(mask, want)
+            image = read_raster(tmp_path / "out" / split / f"{stem}_image.tif")
+            np.testing.assert_array_equal(image[:3], rgb)
+            np.testing.assert_array_equal(image[3], canny_band(rgb))
+    assert len(list((tmp_path / "out" / "train").glob("*_mask.tif"))) == 3
+
+
+def test_cityscapes_missing_label_and_missing_source_are_named(tmp_path, monkeypatch):
+    src = tmp_path / "cs"
+    write_cityscapes(src, "train", "aachen", 1)
+    label = next((src / "gtFine").rglob("*.png"))
+    label.unlink()
+    with pytest.raises(InputError, match="expected '.*aachen_000000_000019_gtFine_labelIds.png'"):
+        convert_cityscapes(src, tmp_path / "out", {"train": 0})
+    with pytest.raises(InputError, match="point \\$CITYSCAPES_DATASET at the folder"):
+        convert_cityscapes(src, tmp_path / "out", {"val": 0})
+    from seg_at_scale.data.cityscapes import make_cityscapes_dataset
+
+    monkeypatch.delenv("CITYSCAPES_DATASET", raising=False)
+    with pytest.raises(ConfigError, match="data.synthetic.options.source or \\$CITYSCAPES"):
+        make_cityscapes_dataset(tmp_path / "o", {"train": 0}, None, None)
+
+
+# ----- TACO ------------------------------------------------------------------------------
+
+
+def test_taco_polygons_rasterise_to_categories_and_supercategories(tmp_path):
+    write_taco(tmp_path / "taco")
+    index = load_taco(tmp_path / "taco")
+    assert index.class_names == ("background", "Bottle cap", "Glass bottle", "Plastic bottle")
+    convert_taco(tmp_path / "taco", tmp_path / "cat", {"train": 1, "val": 1}, seed=0)
+    masks = {p.name: read_raster(p)[0] for p in (tmp_path / "cat").glob("*/*_mask.tif")}
+    m1, m2 = masks["taco_000001_mask.tif"], masks["taco_000002_mask.tif"]
+    assert m1[20, 30] == 2 and m1[13, 13] == 1 and m1[2, 2] == 0 and m1[40, 50] == 0
+    big = (m1 == 2).sum() + (m1 == 1).sum()  # the cap sits on the bottle
+    assert abs(big - 36 * 26) <= 36 + 26  # polygon area, up to one pixel along the outline
+    assert m2[10, 45] == 3 and m2[33, 10] == 3  # both polygons of one object
+    assert m2[38, 4] == 0 and m2[2, 2] == 0
+    assert len(list((tmp_path / "cat").glob("*/*_mask.tif"))) == 2
+    image = read_raster(next((tmp_path / "cat").glob("*/taco_000001_image.tif")))
+    want = cv2.imread(str(tmp_path / "taco" / "batch_1" / "000001.png"))[..., ::-1]
+    np.testing.assert_array_equal(image[:3], want.transpose(2, 0, 1))
+    convert_taco(tmp_path / "taco", tmp_path / "sup", {"train": 2}, classes="supercategory")
+    sup = {p.name: read_raster(p)[0] for p in (tmp_path / "sup").glob("*/*_mask.tif")}
+    assert sup["taco_000001_mask.tif"][20, 30] == 1 and sup["taco_000001_mask.tif"][13, 13] == 2
+    assert sup["taco_000002_mask.tif"][10, 45] == 1
+
+
+def test_taco_bad_annotations_are_named(tmp_path):
+    write_taco(tmp_path / "taco")
+    doc = json.loads((tmp_path / "taco" / "annotations.json").read_text())
+    doc["annotations"][0]["category_id"] = 99
+    (tmp_path / "taco" / "annotations.json").write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="annotation 1 has category 99"):
+        load_taco(tmp_path / "taco")
+    with pytest.raises(InputError, match="no '.*annotations.json'"):
+        load_taco(tmp_path)
+    write_taco(tmp_path / "t2")
+    with pytest.raises(ConfigError, match="asks for 5 TACO images but"):
+        convert_taco(tmp_path / "t2", tmp_path / "o", {"train": 5})
+
+
+# ----- every Gated-SCNN config runs a fast step --------------------------------------------
+
+TINY = ["trainer=fast", "logger=none", "model_size=gscnn_tiny", "tiling.core_size=32",
+        "tiling.batch_size=2", "tiling.samples_per_epoch=4", "tiling.tile_size=400",
+        "tiling.augment=null", "task.channels_last=false"]
+
+
+def _fast_fit(tmp_path: Path, overrides: list[str]) -> dict[str, float]:
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[*TINY, *overrides])
+    model = instantiate(cfg.model)
+    dm = build_data(cfg, model_footprint(model, cfg.tiling.halo))
+    task = instantiate(cfg.task, model=model)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(task, datamodule=dm)
+    moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert moved, "no optimiser step was taken"
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def _check(metrics: dict[str, float]) -> None:
+    assert math.isfinite(metrics["train/loss"]) and metrics["train/loss"] > 0
+    assert 0.0 <= metrics["val/miou"] <= 1.0 and 0.0 <= metrics["val/boundary_f"] <= 1.0
+
+
+def test_streets_config_runs_a_fast_step(tmp_path):
+    _check(_fast_fit(tmp_path, ["model=gscnn", "data=streets", "task=gscnn",
+                                f"data.root={tmp_path / 'streets'}", "data.synthetic.height=96",
+                                "data.synthetic.width=136",
+                                "data.synthetic.splits={train:1,val:1}"]))
+
+
+def test_gscnn_cityscapes_experiment_runs_a_fast_step(tmp_path):
+    src = tmp_path / "cs"
+    write_cityscapes(src, "train", "aachen", 2, size=(64, 96))
+    write_cityscapes(src, "val", "lindau", 1, seed=3, size=(64, 96))
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=gscnn_cityscapes"])
+    assert (cfg.tiling.core_size, cfg.tiling.batch_size, cfg.trainer.max_epochs) == (800, 16, 175)
+    assert cfg.task.optimizer.lr == 0.01 and cfg.task.optimizer.momentum == 0.9
+    assert cfg.model.widths[-1] == 1024 and cfg.data.num_classes == 19
+    _check(_fast_fit(tmp_path, ["experiment=gscnn_cityscapes", f"data.root={tmp_path / 'o'}",
+                                f"data.synthetic.options.source={src}"]))
+
+
+def test_taco_waste_experiment_runs_a_fast_step(tmp_path):
+    write_taco(tmp_path / "taco")
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=taco_waste"])
+    assert cfg.data.synthetic.options.classes == "supercategory" and cfg.data.num_classes == 29
+    _check(_fast_fit(tmp_path, ["experiment=taco_waste", f"data.root={tmp_path / 'o'}",
+                                f"data.synthetic.options.source={tmp_path / 'taco'}",
+                                "data.synthetic.splits={train:1,val:1,test:0}",
+                                "data.num_classes=3"]))
+
+
+@pytest.mark.slow
+def test_train_cli_on_streets_predicts_the_test_scene(tmp_path):
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "model=gscnn", "data=streets",
+           "task=gscnn", "trainer=fast", "logger=csv", "model_size=gscnn_tiny",
+           "data.synthetic.height=96", "data.synthetic.width=136",
+           "data.synthetic.splits={train:1,val:1,test:1}", "tiling.core_size=32",
+           "tiling.samples_per_epoch=4", "tiling.batch_size=2", "tiling.tile_size=400",
+           "predict.tile_size=400", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "SEG_DATA_DIR": str(tmp_path / "data"), "WANDB_MODE": "offline"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0.0 <= summary["test"][0]["miou"] <= 1.0
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "image pooling sees each training/validation tile" in log
