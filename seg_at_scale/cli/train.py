@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import psutil
 import pytorch_lightning as pl
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_method, instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from seg_at_scale.cli.common import (
     format_iou,
@@ -33,7 +35,19 @@ from seg_at_scale.cli.common import (
     save_run_config,
 )
 from seg_at_scale.data.datamodule import TileDataModule
+from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
+from seg_at_scale.memory import (
+    MemoryConfig,
+    MemoryReport,
+    apply_memory_mode,
+    auto_tile,
+    check_precision,
+    covering_side,
+    memory_config,
+)
+from seg_at_scale.parallel.pipe import PipelineConfig
+from seg_at_scale.parallel.setup import pipeline_strategy, resolve_pipeline, setup_pipeline
 from seg_at_scale.tiling import make_grid
 
 log = logging.getLogger("seg_at_scale.train")
@@ -48,14 +62,17 @@ def build_data(cfg: DictConfig, fp: Any) -> TileDataModule:
         # data.synthetic.generator: a function (root, splits, height, width, seed) writing
         # <root>/<split>/<name>_image.tif + _mask.tif; the satellite scenes by default.
         maker = get_method(d.synthetic.get("generator") or DEFAULT_GENERATOR)
+        # data.synthetic.options: extra keyword arguments of that generator (optional)
         maker(d.root, splits=dict(d.synthetic.splits), height=d.synthetic.height,
-              width=d.synthetic.width, seed=d.synthetic.seed)
+              width=d.synthetic.width, seed=d.synthetic.seed,
+              **dict(d.synthetic.get("options") or {}))
     return TileDataModule(
         d.root, fp, d.num_classes, mode=t.mode, q=t.q, tile_size=t.tile_size,
         core_size=t.core_size or 128, samples_per_epoch=t.samples_per_epoch or 0,
         batch_size=t.batch_size, num_workers=d.num_workers, scale=d.scale, mean=d.mean,
         std=d.std, class_weights=d.class_weights, ignore_index=d.ignore_index,
-        nodata=d.nodata, augment=dict(t.augment) if t.augment else None, seed=cfg.seed)
+        nodata=d.nodata, augment=dict(t.augment) if t.augment else None, seed=cfg.seed,
+        mask_bands=d.get("mask_bands", 1))
 
 
 def computed_values(dm: TileDataModule, fp: Any, cfg: DictConfig) -> dict[str, Any]:
@@ -100,6 +117,77 @@ def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_di
     return results
 
 
+def check_memory(cfg: DictConfig) -> MemoryConfig:
+    """The memory mode of ``cfg.memory``; refuses a precision this machine cannot run."""
+    with open_dict(cfg):
+        cfg.trainer.precision = check_precision(cfg.trainer.precision,
+                                                cfg.trainer.get("accelerator", "auto"))
+    group = cfg.get("memory")
+    return memory_config(OmegaConf.to_container(group, resolve=True)  # type: ignore[arg-type]
+                         if group is not None else None)
+
+
+def resolve_auto_tile(cfg: DictConfig, model: Any, fp: Any, dm: TileDataModule,
+                      memory: MemoryConfig) -> None:
+    """``tiling.tile_size=auto``: measure the largest tile within ``memory.budget_gb``.
+
+    Sets ``tiling.tile_size`` (and the random mode's ``core_size``) in ``cfg`` and ``dm``;
+    the saved run config holds the measured value.
+    """
+    t, m = cfg.tiling, cfg.memory
+    if t.tile_size != "auto":
+        return
+    if t.mode == "grid" and t.q is not None:
+        raise ConfigError(f"tiling.tile_size=auto with tiling.q={t.q}: give one of them; "
+                          "use tiling.q=null to let the memory budget choose the tile")
+    sizes = []
+    for scene in dm.scenes_of("train"):
+        with RasterReader(scene.image) as r:
+            sizes.append(covering_side(fp, r.height, r.width))
+    acc = str(cfg.trainer.get("accelerator", "auto"))
+    cuda = acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available())
+    search, keys = auto_tile(
+        model, fp, memory, budget_gb=m.get("budget_gb"),
+        batch=t.batch_size if t.mode == "random" else 1, precision=cfg.trainer.precision,
+        channels_last=bool(cfg.task.get("channels_last", False)), max_side=max(sizes),
+        device="cuda" if cuda else "cpu", rel_tol=m.get("rel_tol", 0.05),
+        max_probes=m.get("max_probes", 8),
+        host_rss=None if cuda else psutil.Process().memory_info().rss)
+    with open_dict(cfg):
+        cfg.tiling.tile_size = keys["tile_size"]
+        if t.mode == "random":
+            cfg.tiling.core_size = keys["core_size"]
+    dm.tile_size, dm.core_size = keys["tile_size"], cfg.tiling.core_size or dm.core_size
+    log.info("tiling.tile_size=auto: %s", search.summary())
+
+
+def train_batch_size(cfg: DictConfig) -> int:
+    """Samples per training step: the random tiles' batch, or 1 grid tile."""
+    return int(cfg.tiling.batch_size) if cfg.tiling.mode == "random" else 1
+
+
+def resolve_run_pipeline(cfg: DictConfig, model: Any, dm: TileDataModule,
+                         memory: MemoryConfig) -> PipelineConfig | None:
+    """The ``pipeline`` group resolved (balance profiled for ``auto``), or None.
+
+    In a pipeline, ``memory=checkpoint`` becomes Pipe's own recomputation
+    (``checkpoint=always``); offloading is not available inside Pipe's worker threads.
+    """
+    group = cfg.get("pipeline")
+    if group is None or group.get("mode", "none") == "none":
+        return None
+    p = dict(OmegaConf.to_container(group, resolve=True))  # type: ignore[arg-type]
+    if memory.mode in ("offload", "checkpoint_offload"):
+        raise ConfigError(f"memory={memory.mode} with pipeline={p['mode']}: saved tensors "
+                          "cannot be offloaded inside Pipe's stage threads; use "
+                          "memory=checkpoint (Pipe recomputation) or pipeline=none")
+    if memory.mode == "checkpoint":
+        p["checkpoint"] = "always"
+    ds = dm.train_dataloader().dataset
+    tile_shape = tuple(ds[0]["image"].shape)
+    return resolve_pipeline(p, model, tile_shape, train_batch_size(cfg))
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
@@ -107,20 +195,29 @@ def main(cfg: DictConfig) -> float | None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     model = instantiate(cfg.model)
     fp = model_footprint(model, cfg.tiling.halo)
+    memory = check_memory(cfg)  # memory mode + precision, before any work (issue 4)
     dm = build_data(cfg, fp)
+    resolve_auto_tile(cfg, model, fp, dm, memory)  # tiling.tile_size=auto
     computed = computed_values(dm, fp, cfg)
+    pipeline = resolve_run_pipeline(cfg, model, dm, memory)  # pipeline=manual|auto
+    if pipeline is not None:
+        computed["pipeline"] = pipeline.as_dict()
     save_run_config(cfg, out_dir, computed)
     log.info("halo %d (context %d, align %d, %s padding), E = %.3f on the validation grid %s",
              fp.halo, fp.context, fp.align, fp.padding, computed["efficiency"],
              computed["grid"])
-    task = instantiate(cfg.task, model=model)
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
+    task = instantiate(cfg.task, model=model if pipeline else apply_memory_mode(model, memory))
+    setup_pipeline(task, pipeline, batch_size=train_batch_size(cfg))
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [MemoryReport(memory.mode)]
     loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
     for lg in loggers:
         lg.log_hyperparams({"computed": computed})
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks,
-                                      logger=loggers or False)
+                                      logger=loggers or False,
+                                      **pipeline_strategy(cfg.trainer, pipeline))
     trainer.fit(task, datamodule=dm, ckpt_path=resolve_ckpt(cfg, out_dir))
+    if not trainer.is_global_zero:  # sample parallelism: rank 0 predicts and reports
+        return None
     metric = trainer.callback_metrics.get("val/miou")
     summary: dict[str, Any] = {"run": str(out_dir), "val/miou": float(metric)
                                if metric is not None else None, "computed": computed}

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from seg_at_scale.data.scenes import Scene, find_scenes, validate_scene
 from seg_at_scale.data.tiles import (
@@ -28,6 +28,7 @@ from seg_at_scale.data.tiles import (
 from seg_at_scale.data.transforms import build_augment
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.inference import Normalizer
+from seg_at_scale.parallel.sampling import ShardedImageSampler, ShardedTiles, shard_indices
 from seg_at_scale.tiling import Footprint
 
 __all__ = ["TileDataModule"]
@@ -55,6 +56,7 @@ class TileDataModule(pl.LightningDataModule):
         nodata: input no-data value (overrides the files' tags).
         augment: keyword arguments of :func:`build_augment` (random mode), or None.
         seed: sampling and augmentation seed.
+        mask_bands: label bands per mask (1; or one per plane, e.g. 3 detector planes).
     """
 
     def __init__(self, root: str, footprint: Footprint, num_classes: int, *,
@@ -64,7 +66,7 @@ class TileDataModule(pl.LightningDataModule):
                  mean: Sequence[float] = (0.0,), std: Sequence[float] = (1.0,),
                  class_weights: Sequence[float] | None = None, ignore_index: int = 255,
                  nodata: float | None = None, augment: dict[str, Any] | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, mask_bands: int = 1) -> None:
         super().__init__()
         if mode not in ("grid", "random"):
             raise ConfigError(f"tiling.mode={mode!r}: use 'grid' (exact whole-image gradient) "
@@ -76,14 +78,15 @@ class TileDataModule(pl.LightningDataModule):
         self.class_weights = None if class_weights is None else list(class_weights)
         self.ignore_index, self.nodata, self.seed = ignore_index, nodata, seed
         self.augment = augment
+        self.mask_bands = mask_bands
         self.scenes: dict[str, list[Scene]] = {}
 
     def scenes_of(self, split: str) -> list[Scene]:
         """Validated scenes of a split (cached)."""
         if split not in self.scenes:
             found = find_scenes(self.root / split, key=f"data.root ({split} split)")
-            self.scenes[split] = [validate_scene(s, self.num_classes, self.ignore_index)
-                                  for s in found]
+            self.scenes[split] = [validate_scene(s, self.num_classes, self.ignore_index,
+                                                 self.mask_bands) for s in found]
             log.info("%s: %d scenes in %s", split, len(found), self.root / split)
         return self.scenes[split]
 
@@ -93,8 +96,14 @@ class TileDataModule(pl.LightningDataModule):
                          ignore_index=self.ignore_index, nodata=self.nodata)
 
     def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
         if self.mode == "grid":
             ds = self._grid("train")
+            if world > 1:  # sample parallelism: each image's tiles round-robin over ranks
+                return DataLoader(ShardedTiles(ds), batch_size=1, num_workers=self.num_workers,
+                                  sampler=ShardedImageSampler(ds.groups, rank, world,
+                                                              seed=self.seed),
+                                  persistent_workers=self.num_workers > 0)
             sampler = ImageGroupedSampler(ds.groups, shuffle=True, seed=self.seed)
             return DataLoader(ds, batch_size=1, sampler=sampler, num_workers=self.num_workers,
                               persistent_workers=self.num_workers > 0)
@@ -104,12 +113,24 @@ class TileDataModule(pl.LightningDataModule):
                           class_weights=self.class_weights, ignore_index=self.ignore_index,
                           nodata=self.nodata)
         collate = functools.partial(pad_collate, ignore_index=self.ignore_index)
-        return DataLoader(rnd, batch_size=self.batch_size, sampler=EpochSampler(len(rnd)),
+        sampler = EpochSampler(len(rnd), rank=rank, world=world)
+        return DataLoader(rnd, batch_size=self.batch_size, sampler=sampler,
                           collate_fn=collate,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
                           drop_last=False)
 
+    def _rank_world(self) -> tuple[int, int]:
+        """This process's rank and the world size (Lightning's, when distributed)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 0, 1
+        return int(trainer.global_rank), int(trainer.world_size)
+
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._grid("val"), batch_size=1, shuffle=False,
+        ds: Dataset = self._grid("val")
+        rank, world = self._rank_world()
+        if world > 1:  # every tile once over all ranks; metrics are synced at epoch end
+            ds = Subset(ds, shard_indices(len(ds), rank, world))
+        return DataLoader(ds, batch_size=1, shuffle=False,
                           num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)

@@ -63,23 +63,28 @@ class _SceneTiles(Dataset):
         return float((counts * w).sum())
 
     def load(self, k: int, tile: Tile) -> tuple[np.ndarray, np.ndarray]:
-        """Normalised window ``[C, h, w]`` and core-only target ``[h', w']`` for a tile."""
+        """Normalised window ``[C, h, w]`` and core-only target ``[h', w']`` for a tile.
+
+        A mask of ``M > 1`` bands (one label band per plane) gives targets ``[M, h', w']``.
+        """
         image_r, mask_r = self._open(k)
         fill = "reflect" if self.fp.padding == "valid" else "constant"
         raw, invalid = read_valid(image_r, tile.read, fill)
         x = self.normalizer.rescale(raw)
         # labels over the whole input window, ignore outside the core and on no-data
-        labels = np.full((tile.read.height, tile.read.width), self.ignore_index, np.int64)
+        labels = np.full((mask_r.bands, tile.read.height, tile.read.width), self.ignore_index,
+                         np.int64)
         core = tile.core
         lr, lc = core.row - tile.read.row, core.col - tile.read.col
-        labels[lr : lr + core.height, lc : lc + core.width] = mask_r.read(core)[0]
+        labels[:, lr : lr + core.height, lc : lc + core.width] = mask_r.read(core)
         if invalid is not None:
-            labels[invalid] = self.ignore_index
+            labels[:, invalid] = self.ignore_index
+        labels = labels[0] if mask_r.bands == 1 else labels
         if self.transform is not None:  # geometric: image and labels alike; photometric: image
             x, labels = self.transform(x, labels)
         x = self.normalizer.standardize(x)
         h = self.fp.halo if self.fp.padding == "valid" else 0  # output = window - 2 halo
-        target = labels[h : labels.shape[0] - h, h : labels.shape[1] - h]
+        target = labels[..., h : labels.shape[-2] - h, h : labels.shape[-1] - h]
         return np.ascontiguousarray(x), np.ascontiguousarray(target, dtype=np.int64)
 
 
@@ -158,19 +163,24 @@ class RandomTiles(_SceneTiles):
 
 
 class EpochSampler(Sampler[int]):
-    """Indices ``epoch * n ... epoch * n + n - 1`` (Lightning calls ``set_epoch``)."""
+    """Indices ``epoch * n ... epoch * n + n - 1`` (Lightning calls ``set_epoch``).
 
-    def __init__(self, n: int) -> None:
-        self.n, self.epoch = n, 0
+    With ``world > 1`` ranks, rank ``r`` takes every ``world``-th of them from ``r``: the
+    ranks together draw the same tiles as one process would.
+    """
+
+    def __init__(self, n: int, rank: int = 0, world: int = 1) -> None:
+        self.n, self.epoch, self.rank, self.world = n, 0, rank, world
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.epoch * self.n, (self.epoch + 1) * self.n))
+        return iter(range(self.epoch * self.n + self.rank, (self.epoch + 1) * self.n,
+                          self.world))
 
     def __len__(self) -> int:
-        return self.n
+        return len(range(self.rank, self.n, self.world))
 
 
 class ImageGroupedSampler(Sampler[int]):
@@ -205,11 +215,12 @@ def pad_collate(samples: list[TileSample], ignore_index: int = 255) -> TileSampl
     th = max(s["target"].shape[-2] for s in samples)
     tw = max(s["target"].shape[-1] for s in samples)
     images = torch.zeros(len(samples), samples[0]["image"].shape[0], h, w)
-    targets = torch.full((len(samples), th, tw), ignore_index, dtype=torch.int64)
+    lead = tuple(samples[0]["target"].shape[:-2])  # (M,) for multi-band masks
+    targets = torch.full((len(samples), *lead, th, tw), ignore_index, dtype=torch.int64)
     for k, s in enumerate(samples):
         x, t = s["image"], s["target"]
         images[k, :, : x.shape[-2], : x.shape[-1]] = x
-        targets[k, : t.shape[-2], : t.shape[-1]] = t
+        targets[k, ..., : t.shape[-2], : t.shape[-1]] = t
     return {"image": images, "target": targets,
             "norm": torch.stack([s["norm"] for s in samples]),
             "last": torch.stack([s["last"] for s in samples]),

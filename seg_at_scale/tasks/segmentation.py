@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassJaccardIndex
 
+from seg_at_scale.parallel.strategy import all_reduce_gradients, world_size
 from seg_at_scale.tasks.losses import CrossEntropy
 
 __all__ = ["SegmentationTask", "poly_lr"]
@@ -69,22 +70,50 @@ class SegmentationTask(pl.LightningModule):
                                               ignore_index=ignore_index)
         self.save_hyperparameters(ignore=["model", "loss", "optimizer", "scheduler"])
 
+    @property
+    def pipe(self) -> nn.Module | None:
+        """The fairscale Pipe running :attr:`model` (``pipeline=manual|auto``), or None."""
+        return self.__dict__.get("_pipe")
+
+    def attach_pipeline(self, pipe: nn.Module | None) -> None:
+        """Run the network through ``pipe`` (built on this task's model, sharing its weights).
+
+        The Pipe is not a registered submodule: the state dict stays the model's own, so a
+        checkpoint loads into the plain model for prediction, and Lightning never tries to
+        ``.to()`` the Pipe (which it refuses).
+        """
+        self.__dict__["_pipe"] = pipe
+
     def forward(self, x: Tensor) -> Tensor:
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
+        pipe = self.pipe
+        if pipe is not None:
+            return pipe(x.to(pipe.devices[0]))
         return self.model(x)
+
+    def _grad_reduce_op(self) -> str:
+        """Grid tiles carry the whole image's norm: sum over ranks. Random tiles: mean."""
+        dm = getattr(self.trainer, "datamodule", None)
+        return "sum" if getattr(dm, "mode", "grid") == "grid" else "mean"
 
     # ----- training --------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         opt = self.optimizers()
-        logits = self(batch["image"])
-        loss_sum, weight = self.loss(logits, batch["target"])
-        norm = batch["norm"].sum().to(loss_sum.dtype).clamp_min(1e-12)
-        loss = loss_sum / norm
-        self.manual_backward(loss)
+        loss = torch.zeros((), dtype=torch.float64)
+        if not ("pad" in batch and bool(batch["pad"].all())):  # pad: a rank's empty slot
+            logits = self(batch["image"])
+            loss_sum, _ = self.loss(logits, batch["target"].to(logits.device))
+            norm = batch["norm"].sum().to(loss_sum.device, loss_sum.dtype).clamp_min(1e-12)
+            loss = loss_sum / norm
+            self.manual_backward(loss)
         self._image_loss = getattr(self, "_image_loss", 0.0) + float(loss.detach())
         if bool(batch["last"].all()):
+            if world_size() > 1:  # sample parallelism: the whole image's gradient, exactly
+                total = all_reduce_gradients(self.parameters(), self._grad_reduce_op(),
+                                             extra=torch.tensor(self._image_loss))
+                self._image_loss = float(total)  # type: ignore[arg-type]
             if self.gradient_clip:
                 self.clip_gradients(opt, gradient_clip_val=self.gradient_clip,
                                     gradient_clip_algorithm="norm")
@@ -95,13 +124,13 @@ class SegmentationTask(pl.LightningModule):
                 sched.step()  # type: ignore[union-attr]
             self.log("train/loss", self._image_loss, prog_bar=True, batch_size=1)
             self._image_loss = 0.0
-        del weight
         return loss.detach()
 
     # ----- validation ------------------------------------------------------------------
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         logits = self(batch["image"])
+        batch["target"] = batch["target"].to(logits.device)
         loss_sum, _ = self.loss(logits, batch["target"])
         self.log("val/loss", loss_sum / batch["norm"].sum().to(loss_sum.dtype).clamp_min(1e-12),
                  reduce_fx="sum", on_epoch=True, batch_size=1, sync_dist=True)

@@ -149,7 +149,7 @@ PixelLoss = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 def tiled_backward(model: nn.Module, image: Tensor, target: Tensor, loss: PixelLoss, *,
                    q: int | tuple[int, int] | None = None,
                    tile_size: int | tuple[int, int] | None = None,
-                   fp: Footprint | None = None) -> Tensor:
+                   fp: Footprint | None = None, shard: tuple[int, int] = (0, 1)) -> Tensor:
     """Accumulate into ``.grad`` the gradient of the whole-image loss, one tile at a time.
 
     The whole-image loss is ``sum(pixel losses) / sum(pixel weights)`` over all pixels;
@@ -165,9 +165,11 @@ def tiled_backward(model: nn.Module, image: Tensor, target: Tensor, loss: PixelL
         q: tiles per side, or
         tile_size: largest input window per tile.
         fp: footprint; computed from the model when omitted.
+        shard: ``(rank, world)``: only tiles ``rank, rank + world, ...`` (sample
+            parallelism; the ranks' gradients then sum to the whole-image gradient).
 
     Returns:
-        The whole-image loss (detached scalar).
+        The whole-image loss (detached scalar; this shard's part of it).
     """
     fp = fp or model_footprint(model)
     grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q,
@@ -175,11 +177,12 @@ def tiled_backward(model: nn.Module, image: Tensor, target: Tensor, loss: PixelL
     with torch.no_grad():
         total_weight = _total_weight(loss, target)
     total = torch.zeros((), dtype=torch.float64)
-    for tile in grid:
+    rank, world = shard
+    for tile in list(grid)[rank::world]:
         y = run_tile(model, image, tile, fp)
         t = target[..., tile.core.row : tile.core.row_end, tile.core.col : tile.core.col_end]
         s, _ = loss(y, t)
-        (s / total_weight).backward()
+        (s / total_weight.to(s.device)).backward()
         total += s.detach().double()
     return (total / total_weight).float()
 

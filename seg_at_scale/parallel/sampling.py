@@ -1,0 +1,89 @@
+"""Sample parallelism: the tiles of each image spread over the ranks.
+
+Every rank walks the same images in the same (seeded, per-epoch) order and takes the
+tiles ``rank, rank + world, ...`` of each image's grid (round-robin). Ranks must take part
+in the same number of gradient all-reduces, so a rank with fewer tiles of an image (q^2
+not a multiple of the world size, or fewer tiles than ranks) gets *pad* slots: no forward,
+no loss, only its place in the image's all-reduce. ``last`` marks each rank's final slot of
+an image, where the summed gradient is the whole image's (DESIGN.md point 2).
+
+>>> s = ShardedImageSampler([[0, 1, 2, 3, 4]], rank=1, world=2, shuffle=False)
+>>> list(s)
+[(1, False), (3, False), (-1, True)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+__all__ = ["ShardedImageSampler", "ShardedTiles", "shard_indices"]
+
+PAD = -1
+
+
+class ShardedImageSampler(Sampler[tuple[int, bool]]):
+    """Per-rank slots ``(tile index or -1, last)`` of every image, images shuffled alike.
+
+    Args:
+        groups: tile indices of each image (``GridTiles.groups``).
+        rank, world: this process's rank and the number of ranks.
+        shuffle: shuffle images each epoch (same order on every rank).
+        seed: shuffling seed.
+    """
+
+    def __init__(self, groups: Sequence[Sequence[int]], rank: int, world: int,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside 0..{world - 1}")
+        self.groups, self.rank, self.world = [list(g) for g in groups], rank, world
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def slots(self, group: Sequence[int]) -> list[tuple[int, bool]]:
+        """This rank's slots of one image (padded to the busiest rank's count)."""
+        mine = list(group[self.rank :: self.world])
+        n = -(-len(group) // self.world)
+        mine += [PAD] * (n - len(mine))
+        return [(i, k == n - 1) for k, i in enumerate(mine)]
+
+    def __iter__(self) -> Iterator[tuple[int, bool]]:
+        order = np.arange(len(self.groups))
+        if self.shuffle:
+            order = np.random.default_rng((self.seed, self.epoch)).permutation(order)
+        for g in order:
+            yield from self.slots(self.groups[g])
+
+    def __len__(self) -> int:
+        return sum(-(-len(g) // self.world) for g in self.groups)
+
+
+class ShardedTiles(Dataset):
+    """A grid dataset indexed by ``(index, last)`` slots; ``index = -1`` is a pad slot."""
+
+    def __init__(self, tiles: Dataset) -> None:
+        self.tiles = tiles
+
+    def __len__(self) -> int:
+        return len(self.tiles)  # type: ignore[arg-type]
+
+    def __getitem__(self, slot: tuple[int, bool]) -> dict[str, Any]:
+        i, last = slot
+        if i == PAD:
+            return {"image": torch.zeros(1, 1, 1), "target": torch.zeros(1, 1, dtype=torch.int64),
+                    "norm": torch.tensor(1.0, dtype=torch.float64), "last": torch.tensor(last),
+                    "pad": torch.tensor(True)}
+        sample = dict(self.tiles[i])
+        sample["last"], sample["pad"] = torch.tensor(last), torch.tensor(False)
+        return sample
+
+
+def shard_indices(n: int, rank: int, world: int) -> list[int]:
+    """Round-robin share of ``range(n)`` (validation tiles, random-tile epochs)."""
+    return list(range(rank, n, world))
