@@ -133,7 +133,10 @@ def _core_labels(model: nn.Module, x: np.ndarray, invalid: np.ndarray | None, ti
     with torch.inference_mode(), ctx:
         y = model(t)
     c = tile.crop
-    labels = y[0, :, c.row : c.row_end, c.col : c.col_end].argmax(0).to(torch.uint8)
+    # argmax over classes reads K strided planes in NCHW; in NHWC the classes of a pixel are
+    # adjacent, ~3x faster on CPU (ties still go to the first class)
+    core = y[:, :, c.row : c.row_end, c.col : c.col_end]
+    labels = core.contiguous(memory_format=torch.channels_last).argmax(1)[0].to(torch.uint8)
     out = labels.cpu().numpy()
     if invalid is not None:  # core pixels sit at crop + (read offset 0 for same/valid)
         off_r, off_c = tile.core.row - tile.read.row, tile.core.col - tile.read.col
