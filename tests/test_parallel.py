@@ -194,3 +194,38 @@ def test_profile_handles_skip_layers() -> None:
     assert sum(c.param_bytes for c in costs) == sum(4 * p.numel() for p in net.parameters())
     assert sum(c.stash_bytes > 0 for c in costs) == net.levels - 1
     assert all(c.forward_s > 0 for c in costs)
+
+
+def _model(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(2)
+    if kind == "uresnet":
+        from seg_at_scale.models.uresnet import URESNET_SIZES, UResNet
+
+        net: nn.Module = UResNet(planes=3, num_classes=3, batch_norm=False,
+                                 **URESNET_SIZES["tiny"].kwargs())
+        return net.double(), torch.randn(3, 3, 44, 52, dtype=torch.float64)
+    from seg_at_scale.models.gscnn import GSCNN, GSCNN_SIZES
+
+    size = GSCNN_SIZES["tiny"]
+    net = GSCNN(4, 5, stem_width=size.stem_width, widths=size.widths, blocks=size.blocks,
+                shape_widths=size.shape_widths, aspp_width=size.aspp_width,
+                aspp_rates=size.aspp_rates, decoder_width=size.decoder_width, norm="none",
+                output="packed")
+    return net.double(), torch.randn(3, 4, 48, 56, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["uresnet", "gscnn"])
+def test_every_model_runs_as_a_pipe(kind: str) -> None:
+    """UResNet (planes folded, joined deepest) and Gated-SCNN (side features, shape stream)."""
+    net, x = _model(kind)
+    ref = net(x)
+    ref.pow(2).sum().backward()
+    g_ref = grads(net)
+    net.zero_grad(set_to_none=True)
+    n = len(net.pipeline_layers())
+    pipe = build_pipe(net, PipelineConfig([n // 3, n // 3, n - 2 * (n // 3)], ["cpu"] * 3,
+                                          chunks=2, checkpoint="except_last"))
+    y = pipe(x)
+    assert (y - ref).abs().max() <= 1e-12 * ref.abs().max()
+    y.pow(2).sum().backward()
+    assert_grads_close(grads(net), g_ref, 1e-9)
