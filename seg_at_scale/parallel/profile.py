@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
-from seg_at_scale.models.layers import Skip
+from seg_at_scale.models.layers import Skip, run_layers
 
 __all__ = ["LayerCost", "profile_layers"]
 
@@ -54,7 +54,8 @@ def profile_layers(layers: Sequence[nn.Module], sample: Tensor, *, repeats: int 
                    warmup: int = 1) -> list[LayerCost]:
     """Time and size every layer on ``sample``'s device (median over ``repeats``).
 
-    Each layer runs on a detached copy of its real input, so its backward is timed alone.
+    Each layer runs on a detached copy of its real input, so its backward is timed alone;
+    the times are then calibrated to the whole network's measured forward and backward.
     """
     device = sample.device
     stashed: dict[str, Tensor] = {}
@@ -101,7 +102,38 @@ def profile_layers(layers: Sequence[nn.Module], sample: Tensor, *, repeats: int 
                                sorted(bwd)[len(bwd) // 2], saved, _nbytes(y), stash_bytes,
                                params))
         x = y
-    return costs
+    return _calibrated(costs, layers, sample, repeats)
+
+
+def _calibrated(costs: list[LayerCost], layers: Sequence[nn.Module], sample: Tensor,
+                repeats: int) -> list[LayerCost]:
+    """Scale the layer times so they add up to the whole network's measured step.
+
+    Timing layers one by one adds per-call overhead (an autograd launch per layer, input
+    gradients the whole network does not compute) that is large next to a ReLU: the layers'
+    *shares* are kept, the totals come from running the flat network whole, forward and
+    backward timed apart (median over ``repeats``).
+    """
+    device = sample.device
+    fwd, bwd = [], []
+    for r in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        y = run_layers(layers, sample)
+        _sync(device)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        _sync(device)
+        t2 = time.perf_counter()
+        if r:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    f_scale = sorted(fwd)[len(fwd) // 2] / max(sum(c.forward_s for c in costs), 1e-12)
+    b_scale = sorted(bwd)[len(bwd) // 2] / max(sum(c.backward_s for c in costs), 1e-12)
+    return [replace(c, forward_s=c.forward_s * f_scale, backward_s=c.backward_s * b_scale)
+            for c in costs]
 
 
 def _inplace(layer: nn.Module) -> bool:
