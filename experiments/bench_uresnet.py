@@ -94,16 +94,20 @@ def _fit(rows: list[dict[str, Any]], key: str) -> tuple[float, float] | None:
 
 
 def _variant(name: str, ds: int, steps: int, q: tuple[int, int] | None, pixels: int,
-             rows: list[dict[str, Any]], max_gib: float) -> dict[str, Any]:
+             rows: list[dict[str, Any]], max_gib: float,
+             computed_pixels: int | None = None) -> dict[str, Any]:
+    """One row; ``pixels``: the largest forward (memory), ``computed_pixels``: all (time)."""
     mem_fit, time_fit = _fit(rows, "peak_rss_mib"), _fit(rows, "s_per_step")
     predicted = _predict_mib(mem_fit, pixels)
+    computed = computed_pixels or pixels
     free_mib = psutil.virtual_memory().available / 2**20
     row: dict[str, Any] = {"variant": name, "downsample": ds, "q": q, "pixels": pixels,
                            "predicted_peak_mib": None if predicted is None else round(predicted)}
     if predicted is not None and (predicted > max_gib * 1024 or predicted > 0.7 * free_mib):
         assert time_fit is not None
+        tiles = computed // pixels  # a tiled step runs one forward/backward per tile
         row |= {"extrapolated": True, "peak_rss_mib": round(predicted),
-                "s_per_step": round(time_fit[0] + time_fit[1] * pixels, 2),
+                "s_per_step": round(tiles * (time_fit[0] + time_fit[1] * pixels), 2),
                 "why": f"predicted {predicted / 1024:.1f} GiB > --max-gib {max_gib} or 70 % of "
                        f"the {free_mib / 1024:.1f} GiB free"}
     else:
@@ -120,14 +124,15 @@ def throughput(args: argparse.Namespace) -> None:
     load0 = os.getloadavg()
     torch.set_num_threads(os.cpu_count() or 1)
     rows: list[dict[str, Any]] = []
-    for ds, steps in ((4, 3), (2, 2), (1, 1)):
+    for ds, steps in ((4, 2), (2, 1), (1, 1)):
         px = FULL[0] * FULL[1] // ds**2
         rows.append(_variant(f"untiled_ds{ds}", ds, steps, None, px, rows, args.max_gib))
     net = UResNet(**URESNET_SIZES["cosmic"].kwargs(), batch_norm=False)
     fp = net.footprint()
     grid = make_grid(*FULL, fp, q=(1, 2))
     tile_px = max(t.read.area for t in grid)
-    tiled = _variant("tiled_full_q1x2", 1, 1, (1, 2), tile_px, rows, args.max_gib)
+    tiled = _variant("tiled_full_q1x2", 1, 1, (1, 2), tile_px, rows, args.max_gib,
+                     computed_pixels=sum(t.read.area for t in grid))
     untiled = rows[-1]
     save("bench_uresnet", {
         "model": {"preset": "cosmic", **URESNET_SIZES["cosmic"].kwargs(),
@@ -193,7 +198,10 @@ def learn(args: argparse.Namespace) -> None:
                  f"trainer.max_epochs={args.epochs}",
                  f"trainer.max_time=00:00:{args.minutes:02d}:00",
                  "trainer.enable_progress_bar=false", "logger=csv", f"hydra.run.dir={run}"]
-    if args.run:  # summarise a finished run made with these overrides
+    if args.run:  # summarise a finished run: its own overrides, wall time from its files
+        import yaml
+
+        overrides = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
         wall = (run / "summary.json").stat().st_mtime - (run / "run_config.yaml").stat().st_mtime
     else:
         t0 = time.perf_counter()
@@ -217,7 +225,7 @@ def learn(args: argparse.Namespace) -> None:
         "best_val_miou": best, "target": ">= 0.7 non-background mIoU within 15 min",
         "passed": best >= 0.7 and wall <= 15 * 60 + 120,
         "real_file_ds4_smoke_test": real,
-        "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+        "note": args.note, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
     })
 
 
@@ -228,6 +236,7 @@ def main() -> None:
     ap.add_argument("--train", action="store_true", help="the learning run instead")
     ap.add_argument("--minutes", type=int, default=15)
     ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--note", default="", help="free text saved with the learning run")
     ap.add_argument("--run", help="summarise this finished run folder instead of training")
     ap.add_argument("--workdir", default="/tmp/bench_uresnet_runs",
                     help="data and run folders of the learning run (outside the repo)")
