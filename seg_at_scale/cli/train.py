@@ -45,6 +45,7 @@ from seg_at_scale.memory import (
     check_precision,
     covering_side,
     memory_config,
+    pipe_checkpoint_mode,
 )
 from seg_at_scale.parallel.pipe import PipelineConfig
 from seg_at_scale.parallel.setup import pipeline_strategy, resolve_pipeline, setup_pipeline
@@ -171,7 +172,8 @@ def resolve_run_pipeline(cfg: DictConfig, model: Any, dm: TileDataModule,
     """The ``pipeline`` group resolved (balance profiled for ``auto``), or None.
 
     In a pipeline, ``memory=checkpoint`` becomes Pipe's own recomputation
-    (``checkpoint=always``); offloading is not available inside Pipe's worker threads.
+    (``except_last``, or ``always`` with ``memory.checkpoint_last``); offloading is not
+    available inside Pipe's worker threads.
     """
     group = cfg.get("pipeline")
     if group is None or group.get("mode", "none") == "none":
@@ -182,7 +184,7 @@ def resolve_run_pipeline(cfg: DictConfig, model: Any, dm: TileDataModule,
                           "cannot be offloaded inside Pipe's stage threads; use "
                           "memory=checkpoint (Pipe recomputation) or pipeline=none")
     if memory.mode == "checkpoint":
-        p["checkpoint"] = "always"
+        p["checkpoint"] = pipe_checkpoint_mode(memory)
     ds = dm.train_dataloader().dataset
     tile_shape = tuple(ds[0]["image"].shape)
     return resolve_pipeline(p, model, tile_shape, train_batch_size(cfg))
