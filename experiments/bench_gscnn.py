@@ -16,7 +16,9 @@ the model and the image (torch, weights, input), i.e. the memory the computation
 * ``tiled_two_pass q=N``: ``predict_tiled_two_pass``: pass 1 averages the backbone features
   over the tiles' cores, pass 2 predicts with that mean: exact;
 * ``train_untiled`` / ``train_two_pass q=N``: one exact whole-image gradient of the
-  segmentation cross-entropy, untiled vs ``tiled_backward_two_pass`` (3 passes).
+  segmentation cross-entropy, untiled vs ``tiled_backward_two_pass`` (3 passes);
+* ``bn_train_*``: the forward with BatchNorm in train mode (batch statistics), untiled vs
+  two-pass tiled: the approximation that stays, measured.
 
 Time: one warm-up run, then ``--repeats`` timed runs, best kept. The two-pass overhead is
 ``time(two-pass) / time(one-pass)`` at the same tiling. The machine is shared: the load
@@ -75,7 +77,15 @@ def _variant(kind: str, q: int, side: int, size: str, repeats: int, out: str,
     base = psutil.Process().memory_info().rss / 2**20  # ru_maxrss survives exec: not usable
     loss = CrossEntropy(CLASSES)
 
+    if kind.startswith("bn_train"):  # BatchNorm with batch (= tile) statistics
+        net.train()
+
     def run() -> torch.Tensor:
+        if kind == "bn_train_untiled":
+            with torch.no_grad():
+                return net(extend(image, fp))[..., :side, :side]
+        if kind == "bn_train_two_pass":
+            return predict_tiled_two_pass(net, image, q=q, fp=fp)
         if kind == "untiled":
             return predict_full(net, image, fp)
         if kind == "tiled_one_pass":
@@ -111,13 +121,19 @@ def main() -> None:
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--quick", action="store_true", help="400^2, tiny preset, q=2")
     ap.add_argument("--name", default="bench_gscnn")
+    ap.add_argument("--mmap-threshold", type=int, default=None,
+                    help="glibc MALLOC_MMAP_THRESHOLD_ for the children (e.g. 131072): big "
+                         "buffers go back to the OS when freed, so RSS tracks live memory")
     args = ap.parse_args()
+    if args.mmap_threshold:  # read by glibc when each spawned child starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     if args.quick:
         args.side, args.size, args.q, args.name = 400, "tiny", [2], "bench_gscnn_quick"
     load_before = os.getloadavg()
     fp = GSCNN.from_preset(args.size, in_channels=4, num_classes=CLASSES).footprint()
     kinds = [("untiled", 1)] + [(k, q) for q in args.q for k in ("tiled_one_pass",
                                                                  "tiled_two_pass")]
+    kinds += [("bn_train_untiled", 1), ("bn_train_two_pass", args.q[0])]
     if not args.no_train:
         kinds += [("train_untiled", 1)] + [("train_two_pass", q) for q in args.q]
     rows, outputs = [], {}
@@ -138,6 +154,7 @@ def main() -> None:
                  "eval mode (frozen BatchNorm)",
         "image": f"{args.side} x {args.side} synthetic street scene",
         "halo": fp.halo, "context": fp.context, "align": fp.align,
+        "malloc_mmap_threshold": args.mmap_threshold,
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
         "rows": rows, "summary": _summary(rows)})
 
@@ -146,6 +163,13 @@ def _compare(rows: list[dict[str, Any]], outputs: dict[tuple[str, int], torch.Te
     ref, gref = outputs[("untiled", 1)], outputs.get(("train_untiled", 1))
     for row in rows:
         y = outputs[(row["kind"], row["q"])]
+        if row["kind"] == "bn_train_untiled":  # the reference of the next row
+            continue
+        if row["kind"] == "bn_train_two_pass":  # against the untiled train-mode forward
+            ref_bn = outputs[("bn_train_untiled", 1)]
+            row["max_abs_logit_diff"] = float((y - ref_bn).abs().max())
+            row["label_agreement"] = float((y.argmax(1) == ref_bn.argmax(1)).float().mean())
+            continue
         if row["kind"].startswith("train"):
             assert gref is not None
             row["grad_rel_err"] = float((y - gref).abs().max() / gref.abs().max())
@@ -159,7 +183,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for (kind, q), r in by.items():
         base = by.get(("train_untiled", 1) if kind.startswith("train") else ("untiled", 1))
-        if base is None or r is base:
+        if base is None or r is base or kind.startswith("bn_train"):
             continue
         key = f"{kind}_q{q}"
         out[f"{key}_memory_ratio"] = round(r["peak_rss_mib"] / base["peak_rss_mib"], 3)

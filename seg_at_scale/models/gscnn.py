@@ -244,10 +244,15 @@ class _SelectBands(nn.Module):
 
 
 class _Take(nn.Module):
-    """Pipeline helper: continue with the popped value."""
+    """Pipeline helper: continue with the popped value.
+
+    ``x`` (already stashed) is kept in the graph by adding ``0 * x.sum()`` (exactly +0.0):
+    fairscale's Pipe back-propagates into a partition only through its flowing output, so
+    dropping ``x`` would cut the gradient of every feature the partition stashed.
+    """
 
     def forward(self, x: Tensor, popped: Tensor) -> Tensor:
-        return popped
+        return popped + 0 * x.sum()
 
 
 class _Swap(nn.Module):
