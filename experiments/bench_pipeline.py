@@ -27,8 +27,8 @@ import time
 from typing import Any
 
 import torch
-
 from common import save
+
 from seg_at_scale.models import UNet
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, close_pipe
 from seg_at_scale.parallel.planner import GB, balance_by, plan, predict

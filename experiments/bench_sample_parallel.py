@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from common import save
+
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.models import UNet
 from seg_at_scale.parallel.launch import spawn

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.models.layers import Skip, check_layers
+from seg_at_scale.models.layers import Skip, check_layers, run_layers
 
 __all__ = ["GRANULARITIES", "Segment", "cut_segments", "run_segments"]
 
@@ -178,14 +178,7 @@ def _with_skips(layers: Sequence[nn.Module], lo: int, hi: int) -> Segment:
 
 
 def _run_plain(layers: Sequence[nn.Module], x: Tensor, stashed: dict[str, Tensor]) -> Tensor:
-    for layer in layers:
-        if isinstance(layer, Skip):
-            x = layer(x, *(stashed.pop(n) for n in layer.pop))
-            for n in layer.stash:
-                stashed[n] = x
-        else:
-            x = layer(x)
-    return x
+    return run_layers(layers, x, stashed)
 
 
 def _segment_fn(layers: Sequence[nn.Module], seg: Segment,

@@ -81,9 +81,15 @@ class Merge(nn.Module):
         return self.mode
 
 
-def run_layers(layers: Iterable[nn.Module], x: Tensor) -> Tensor:
-    """Run a flat layer list on one device, carrying named skips."""
-    stashed: dict[str, Tensor] = {}
+def run_layers(layers: Iterable[nn.Module], x: Tensor,
+               stashed: dict[str, Tensor] | None = None) -> Tensor:
+    """Run a flat layer list on one device, carrying named skips.
+
+    With ``stashed`` given (a segment of the list), skips are popped from and stashed into
+    it and may stay there for later segments; without it every skip must be popped.
+    """
+    whole = stashed is None
+    stashed = {} if stashed is None else stashed
     for layer in layers:
         if isinstance(layer, Skip):
             x = layer(x, *(stashed.pop(n) for n in layer.pop))
@@ -91,7 +97,7 @@ def run_layers(layers: Iterable[nn.Module], x: Tensor) -> Tensor:
                 stashed[n] = x
         else:
             x = layer(x)
-    if stashed:
+    if whole and stashed:
         raise RuntimeError(f"skips stashed but never popped: {sorted(stashed)}")
     return x
 

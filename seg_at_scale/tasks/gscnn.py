@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.parallel.strategy import all_reduce_gradients, world_size
 from seg_at_scale.tasks.segmentation import SegmentationTask
 
 __all__ = ["GSCNNLoss", "GSCNNTask", "boundary_targets", "boundary_magnitude",
@@ -244,33 +243,13 @@ class GSCNNTask(SegmentationTask):
             log.warning("BatchNorm in train mode uses tile statistics: tiled training is not "
                         "exact (model.norm=none, or frozen statistics, makes it exact)")
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        opt = self.optimizers()
-        loss = torch.zeros((), dtype=torch.float64)
-        if not ("pad" in batch and bool(batch["pad"].all())):  # pad: a rank's empty slot
-            seg, edge = self.forward_dual(batch["image"])
-            terms = self.loss.terms(seg, edge, batch["target"].to(seg.device))
-            loss = self.loss.combine(terms, batch["norm"].sum().to(seg.device, seg.dtype))
-            self.manual_backward(loss)
-            for k, (s, w) in terms.items():
-                self.log(f"train/{k}", s.detach() / w, batch_size=1)
-        self._image_loss = getattr(self, "_image_loss", 0.0) + float(loss.detach())
-        if bool(batch["last"].all()):
-            if world_size() > 1:  # sample parallelism, as in SegmentationTask
-                total = all_reduce_gradients(self.parameters(), self._grad_reduce_op(),
-                                             extra=torch.tensor(self._image_loss))
-                self._image_loss = float(total)  # type: ignore[arg-type]
-            if self.gradient_clip:
-                self.clip_gradients(opt, gradient_clip_val=self.gradient_clip,
-                                    gradient_clip_algorithm="norm")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched = self.lr_schedulers()
-            if sched is not None:
-                sched.step()  # type: ignore[union-attr]
-            self.log("train/loss", self._image_loss, prog_bar=True, batch_size=1)
-            self._image_loss = 0.0
-        return loss.detach()
+    def tile_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        seg, edge = self.forward_dual(batch["image"])
+        terms = self.loss.terms(seg, edge, batch["target"].to(seg.device))
+        loss = self.loss.combine(terms, batch["norm"].sum().to(seg.device, seg.dtype))
+        for k, (s, w) in terms.items():
+            self.log(f"train/{k}", s.detach() / w, batch_size=1)
+        return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         seg, edge = self.forward_dual(batch["image"])

@@ -99,32 +99,40 @@ class SegmentationTask(pl.LightningModule):
 
     # ----- training --------------------------------------------------------------------
 
+    def tile_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """One tile's share of its image's loss: core loss sum / the image's pixel weight."""
+        logits = self(batch["image"])
+        loss_sum, _ = self.loss(logits, batch["target"].to(logits.device))
+        norm = batch["norm"].sum().to(loss_sum.device, loss_sum.dtype).clamp_min(1e-12)
+        return loss_sum / norm
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        opt = self.optimizers()
         loss = torch.zeros((), dtype=torch.float64)
         if not ("pad" in batch and bool(batch["pad"].all())):  # pad: a rank's empty slot
-            logits = self(batch["image"])
-            loss_sum, _ = self.loss(logits, batch["target"].to(logits.device))
-            norm = batch["norm"].sum().to(loss_sum.device, loss_sum.dtype).clamp_min(1e-12)
-            loss = loss_sum / norm
+            loss = self.tile_loss(batch)
             self.manual_backward(loss)
         self._image_loss = getattr(self, "_image_loss", 0.0) + float(loss.detach())
         if bool(batch["last"].all()):
-            if world_size() > 1:  # sample parallelism: the whole image's gradient, exactly
-                total = all_reduce_gradients(self.parameters(), self._grad_reduce_op(),
-                                             extra=torch.tensor(self._image_loss))
-                self._image_loss = float(total)  # type: ignore[arg-type]
-            if self.gradient_clip:
-                self.clip_gradients(opt, gradient_clip_val=self.gradient_clip,
-                                    gradient_clip_algorithm="norm")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched = self.lr_schedulers()
-            if sched is not None:
-                sched.step()  # type: ignore[union-attr]
-            self.log("train/loss", self._image_loss, prog_bar=True, batch_size=1)
-            self._image_loss = 0.0
+            self._step_on_image()
         return loss.detach()
+
+    def _step_on_image(self) -> None:
+        """The image's last tile: reduce over ranks, clip, step, schedule, log the loss."""
+        opt = self.optimizers()
+        if world_size() > 1:  # sample parallelism: the whole image's gradient, exactly
+            total = all_reduce_gradients(self.parameters(), self._grad_reduce_op(),
+                                         extra=torch.tensor(self._image_loss))
+            self._image_loss = float(total)  # type: ignore[arg-type]
+        if self.gradient_clip:
+            self.clip_gradients(opt, gradient_clip_val=self.gradient_clip,
+                                gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched = self.lr_schedulers()
+        if sched is not None:
+            sched.step()  # type: ignore[union-attr]
+        self.log("train/loss", self._image_loss, prog_bar=True, batch_size=1)
+        self._image_loss = 0.0
 
     # ----- validation ------------------------------------------------------------------
 
