@@ -229,3 +229,16 @@ def test_every_model_runs_as_a_pipe(kind: str) -> None:
     assert (y - ref).abs().max() <= 1e-12 * ref.abs().max()
     y.pow(2).sum().backward()
     assert_grads_close(grads(net), g_ref, 1e-9)
+
+
+def test_auto_pipeline_plans_under_a_cap_from_a_measured_profile() -> None:
+    from seg_at_scale.parallel.setup import resolve_pipeline
+
+    net = UNet(4, 5, levels=3, convs_per_level=2, base_width=8, padding="same")
+    p = {"mode": "auto", "stages": 2, "devices": ["cpu", "cpu"], "balance_by": "plan",
+         "memory_cap_gb": 0.05, "repeats": 1}
+    cfg = resolve_pipeline(p, net, (4, 64, 72), batch_size=4)
+    assert cfg is not None and sum(cfg.balance) == len(net.pipeline_layers())
+    assert 4 % cfg.chunks == 0 and cfg.source["predicted_peak_gb"] <= 0.05
+    with pytest.raises(ConfigError, match="fits 1e-06 GB per device"):
+        resolve_pipeline({**p, "memory_cap_gb": 1e-6}, net, (4, 64, 72), batch_size=4)
