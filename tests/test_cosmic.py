@@ -301,6 +301,17 @@ def test_cosmic_experiments_compose(experiment, ds, height):
     assert cfg.data.synthetic.generator.endswith("convert_cosmic_h5")
 
 
+def test_cosmic_quick_composes():
+    """The 15-minute CPU recipe (experiments/learn_cosmic.py): small BN UResNet, even balance."""
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=cosmic_quick"])
+    assert cfg.model._target_ == "seg_at_scale.models.UResNet" and cfg.model.batch_norm
+    assert (cfg.model.depth, cfg.model.initial_filters) == (4, 8)
+    assert cfg.task.balance == "even" and cfg.data.class_weights is None
+    assert cfg.data.synthetic.options.downsample == 4 and cfg.data.synthetic.height == 320
+    assert cfg.tiling.mode == "grid" and cfg.tiling.q == 1
+
+
 def test_cosmic_experiment_trains_a_fast_step(tmp_path):
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "experiment=cosmic_uresnet_ds2",
            *TINY, f"hydra.run.dir={tmp_path / 'run'}"]
