@@ -1,11 +1,15 @@
-"""Shared fixtures: tiny synthetic scenes written in the real on-disk format."""
+"""Shared fixtures: tiny synthetic scenes in the real on-disk format, the training CLI."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from seg_at_scale.io import example_geotags, write_raster
 
@@ -29,3 +33,22 @@ def scene_files(tmp_path: Path):
         return img, msk
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread: on a shared 2-core machine OpenMP spinning makes small ops ~50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_train(tmp: Path, run: str, *overrides: str, timeout: int = 400) -> dict:
+    """``seg-train`` in a subprocess (data under ``tmp/data``); its summary plus its log."""
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", f"hydra.run.dir={tmp / run}",
+           *overrides]
+    env = {"SEG_DATA_DIR": str(tmp / "data"), "PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((tmp / run / "summary.json").read_text()) | {"log": out.stdout + out.stderr}

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_train
 from hydra import compose, initialize_config_dir
 
 from seg_at_scale.cli.predict import load_run, run_prediction
@@ -29,12 +30,7 @@ TINY = ["trainer=fast", "logger=csv", "model_size=tiny", "data.synthetic.height=
 
 
 def train(tmp: Path, run: str, *overrides: str) -> dict:
-    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", *TINY, f"hydra.run.dir={tmp / run}",
-           *overrides]
-    env = {"SEG_DATA_DIR": str(tmp / "data"), "PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads((tmp / run / "summary.json").read_text()) | {"log": out.stderr}
+    return run_train(tmp, run, *TINY, *overrides, timeout=300)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

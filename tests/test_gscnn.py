@@ -36,14 +36,7 @@ from seg_at_scale.tiling import (
     tiled_backward,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread: on a shared 2-core machine OpenMP spinning makes small ops ~50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny(**kw) -> GSCNN:

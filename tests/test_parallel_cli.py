@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import run_train
 
 from seg_at_scale.models import UNet
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe
@@ -24,12 +24,7 @@ SGD = ["task.optimizer._target_=torch.optim.SGD", "~task.optimizer.weight_decay"
 
 
 def train(tmp: Path, run: str, *overrides: str) -> dict:
-    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", *TINY, f"hydra.run.dir={tmp / run}",
-           *overrides]
-    env = {"SEG_DATA_DIR": str(tmp / "data"), "PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads((tmp / run / "summary.json").read_text()) | {"log": out.stdout + out.stderr}
+    return run_train(tmp, run, *TINY, *overrides)
 
 
 def params(run: Path) -> dict[str, torch.Tensor]:

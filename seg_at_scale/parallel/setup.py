@@ -73,10 +73,8 @@ def resolve_pipeline(p: Mapping[str, Any], model: nn.Module, tile_shape: Sequenc
     check_devices(devices)
     by = str(p.get("balance_by", "time"))
     sample = torch.randn(1, *tile_shape, device=torch.device(devices[0]))
-    was_training = model.training
     model.to(sample.device)
     costs = profile_layers(model.pipeline_layers(), sample, repeats=int(p.get("repeats", 2)))
-    model.train(was_training)
     if by == "plan":
         best = plan(costs, devices[:stages], batch_size,
                     memory_cap_gb=p.get("memory_cap_gb"),

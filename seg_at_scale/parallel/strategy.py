@@ -72,7 +72,25 @@ def _pipe_of(module: Any) -> Any:
     return getattr(module, "pipe", None)
 
 
-class SampleParallelStrategy(DDPStrategy):
+class _KeepsPipeInPlace:
+    """Strategy mixin: a task's attached Pipe stays where Pipe put it.
+
+    Pipe refuses ``.to()``; batches go to the first stage's device instead.
+    """
+
+    _lightning_module: Any
+
+    @property
+    def root_device(self) -> torch.device:
+        pipe = _pipe_of(self._lightning_module)
+        return pipe.devices[0] if pipe is not None else super().root_device  # type: ignore[misc]
+
+    def model_to_device(self) -> None:
+        if _pipe_of(self._lightning_module) is None:
+            super().model_to_device()  # type: ignore[misc]
+
+
+class SampleParallelStrategy(_KeepsPipeInPlace, DDPStrategy):
     """DDP launch and process group; gradients reduced by the task, once per image.
 
     Not wrapping the module keeps gradients local while an image's tiles accumulate (no
@@ -89,15 +107,6 @@ class SampleParallelStrategy(DDPStrategy):
             local = max(1, self.num_processes)
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
 
-    @property
-    def root_device(self) -> torch.device:
-        pipe = _pipe_of(self.lightning_module) if self._lightning_module is not None else None
-        return pipe.devices[0] if pipe is not None else super().root_device
-
-    def model_to_device(self) -> None:
-        if _pipe_of(self.lightning_module) is None:
-            super().model_to_device()
-
     def configure_ddp(self) -> None:
         """Start from rank 0's parameters; no DDP wrapper (the task reduces gradients)."""
         assert self.model is not None
@@ -112,20 +121,11 @@ class SampleParallelStrategy(DDPStrategy):
         return [self.root_device.index or 0]
 
 
-class PipelineStrategy(SingleDeviceStrategy):
+class PipelineStrategy(_KeepsPipeInPlace, SingleDeviceStrategy):
     """One process running a Pipe: the model stays where Pipe put it."""
 
     strategy_name = "pipeline"
 
     def __init__(self, device: str | torch.device = "cpu", **kwargs: Any) -> None:
         super().__init__(device=torch.device(device), **kwargs)
-
-    @property
-    def root_device(self) -> torch.device:
-        pipe = _pipe_of(self._lightning_module) if self._lightning_module is not None else None
-        return pipe.devices[0] if pipe is not None else super().root_device
-
-    def model_to_device(self) -> None:
-        if _pipe_of(self.lightning_module) is None:
-            super().model_to_device()
 
