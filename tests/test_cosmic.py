@@ -260,6 +260,19 @@ def test_even_weights_skip_absent_classes_and_freeze():
         CosmicLoss(3, 3, "heavy")
 
 
+def test_even_power_softens_the_even_weights():
+    target = torch.tensor([[[[0, 0, 0, 0, 0, 0, 1, 2]]]])  # n = 6, 1, 1 of N = 8
+    even = torch.tensor([8 / 18, 8 / 3, 8 / 3])
+    for p in (1.0, 0.5, 0.25):
+        got = CosmicLoss(1, 3, "even", even_power=p).class_weights(target)
+        assert torch.allclose(got, even**p)
+    assert torch.allclose(CosmicLoss(1, 3, "light", even_power=0.5).class_weights(target),
+                          torch.tensor([1.0, 1.5, 10.0]))  # only `even` is affected
+    for bad in (0.0, 1.5, -1.0):
+        with pytest.raises(ConfigError, match=rf"task.even_power={bad!r}.*\(0, 1\]"):
+            CosmicLoss(1, 3, "even", even_power=bad)
+
+
 def test_metrics_match_definitions_per_plane_and_averaged():
     target = torch.tensor([[[0, 0, 1, 1, 2, 255], [0, 1, 1, 2, 2, 0]]]).reshape(1, 2, 1, 6)
     pred = torch.tensor([[[0, 1, 1, 0, 2, 2], [0, 1, 2, 2, 2, 0]]]).reshape(1, 2, 1, 6)

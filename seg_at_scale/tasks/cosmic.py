@@ -10,7 +10,9 @@ Loss balancing (``balance``), as in CosmicTagger's options:
 * ``light``: class weights ``(1, 1.5, 10)``;
 * ``even``: weights from the class frequencies of the batch, ``w_k = N / (K' n_k)`` (``n_k``
   labelled pixels of class ``k``, ``N`` all labelled pixels, ``K'`` classes present), so
-  every present class contributes the same total weight ``N / K'``;
+  every present class contributes the same total weight ``N / K'``; ``even_power = p``
+  softens this to ``w_k = (N / (K' n_k))^p`` (``p = 0.5``: inverse square-root frequency,
+  a common middle ground between ``none`` and ``even`` for very rare classes);
 * ``focal``: ``(1 - p_t)^gamma`` times the cross-entropy (Lin et al. 2017), unweighted.
 
 The loss returns ``(sum, weight)`` like :mod:`seg_at_scale.tasks.losses`; the mean is
@@ -62,20 +64,26 @@ class CosmicLoss(nn.Module):
         gamma: focal exponent.
         ignore_index: target value without loss.
         light_weights: the ``light`` class weights.
+        even_power: exponent ``p`` of the ``even`` weights (1 = CosmicTagger's ``even``).
     """
 
     def __init__(self, planes: int = 3, num_classes: int = 3, balance: str = "light",
                  gamma: float = 2.0, ignore_index: int = 255,
-                 light_weights: Sequence[float] = LIGHT_WEIGHTS) -> None:
+                 light_weights: Sequence[float] = LIGHT_WEIGHTS,
+                 even_power: float = 1.0) -> None:
         super().__init__()
         if balance not in BALANCES:
             raise ConfigError(f"task.loss.balance={balance!r}: use one of {', '.join(BALANCES)}")
+        if not 0.0 < even_power <= 1.0:
+            raise ConfigError(f"task.even_power={even_power!r}: use a value in (0, 1] "
+                              "(1 = even, 0.5 = inverse square-root frequency)")
         if balance == "light" and len(light_weights) != num_classes:
             raise ConfigError(f"task.loss.light_weights has {len(light_weights)} values for "
                               f"{num_classes} classes; give one per class")
         self.planes, self.num_classes, self.balance = planes, num_classes, balance
         self.gamma, self.ignore_index = gamma, ignore_index
         self.light_weights = tuple(float(w) for w in light_weights)
+        self.even_power = float(even_power)
         self.fixed_weights: Tensor | None = None
 
     def class_weights(self, target: Tensor) -> Tensor:
@@ -90,7 +98,7 @@ class CosmicLoss(nn.Module):
         counts = torch.bincount(valid, minlength=self.num_classes)[: self.num_classes].double()
         present = counts > 0
         w = torch.zeros(self.num_classes, dtype=torch.float64, device=target.device)
-        w[present] = counts.sum() / (present.sum() * counts[present])
+        w[present] = (counts.sum() / (present.sum() * counts[present])) ** self.even_power
         return w.float()
 
     def frozen(self, target: Tensor) -> CosmicLoss:
@@ -118,7 +126,8 @@ class CosmicLoss(nn.Module):
         return self.pixel_loss(logits, target).sum(), self.pixel_weight(target).sum()
 
     def extra_repr(self) -> str:
-        return f"balance={self.balance}, planes={self.planes}"
+        power = f", even_power={self.even_power:g}" if self.balance == "even" else ""
+        return f"balance={self.balance}{power}, planes={self.planes}"
 
 
 def cosmic_confusion(pred: Tensor, target: Tensor, num_classes: int = 3,
@@ -181,17 +190,21 @@ class CosmicTask(SegmentationTask):
         num_classes: K.
         balance: loss balancing (module docstring).
         gamma: focal exponent.
+        light_weights: the ``light`` class weights (CosmicTagger's 1, 1.5, 10 by default).
+        even_power: exponent of the ``even`` weights (:class:`CosmicLoss`).
         class_names: names of the K classes.
         optimizer, scheduler, ignore_index, gradient_clip, channels_last: as the parent.
     """
 
     def __init__(self, model: nn.Module, planes: int = 3, num_classes: int = 3, *,
                  balance: str = "light", gamma: float = 2.0,
+                 light_weights: Sequence[float] = LIGHT_WEIGHTS, even_power: float = 1.0,
                  class_names: Sequence[str] | None = None,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, ignore_index: int = 255,
                  gradient_clip: float = 0.0, channels_last: bool = False) -> None:
-        loss = CosmicLoss(planes, num_classes, balance, gamma, ignore_index)
+        loss = CosmicLoss(planes, num_classes, balance, gamma, ignore_index,
+                          light_weights, even_power)
         super().__init__(model, num_classes, class_names=class_names, loss=loss,
                          optimizer=optimizer, scheduler=scheduler, ignore_index=ignore_index,
                          gradient_clip=gradient_clip, channels_last=channels_last)
