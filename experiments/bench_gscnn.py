@@ -44,14 +44,15 @@ from common import run_isolated, save  # noqa: E402
 
 from seg_at_scale.data.streets import canny_band, render_street  # noqa: E402
 from seg_at_scale.models import GSCNN  # noqa: E402
-from seg_at_scale.models.gscnn import predict_tiled_two_pass, tiled_backward_two_pass  # noqa: E402
 from seg_at_scale.tasks.losses import CrossEntropy  # noqa: E402
-from seg_at_scale.tiling import (  # noqa: E402
+from seg_at_scale.tiling import (  # noqa: E402  # noqa: E402
     Footprint,
     extend,
     make_grid,
     predict_full,
     predict_tiled,
+    predict_tiled_two_pass,
+    tiled_backward_two_pass,
 )
 
 CLASSES = 19

@@ -11,12 +11,7 @@ import torch.nn.functional as F
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import GSCNN
-from seg_at_scale.models.gscnn import (
-    image_pool_mean,
-    predict_tiled_two_pass,
-    tiled_backward_two_pass,
-    unpack,
-)
+from seg_at_scale.models.gscnn import unpack
 from seg_at_scale.models.layers import check_layers, run_layers
 from seg_at_scale.tasks.gscnn import (
     GSCNNLoss,
@@ -30,10 +25,13 @@ from seg_at_scale.tiling import (
     Footprint,
     empirical_halo,
     extend,
+    image_pool_mean,
     make_grid,
     predict_full,
     predict_tiled,
+    predict_tiled_two_pass,
     tiled_backward,
+    tiled_backward_two_pass,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -11,9 +11,15 @@ import torch
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import URESNET_SIZES, UResNet
 from seg_at_scale.models.layers import check_layers, run_layers
-from seg_at_scale.models.uresnet import plane_view, whole_image_batch_norm
+from seg_at_scale.models.uresnet import plane_view
 from seg_at_scale.tasks.cosmic import CosmicLoss
-from seg_at_scale.tiling import extend, predict_full, predict_tiled, tiled_backward
+from seg_at_scale.tiling import (
+    extend,
+    predict_full,
+    predict_tiled,
+    tiled_backward,
+    whole_image_batch_norm,
+)
 from seg_at_scale.tiling.halo import empirical_halo
 
 

@@ -21,9 +21,10 @@ Written from the paper. Three parts:
 
 **Exactness.** The image-level pooling branch averages the last backbone features over the
 whole input, so a tile alone does not see the statistic the whole image would. Inference
-is made exact in two passes (:func:`predict_tiled_two_pass`): pass 1 runs the backbone
-over the tiles and averages the core features, pass 2 runs the tiles with that average
-fixed (:meth:`GSCNN.fixed_image_pool`); :func:`tiled_backward_two_pass` does the same for
+is made exact in two passes (:func:`seg_at_scale.tiling.predict_tiled_two_pass`): pass 1
+runs the backbone over the tiles and averages the core features, pass 2 runs the tiles with
+that average fixed (:meth:`GSCNN.fixed_image_pool`);
+:func:`~seg_at_scale.tiling.tiled_backward_two_pass` does the same for
 the exact whole-image gradient. The halo is the receptive field with the pooled value
 held constant, measured by :func:`seg_at_scale.tiling.empirical_halo` on a 1-channel twin of
 the architecture (the receptive field depends on kernels, strides and dilations only).
@@ -49,12 +50,10 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.layers import Skip
-from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
+from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import empirical_halo
-from seg_at_scale.tiling.predict import PixelLoss, predict_tiled, read_window, tiled_backward
 
-__all__ = ["GSCNN", "GSCNNSize", "GSCNN_SIZES", "unpack", "image_pool_mean",
-           "predict_tiled_two_pass", "tiled_backward_two_pass"]
+__all__ = ["GSCNN", "GSCNNSize", "GSCNN_SIZES", "unpack"]
 
 STRIDE = 8  # output stride of the regular stream (the paper's)
 
@@ -294,7 +293,7 @@ class GSCNN(nn.Module):
             input has none; the regular stream sees the other bands.
         norm: ``"batch"`` (the paper) or ``"none"`` (exact tiled training).
         image_pool: keep the paper's image-level pooling branch in ASPP (whole-image
-            statistic: exact tiling needs :func:`predict_tiled_two_pass`).
+            statistic: exact tiling needs :func:`~seg_at_scale.tiling.predict_tiled_two_pass`).
         output: what ``forward`` returns: ``"seg"`` logits or ``"packed"`` ``[seg, boundary]``.
         padding: only ``"same"`` (accepted so configs can name it like the U-Net's).
         **unknown: refused with a :class:`ConfigError` naming them.
@@ -483,105 +482,3 @@ def _check_input(x: Tensor, channels: int) -> None:
     if h % STRIDE or w % STRIDE:
         raise ValueError(f"Gated-SCNN input {h} x {w}: sides must be multiples of {STRIDE} "
                          "(tiling pads to them; for a bare call pad the image first)")
-
-
-# ----- two-pass tiling: the image-level pooling over the whole image ---------------------
-
-
-def _feature_core(tile: Tile) -> tuple[slice, slice]:
-    """Where the tile's core lies in its 1/8 feature map (cores are aligned to 8)."""
-    r0 = (tile.core.row - tile.read.row) // STRIDE
-    c0 = (tile.core.col - tile.read.col) // STRIDE
-    return (slice(r0, r0 + -(-tile.core.height // STRIDE)),
-            slice(c0, c0 + -(-tile.core.width // STRIDE)))
-
-
-def _core_feature_sums(model: GSCNN, image: Tensor, grid: TileGrid) -> Iterator[Tensor]:
-    """Per tile: the last backbone features summed over the core ``[B, C, 1, 1]``."""
-    device = next(model.parameters()).device
-    for tile in grid:
-        x = read_window(image, tile.read, grid.footprint).to(device)
-        rows, cols = _feature_core(tile)
-        yield model.backbone(x)[-1][..., rows, cols].sum(dim=(2, 3), keepdim=True)
-
-
-def _feature_count(grid: TileGrid) -> int:
-    return (grid.extended.height // STRIDE) * (grid.extended.width // STRIDE)
-
-
-@torch.no_grad()
-def image_pool_mean(model: GSCNN, image: Tensor, grid: TileGrid) -> Tensor:
-    """Pass 1: the whole image's mean of the pooled features ``[B, C, 1, 1]``, tile by tile.
-
-    Equals ``model.backbone(extend(image))[-1].mean((2, 3))`` up to summation order
-    (accumulated in float64).
-    """
-    total: Tensor | None = None
-    for s in _core_feature_sums(model, image, grid):
-        total = s.double() if total is None else total + s.double()
-        dtype = s.dtype
-    assert total is not None
-    return (total / _feature_count(grid)).to(dtype)
-
-
-def _grid(model: GSCNN, image: Tensor, q: int | tuple[int, int] | None,
-          tile_size: int | tuple[int, int] | None, fp: Footprint | None) -> TileGrid:
-    return make_grid(image.shape[-2], image.shape[-1], fp or model.footprint(), q=q,
-                     tile_size=tile_size if q is None else None)
-
-
-def predict_tiled_two_pass(model: GSCNN, image: Tensor, *,
-                           q: int | tuple[int, int] | None = None,
-                           tile_size: int | tuple[int, int] | None = None,
-                           fp: Footprint | None = None,
-                           autocast: torch.dtype | None = None,
-                           out_dtype: torch.dtype = torch.float32) -> Tensor:
-    """Exact tiled inference for Gated-SCNN: pass 1 pools, pass 2 predicts.
-
-    Args:
-        model: the network in eval mode.
-        image: ``[B, C, H, W]``.
-        q: tiles per side, or
-        tile_size: largest input window.
-        fp: footprint (default ``model.footprint()``).
-        autocast: as for :func:`seg_at_scale.tiling.predict_tiled`.
-        out_dtype: dtype of the returned output.
-
-    Returns:
-        The model's output ``[B, K, H, W]``, equal to ``predict_full(model, image)``.
-    """
-    grid = _grid(model, image, q, tile_size, fp)
-    pooled = image_pool_mean(model, image, grid) if model.aspp.pool is not None else None
-    with model.fixed_image_pool(pooled):
-        return predict_tiled(model, image, q=q, tile_size=tile_size, fp=grid.footprint,
-                             autocast=autocast, out_dtype=out_dtype)
-
-
-def tiled_backward_two_pass(model: GSCNN, image: Tensor, target: Tensor, loss: PixelLoss, *,
-                            q: int | tuple[int, int] | None = None,
-                            tile_size: int | tuple[int, int] | None = None,
-                            fp: Footprint | None = None) -> Tensor:
-    """Exact whole-image gradient of a pixel loss on the segmentation, tile by tile.
-
-    The loss depends on the parameters directly and through the pooled mean ``p``:
-    ``dL/dθ = Σ_t ∂L_t/∂θ|_p + (Σ_t ∂L_t/∂p) · dp/dθ``. Pass 1 computes ``p``; pass 2 runs
-    :func:`seg_at_scale.tiling.tiled_backward` with ``p`` fixed and collecting its gradient
-    ``g``; pass 3 back-propagates ``g · dp/dθ`` through each tile's core features. Exact
-    when the network has no other whole-tile statistic (``norm="none"`` or eval mode).
-
-    Returns:
-        The whole-image loss (detached scalar).
-    """
-    grid = _grid(model, image, q, tile_size, fp)
-    if model.aspp.pool is None:
-        return tiled_backward(model, image, target, loss, q=q, tile_size=tile_size,
-                              fp=grid.footprint)
-    p = image_pool_mean(model, image, grid).requires_grad_(True)
-    with model.fixed_image_pool(p):
-        value = tiled_backward(model, image, target, loss, q=q, tile_size=tile_size,
-                               fp=grid.footprint)
-    if p.grad is not None:
-        g = p.grad / _feature_count(grid)
-        for s in _core_feature_sums(model, image, grid):
-            (s * g).sum().backward()
-    return value

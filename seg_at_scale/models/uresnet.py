@@ -23,7 +23,6 @@ tiling is exact (``shared/DESIGN.md``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -34,8 +33,7 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.layers import Merge, Skip
 from seg_at_scale.tiling.geometry import Footprint
 
-__all__ = ["UResNet", "UResNetSize", "URESNET_SIZES", "plane_view", "ResidualBlock",
-           "whole_image_batch_norm"]
+__all__ = ["UResNet", "UResNetSize", "URESNET_SIZES", "plane_view", "ResidualBlock"]
 
 GROWTH = ("additive", "multiplicative")
 CONNECTIONS = ("concat", "sum", "none")
@@ -283,85 +281,6 @@ class UResNet(nn.Module):
         if x.shape[-2] % d or x.shape[-1] % d:
             raise ValueError(f"UResNet input {x.shape[-2]}x{x.shape[-1]} is not a multiple of "
                              f"its downsampling factor {d}; pad it (the tiling code does)")
-
-
-# ----- batch norm with whole-image statistics, computed tile by tile --------------------
-
-
-@torch.no_grad()
-def whole_image_batch_norm(model: nn.Module, images: Sequence[Tensor], *,
-                           q: int | tuple[int, int] | None = None,
-                           tile_size: int | tuple[int, int] | None = None) -> int:
-    """Set every BatchNorm's running statistics to the whole-image batch statistics.
-
-    Train-mode batch norm normalises with the statistics of what it sees, so a tile sees
-    other statistics than the whole image. This computes, tile by tile, the statistics the
-    untiled train-mode forward over all ``images`` (each extended as ``predict_full``
-    extends it) would use, and stores them (biased variance, as train mode normalises
-    with) as running statistics: afterwards the eval-mode network, tiled or not, computes
-    exactly the train-mode whole-image forward. A layer's statistics depend on those before
-    it, so there is one pass over the tiles per batch-norm layer, in forward order; each
-    pass sums only the pixels of each tile's core (at the layer's resolution).
-
-    Args:
-        model: a ``same``-padding network with a footprint (left in eval mode).
-        images: inputs ``[B, C, H, W]`` (their pixels all count, like one large batch).
-        q: tiles per side, or
-        tile_size: largest input window.
-
-    Returns:
-        The number of passes (batch-norm layers).
-    """
-    from seg_at_scale.tiling import footprint, make_grid, read_window
-
-    fp = footprint(model)
-    order: list[nn.BatchNorm2d] = []
-    hooks = [m.register_forward_pre_hook(lambda m, _: order.append(m) if m not in order else None)
-             for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    model.eval()
-    model(torch.zeros(1, int(getattr(model, "in_channels", 1)), fp.align, fp.align))
-    for h in hooks:
-        h.remove()
-    for bn in order:
-        stats = _CoreStats()
-        hook = bn.register_forward_pre_hook(stats)
-        for image in images:
-            grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q,
-                             tile_size=tile_size if q is None else None)
-            for tile in grid:  # core in tile coordinates; the last ones reach the extension
-                ext, rd = grid.extended, tile.read
-                r1 = ext.row_end if tile.core.row_end == grid.height else tile.core.row_end
-                c1 = ext.col_end if tile.core.col_end == grid.width else tile.core.col_end
-                stats.window = (tile.core.row - rd.row, r1 - rd.row, tile.core.col - rd.col,
-                                c1 - rd.col, rd.height, rd.width)
-                model(read_window(image, rd, fp))
-        hook.remove()
-        mean, var = stats.moments()
-        bn.running_mean.copy_(mean)
-        bn.running_var.copy_(var)
-    return len(order)
-
-
-class _CoreStats:
-    """Forward pre-hook summing a layer input's core pixels (``window`` in tile pixels)."""
-
-    def __init__(self) -> None:
-        self.window = (0, 0, 0, 0, 1, 1)
-        self.sums: list[Tensor] = []
-
-    def __call__(self, _: nn.Module, inp: tuple[Tensor, ...]) -> None:
-        x = inp[0]
-        r0, r1, c0, c1, th, tw = self.window
-        s_r, s_c = th // x.shape[-2], tw // x.shape[-1]  # the layer's downsampling
-        core = x[..., r0 // s_r : r1 // s_r, c0 // s_c : c1 // s_c].double()
-        n = torch.full_like(core[0, :, 0, 0], core[:, 0].numel())
-        self.sums.append(torch.stack([core.sum(dim=(0, 2, 3)), (core**2).sum(dim=(0, 2, 3)), n]))
-
-    def moments(self) -> tuple[Tensor, Tensor]:
-        """Mean and biased variance per channel over every core pixel seen."""
-        total = torch.stack(self.sums).sum(dim=0)
-        mean = total[0] / total[2]
-        return mean, (total[1] / total[2] - mean**2).clamp_min(0)
 
 
 # ----- geometry (analytic): receptive-field spans walked backwards ----------------------

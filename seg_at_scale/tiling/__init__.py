@@ -21,10 +21,17 @@ from seg_at_scale.tiling.predict import (
     source_indices,
     tiled_backward,
 )
+from seg_at_scale.tiling.statistics import (
+    image_pool_mean,
+    predict_tiled_two_pass,
+    tiled_backward_two_pass,
+    whole_image_batch_norm,
+)
 
 __all__ = [
     "Footprint", "Tile", "TileGrid", "TilingError", "Window", "make_grid", "random_core",
     "split_axis", "empirical_halo", "footprint", "halo_width", "extend", "iter_tile_outputs",
     "predict_full", "predict_tiled", "read_window", "run_tile", "source_indices",
-    "tiled_backward",
+    "tiled_backward", "whole_image_batch_norm", "image_pool_mean", "predict_tiled_two_pass",
+    "tiled_backward_two_pass",
 ]
