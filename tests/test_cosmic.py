@@ -315,12 +315,13 @@ def test_cosmic_experiments_compose(experiment, ds, height):
 
 
 def test_cosmic_quick_composes():
-    """The 15-minute CPU recipe (experiments/learn_cosmic.py): small BN UResNet, even balance."""
+    """The 15-minute CPU recipe (experiments/learn_cosmic.py): small BN UResNet, even^0.5."""
     with initialize_config_dir(CONF, version_base="1.3"):
         cfg = compose("train", overrides=["experiment=cosmic_quick"])
     assert cfg.model._target_ == "seg_at_scale.models.UResNet" and cfg.model.batch_norm
     assert (cfg.model.depth, cfg.model.initial_filters) == (4, 8)
     assert cfg.task.balance == "even" and cfg.data.class_weights is None
+    assert cfg.task.even_power == 0.5 and cfg.trainer.precision == "bf16-mixed"
     assert cfg.data.synthetic.options.downsample == 4 and cfg.data.synthetic.height == 320
     assert cfg.tiling.mode == "grid" and cfg.tiling.q == 1
 
