@@ -30,6 +30,7 @@ from torch import nn
 from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader, check_output_path, write_raster_bands
 from seg_at_scale.tiling import Footprint, Tile, TileGrid, Window, footprint, make_grid
+from seg_at_scale.tiling.statistics import image_pool_mean_of, uses_image_pool
 
 __all__ = ["Normalizer", "PredictionStats", "predict_raster", "read_valid", "IGNORE_INDEX"]
 
@@ -67,8 +68,9 @@ class PredictionStats:
     """What a prediction run did, and where its time went (seconds).
 
     ``read_s`` is spent on a background thread, overlapped with the model; ``read_wait_s``
-    is how long the model waited for it. ``write_s`` is the rest of the wall time
-    (encoding and writing the output, bookkeeping).
+    is how long the model waited for it. ``statistics_s`` is the first pass of a model with
+    whole-image statistics (Gated-SCNN's image pooling), 0 otherwise. ``write_s`` is the
+    rest of the wall time (encoding and writing the output, bookkeeping).
     """
 
     path: Path
@@ -81,6 +83,7 @@ class PredictionStats:
     model_s: float = 0.0
     write_s: float = 0.0
     total_s: float = 0.0
+    statistics_s: float = 0.0
     class_pixels: list[int] = field(default_factory=list)
 
     @property
@@ -171,6 +174,21 @@ def _bands(model: nn.Module, reader: RasterReader, grid: TileGrid, norm: Normali
             yield band
 
 
+def _image_pool_pass(model: nn.Module, reader: RasterReader, grid: TileGrid, norm: Normalizer,
+                     device: torch.device, autocast: torch.dtype | None, channels_last: bool
+                     ) -> torch.Tensor:
+    """Pass 1 for Gated-SCNN: the whole image's pooled-feature mean, streamed tile by tile."""
+    def inputs() -> Iterator[tuple[Tile, torch.Tensor]]:
+        for tile in grid:
+            x = torch.from_numpy(_load(reader, tile, grid.footprint, norm)[0]).unsqueeze(0)
+            yield tile, (x.contiguous(memory_format=torch.channels_last) if channels_last else x)
+
+    ctx = (torch.autocast(device.type, dtype=autocast) if autocast is not None
+           else contextlib.nullcontext())
+    with torch.inference_mode(), ctx:
+        return image_pool_mean_of(model, inputs(), grid)  # type: ignore[arg-type]
+
+
 def _timed_load(reader: RasterReader, tile: Tile, fp: Footprint, norm: Normalizer
                 ) -> tuple[tuple[np.ndarray, np.ndarray | None], float]:
     t0 = time.perf_counter()
@@ -186,6 +204,11 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str] | RasterReade
                    overwrite: bool = False, tiff_tile: int = 256,
                    compression: str | None = "zlib") -> PredictionStats:
     """Predict class labels for a whole raster file, streaming, exactly as untiled.
+
+    A model with a whole-image statistic (Gated-SCNN's image-level pooling) takes two
+    passes over the tiles: the first streams them through the backbone to average the
+    pooled features over the whole image, the second predicts with that average fixed
+    (:mod:`seg_at_scale.tiling.statistics`).
 
     Args:
         model: network in eval mode, on the device it should run on.
@@ -223,10 +246,18 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str] | RasterReade
             yield band
 
     t0 = time.perf_counter()
-    write_raster_bands(out_path, (1, reader.height, reader.width), np.uint8, counted(),
-                       tile=(tiff_tile, tiff_tile), compression=compression,
-                       geotags=reader.geotags, nodata=IGNORE_INDEX, overwrite=overwrite)
+    pooled = None
+    if uses_image_pool(model):  # a whole-image statistic: pass 1 over the tiles computes it
+        pooled = _image_pool_pass(model, reader, grid, normalizer or Normalizer(), device,
+                                  autocast, channels_last)
+        stats.statistics_s = time.perf_counter() - t0
+    with (model.fixed_image_pool(pooled) if pooled is not None  # type: ignore[operator]
+          else contextlib.nullcontext()):
+        write_raster_bands(out_path, (1, reader.height, reader.width), np.uint8, counted(),
+                           tile=(tiff_tile, tiff_tile), compression=compression,
+                           geotags=reader.geotags, nodata=IGNORE_INDEX, overwrite=overwrite)
     stats.total_s = time.perf_counter() - t0
-    stats.write_s = max(0.0, stats.total_s - stats.read_wait_s - stats.model_s)
+    stats.write_s = max(0.0, stats.total_s - stats.statistics_s - stats.read_wait_s
+                        - stats.model_s)
     stats.class_pixels = [int(v) for v in hist[:IGNORE_INDEX]]
     return stats

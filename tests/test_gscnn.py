@@ -305,3 +305,30 @@ def test_fairscale_pipe_two_stages_equals_model_and_its_gradient():
     y.pow(2).sum().backward()
     for p, g in zip(net.parameters(), g_ref):  # the backbone's stashed features get theirs
         assert p.grad is not None and (p.grad - g).abs().max() <= 1e-9 * g.abs().max()
+
+
+def test_streaming_raster_prediction_takes_the_two_pass_route(tmp_path):
+    """predict_raster (seg-predict, the CLI's whole-image prediction) pools over the whole
+    raster in a first pass: its labels equal the untiled network's; one pass would not."""
+    from seg_at_scale.inference import predict_raster
+    from seg_at_scale.io import read_raster, write_raster
+
+    net = tiny().eval()
+    with torch.no_grad():
+        net.aspp.pool.conv.weight.mul_(1000)  # labels that depend on the pooled mean
+    noise = np.random.default_rng(3).integers(0, 256, (4, 357, 341)).astype(np.float32)
+    raw = (noise * np.linspace(0.05, 1, 341, dtype=np.float32)).astype(np.uint8)  # tiles differ
+    x = torch.from_numpy(raw.astype(np.float32) / 255)[None]
+    with torch.no_grad():  # split the pixels between two classes at the median margin
+        ref = predict_full(net, x)[0]
+        net.decoder.classify.bias[0] += (ref[1] - ref[0]).median()
+        ref = predict_full(net, x)[0]
+    write_raster(tmp_path / "scene.tif", raw, tile=(64, 64))
+    stats = predict_raster(net, tmp_path / "scene.tif", tmp_path / "labels.tif", q=2)
+    got = torch.from_numpy(read_raster(tmp_path / "labels.tif")[0].astype(np.int64))
+    top2 = ref.topk(2, dim=0).values
+    clear = (top2[0] - top2[1]) > 1e-4  # fp32 summation order may flip near-ties only
+    assert clear.float().mean() > 0.3
+    assert torch.equal(got[clear], ref.argmax(0)[clear]) and stats.statistics_s > 0
+    one_pass = predict_tiled(net, x, q=2)[0].argmax(0)  # each tile pools its own window
+    assert (one_pass[clear] != ref.argmax(0)[clear]).sum() > 1000

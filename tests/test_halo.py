@@ -43,3 +43,12 @@ def test_generic_model_without_footprint_is_measured():
 def test_bilinear_valid_is_refused():
     with pytest.raises(ValueError, match="upsample='bilinear'"):
         UNet(padding="valid", upsample="bilinear")
+
+
+def test_halo_probe_works_under_no_grad():
+    """The probe back-propagates: a model whose footprint is first asked for inside
+    ``torch.no_grad()`` (predict_full, a validation loop) must still get it."""
+    net = UNet(in_channels=2, num_classes=3, levels=3, base_width=4, padding="same")
+    expected = empirical_halo(net)
+    with torch.no_grad():
+        assert empirical_halo(net) == expected

@@ -234,8 +234,8 @@ class GSCNNTask(SegmentationTask):
         if pool is not None:
             log.warning("Gated-SCNN image pooling sees each training/validation tile's own "
                         "mean, not the whole image's: tile training and validation are an "
-                        "approximation (exact inference: predict_tiled_two_pass; exact "
-                        "gradients: tiled_backward_two_pass)")
+                        "approximation (whole-image prediction pools in a first pass and is "
+                        "exact; exact gradients: seg_at_scale.tiling.tiled_backward_two_pass)")
         if not hasattr(self.model, "forward_dual"):
             log.warning("the memory mode wraps Gated-SCNN's single-output forward; training "
                         "uses its two-output forward_dual on the unwrapped model")

@@ -107,6 +107,7 @@ def _probe_size(model: nn.Module, size: int) -> int:
     return int(fit(size)) if callable(fit) else size
 
 
+@torch.enable_grad()  # the probe back-propagates, also when called under no_grad / inference
 def _measure(model: nn.Module, align: int, max_size: int = 4096) -> tuple[int, int, int]:
     """Returns (halo, shrink per side, output size of the probe)."""
     net = _structural_copy(model)

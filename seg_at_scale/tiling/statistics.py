@@ -14,7 +14,7 @@ by tile first, summing only each tile's *core* pixels, then running the tiles wi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,8 +27,8 @@ from seg_at_scale.tiling.predict import PixelLoss, predict_tiled, read_window, t
 if TYPE_CHECKING:
     from seg_at_scale.models.gscnn import GSCNN
 
-__all__ = ["whole_image_batch_norm", "image_pool_mean", "predict_tiled_two_pass",
-           "tiled_backward_two_pass"]
+__all__ = ["whole_image_batch_norm", "uses_image_pool", "image_pool_mean", "image_pool_mean_of",
+           "predict_tiled_two_pass", "tiled_backward_two_pass"]
 
 
 @torch.no_grad()
@@ -113,18 +113,29 @@ def _feature_core(tile: Tile, stride: int) -> tuple[slice, slice]:
             slice(c0, c0 + -(-tile.core.width // stride)))
 
 
-def _core_feature_sums(model: GSCNN, image: Tensor, grid: TileGrid) -> Iterator[Tensor]:
+def _tile_inputs(image: Tensor, grid: TileGrid) -> Iterator[tuple[Tile, Tensor]]:
+    for tile in grid:
+        yield tile, read_window(image, tile.read, grid.footprint)
+
+
+def _core_feature_sums(model: GSCNN, tile_inputs: Iterable[tuple[Tile, Tensor]]
+                       ) -> Iterator[Tensor]:
     """Per tile: the last backbone features summed over the core ``[B, C, 1, 1]``."""
     device = next(model.parameters()).device
-    for tile in grid:
-        x = read_window(image, tile.read, grid.footprint).to(device)
+    for tile, x in tile_inputs:
         rows, cols = _feature_core(tile, model.downsampling_factor)
-        yield model.backbone(x)[-1][..., rows, cols].sum(dim=(2, 3), keepdim=True)
+        yield model.backbone(x.to(device))[-1][..., rows, cols].sum(dim=(2, 3), keepdim=True)
 
 
 def _feature_count(model: GSCNN, grid: TileGrid) -> int:
     s = model.downsampling_factor
     return (grid.extended.height // s) * (grid.extended.width // s)
+
+
+def uses_image_pool(model: nn.Module) -> bool:
+    """Whether ``model`` averages features over its whole input (Gated-SCNN's image pooling)."""
+    pool = getattr(getattr(model, "aspp", None), "pool", None)
+    return pool is not None and hasattr(model, "fixed_image_pool")
 
 
 @torch.no_grad()
@@ -134,8 +145,19 @@ def image_pool_mean(model: GSCNN, image: Tensor, grid: TileGrid) -> Tensor:
     Equals ``model.backbone(extend(image))[-1].mean((2, 3))`` up to summation order
     (accumulated in float64).
     """
+    return image_pool_mean_of(model, _tile_inputs(image, grid), grid)
+
+
+@torch.no_grad()
+def image_pool_mean_of(model: GSCNN, tile_inputs: Iterable[tuple[Tile, Tensor]],
+                       grid: TileGrid) -> Tensor:
+    """:func:`image_pool_mean` from ``(tile, input window)`` pairs covering ``grid``.
+
+    For inputs that are not one tensor in memory: :func:`seg_at_scale.inference.predict_raster`
+    streams the windows from the raster file.
+    """
     total: Tensor | None = None
-    for s in _core_feature_sums(model, image, grid):
+    for s in _core_feature_sums(model, tile_inputs):
         total = s.double() if total is None else total + s.double()
         dtype = s.dtype
     assert total is not None
@@ -169,7 +191,7 @@ def predict_tiled_two_pass(model: GSCNN, image: Tensor, *,
         The model's output ``[B, K, H, W]``, equal to ``predict_full(model, image)``.
     """
     grid = _grid(model, image, q, tile_size, fp)
-    pooled = image_pool_mean(model, image, grid) if model.aspp.pool is not None else None
+    pooled = image_pool_mean(model, image, grid) if uses_image_pool(model) else None
     with model.fixed_image_pool(pooled):
         return predict_tiled(model, image, q=q, tile_size=tile_size, fp=grid.footprint,
                              autocast=autocast, out_dtype=out_dtype)
@@ -200,6 +222,6 @@ def tiled_backward_two_pass(model: GSCNN, image: Tensor, target: Tensor, loss: P
                                fp=grid.footprint)
     if p.grad is not None:
         g = p.grad / _feature_count(model, grid)
-        for s in _core_feature_sums(model, image, grid):
+        for s in _core_feature_sums(model, _tile_inputs(image, grid)):
             (s * g).sum().backward()
     return value
