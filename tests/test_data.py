@@ -104,6 +104,41 @@ def test_random_tiles_are_reproducible_and_aligned(tmp_path, scene_files):
     assert batch["image"].shape[0] == 6 and batch["image"].shape[-1] % fp.align == 0
 
 
+def test_random_tile_augmentation_does_not_depend_on_workers(tmp_path, scene_files):
+    """Each DataLoader worker holds a copy of the albumentations pipeline: without a
+    per-sample seed, worker 0's k-th sample and worker 1's k-th sample got the same flips."""
+    from torch.utils.data import DataLoader
+
+    from seg_at_scale.data.transforms import build_augment
+
+    img, msk = scene_files(tmp_path, shape=(4, 203, 171))
+    scene = validate_scene(Scene(img, msk), num_classes=5)
+    fp = UNet(4, 5, levels=3, base_width=2, padding="same").footprint()
+    aug = build_augment(flips=True, rotate90=True, brightness=0, contrast=0, seed=0)
+    ds = RandomTiles([scene], fp, Normalizer(), core=64, samples_per_epoch=12, seed=3,
+                     transform=aug)
+    plain = RandomTiles([scene], fp, Normalizer(), core=64, samples_per_epoch=12, seed=3)
+
+    def images(workers: int) -> list[torch.Tensor]:
+        loader = DataLoader(ds, batch_size=None, num_workers=workers)
+        return [b["image"] for b in loader]
+
+    one, two = images(0), images(2)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    changed = [not torch.equal(one[i], plain[i]["image"]) for i in range(12)]
+    assert 3 <= sum(changed) <= 11  # augmented, but not every sample the same way
+    # the ops applied: which of the 8 flips/rotations maps the plain window onto the sample
+    def op(i: int) -> int:
+        x = plain[i]["image"]
+        cands = [torch.rot90(x, r, (1, 2)) for r in range(4)]
+        cands += [torch.rot90(x.flip(2), r, (1, 2)) for r in range(4)]
+        return next(k for k, c in enumerate(cands) if c.shape == one[i].shape
+                    and torch.allclose(c, one[i]))
+    ops = [op(i) for i in range(12)]
+    pairs = [(ops[2 * j], ops[2 * j + 1]) for j in range(6)]  # what 2 workers drew together
+    assert any(a != b for a, b in pairs) and len(set(ops)) >= 3
+
+
 def test_grouped_sampler_keeps_images_together():
     s = ImageGroupedSampler([[0, 1, 2], [3, 4], [5]], shuffle=True, seed=1)
     order = list(s)

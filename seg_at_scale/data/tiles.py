@@ -62,10 +62,11 @@ class _SceneTiles(Dataset):
         w = np.ones_like(counts) if self.class_weights is None else self.class_weights
         return float((counts * w).sum())
 
-    def load(self, k: int, tile: Tile) -> tuple[np.ndarray, np.ndarray]:
+    def load(self, k: int, tile: Tile, seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Normalised window ``[C, h, w]`` and core-only target ``[h', w']`` for a tile.
 
         A mask of ``M > 1`` bands (one label band per plane) gives targets ``[M, h', w']``.
+        ``seed`` reseeds a transform that can be (``Augment.reseed``) before it is applied.
         """
         image_r, mask_r = self._open(k)
         fill = "reflect" if self.fp.padding == "valid" else "constant"
@@ -81,6 +82,8 @@ class _SceneTiles(Dataset):
             labels[:, invalid] = self.ignore_index
         labels = labels[0] if mask_r.bands == 1 else labels
         if self.transform is not None:  # geometric: image and labels alike; photometric: image
+            if seed is not None and hasattr(self.transform, "reseed"):
+                self.transform.reseed(seed)
             x, labels = self.transform(x, labels)
         x = self.normalizer.standardize(x)
         h = self.fp.halo if self.fp.padding == "valid" else 0  # output = window - 2 halo
@@ -125,6 +128,8 @@ class GridTiles(_SceneTiles):
 class RandomTiles(_SceneTiles):
     """Random aligned tiles with a ``core x core`` output, reproducible per (seed, index).
 
+    The augmentation too depends on (seed, index) alone, whatever the DataLoader workers.
+
     Index ``i`` may exceed ``len(self)``: :class:`EpochSampler` hands out fresh indices
     every epoch, so tiles differ between epochs yet every run draws the same ones.
 
@@ -153,7 +158,9 @@ class RandomTiles(_SceneTiles):
         rng = np.random.default_rng((self.seed, i))
         k = int(rng.choice(len(self.scenes), p=self.weights))
         tile = random_core(*self.sizes[k], self.fp, self.core, (rng.random(), rng.random()))
-        x, target = self.load(k, tile)
+        # the augmentation too depends on (seed, i) alone: DataLoader workers each hold a copy
+        # of the pipeline, whose shared random state would repeat across workers
+        x, target = self.load(k, tile, seed=int(rng.integers(2**31)))
         t = torch.from_numpy(target)
         w = torch.from_numpy(self.class_weights).float()[t.clamp(0, len(self.class_weights) - 1)] \
             if self.class_weights is not None else torch.ones(t.shape)

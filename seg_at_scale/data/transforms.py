@@ -22,6 +22,14 @@ class Augment:
 
     pipeline: A.Compose
 
+    def reseed(self, seed: int) -> None:
+        """Restart the random draws from ``seed``.
+
+        A per-sample seed makes a sample's augmentation independent of DataLoader workers
+        and of the order in which samples are drawn.
+        """
+        self.pipeline.set_random_seed(seed)
+
     def __call__(self, image: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out = self.pipeline(image=np.ascontiguousarray(image.transpose(1, 2, 0)),
                             mask=labels)
