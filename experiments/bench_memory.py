@@ -4,8 +4,10 @@ Run it::
 
     python experiments/bench_memory.py                        # small + medium U-Net, 6 GiB
     python experiments/bench_memory.py --models small --rel-tol 0.15 --name bench_memory_quick
+    python experiments/bench_memory.py --models uresnet_cosmic --name bench_memory_uresnet
 
-For each U-Net size and memory mode, on this machine's CPU:
+For each U-Net size (or ``uresnet_<preset>``: residual levels, deeper per resolution; its
+tile is per wire plane, all three planes in one step) and memory mode, on this machine's CPU:
 
 * the largest legal square tile whose training step (forward, loss, backward, AdamW step;
   fresh process, peak RSS) fits ``--budget-gb`` (:func:`seg_at_scale.memory.find_largest_tile`);
@@ -48,15 +50,18 @@ from seg_at_scale.memory import (  # noqa: E402
     measure_step,
 )
 from seg_at_scale.memory.sides import legal_side  # noqa: E402
-from seg_at_scale.models import UNET_SIZES, UNet  # noqa: E402
+from seg_at_scale.models import UNET_SIZES, URESNET_SIZES, UNet, UResNet  # noqa: E402
 from seg_at_scale.tiling import make_grid  # noqa: E402
 
 DEFAULT_TILE = 512  # conf/tiling/random.yaml tile_size
 
 
-def build(size: str) -> UNet:
-    s = UNET_SIZES[size]
+def build(size: str) -> UNet | UResNet:
+    """A U-Net preset (``small``), or a UResNet one (``uresnet_cosmic``: 3 planes)."""
     torch.manual_seed(0)
+    if size.startswith("uresnet_"):
+        return UResNet(**URESNET_SIZES[size.removeprefix("uresnet_")].kwargs())
+    s = UNET_SIZES[size]
     return UNet(in_channels=4, num_classes=5, levels=s.levels, convs_per_level=s.convs_per_level,
                 base_width=s.base_width, padding="same")
 
@@ -162,8 +167,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     for size in args.models.split(","):
         net = build(size)
-        print(f"{size} U-Net: {sum(q.numel() for q in net.parameters()) / 1e6:.2f} M params",
-              flush=True)
+        print(f"{size} {type(net).__name__}: "
+              f"{sum(q.numel() for q in net.parameters()) / 1e6:.2f} M params", flush=True)
         timing = time_modes(net, modes, legal_side(net.footprint(), args.time_side), spec,
                             args.granularity, args.rounds)
         t_default = measure_step(net, legal_side(net.footprint(), DEFAULT_TILE),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -305,3 +307,21 @@ def test_recomputation_does_not_update_batchnorm_statistics_twice():
     for (k, a), b in zip(ref.state_dict().items(), net.state_dict().values(), strict=True):
         assert torch.allclose(a.float(), b.float(), atol=1e-6), k
     assert_close(grads(net), grads(ref))
+
+
+def test_probe_child_cannot_allocate_past_its_cap():
+    """A probe's child gets RLIMIT_DATA = budget + slack: one huge allocation fails inside
+    it (an error the search counts as 'does not fit') instead of taking the machine down."""
+    code = ("import torch\n"
+            "from seg_at_scale.memory.probe import _cap_memory\n"
+            "torch.empty(256 << 20, dtype=torch.uint8).fill_(1)  # 256 MiB: below the cap\n"
+            "_cap_memory(2 << 30)\n"
+            "torch.empty(256 << 20, dtype=torch.uint8).fill_(1)\n"
+            "try:\n"
+            "    torch.empty(3 << 30, dtype=torch.uint8).fill_(1)\n"
+            "except RuntimeError as e:\n"
+            "    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused:" in out.stdout and "allocate" in out.stdout

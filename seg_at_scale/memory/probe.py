@@ -156,8 +156,25 @@ def run_step(model: nn.Module, side: int, spec: StepSpec,
     return {"seconds": best[0], "cpu_seconds": best[1], "base_bytes": base, "peak_bytes": peak}
 
 
-def _child(model: nn.Module, side: int, spec: StepSpec, out: mp.Queue) -> None:
+CAP_SLACK = 1 << 30  # the child's hard allocation cap: budget + 1 GiB
+
+
+def _cap_memory(cap_bytes: int) -> None:
+    """Make allocations past ``cap_bytes`` fail in this process, not in the OOM killer.
+
+    One large allocation (a convolution's column buffer) can outgrow the budget between
+    two RSS samples of the parent.
+    """
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = cap_bytes if hard == resource.RLIM_INFINITY else min(cap_bytes, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+
+
+def _child(model: nn.Module, side: int, spec: StepSpec, out: mp.Queue,
+           cap_bytes: int | None = None) -> None:
     try:
+        if cap_bytes is not None:
+            _cap_memory(cap_bytes)
         out.put(("ok", run_step(model, side, spec, "cpu")))
     except BaseException as e:  # report to the parent instead of hanging it
         out.put(("error", f"{type(e).__name__}: {e}"))
@@ -172,7 +189,9 @@ def measure_step(model: nn.Module, side: int, spec: StepSpec, *,
         model: the plain network (on CPU; it is copied, never changed).
         side: input tile side (a size the model accepts).
         spec: mode, batch, precision.
-        budget_bytes: on CPU, stop the child once its RSS passes this (``fits=False``).
+        budget_bytes: on CPU, stop the child once its RSS passes this (``fits=False``); the
+            child also cannot allocate more than this + 1 GiB (``RLIMIT_DATA``), so a
+            sudden large allocation fails there rather than exhausting the machine.
         device: ``"cpu"`` (fresh child process) or a CUDA device (this process).
         poll_s: RSS sampling period.
     """
@@ -181,7 +200,8 @@ def measure_step(model: nn.Module, side: int, spec: StepSpec, *,
         return _measure_cuda(model, side, spec, dev, budget_bytes)
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(model, side, spec, out), daemon=True)
+    cap = None if budget_bytes is None else budget_bytes + CAP_SLACK
+    proc = ctx.Process(target=_child, args=(model, side, spec, out, cap), daemon=True)
     proc.start()
     ps, sampled, result = psutil.Process(proc.pid), 0, None
     while result is None:
