@@ -135,7 +135,9 @@ def find_largest_tile(model: nn.Module, budget_bytes: int, spec: StepSpec | None
             "model")
     hi: StepMeasure | None = None
     cap = legal_side(fp, max_side)
-    c0 = activation_bytes_per_pixel(model, spec) if measure is None else float("nan")
+    # on the smallest tile, which the first probe showed to fit: this forward runs in *this*
+    # process, and a larger tile (4x the smallest side of a UResNet) could exhaust the machine
+    c0 = activation_bytes_per_pixel(model, spec, first) if measure is None else float("nan")
     while len(probes) < max_probes and lo.side < cap:
         if hi is not None and hi.side - lo.side <= max(fp.align, rel_tol * lo.side):
             break
@@ -162,12 +164,12 @@ def activation_bytes_per_pixel(model: nn.Module, spec: StepSpec, side: int = 0) 
     """First guess of ``c``: bytes autograd saves per input pixel, times 1.6 for the backward.
 
     Counts the distinct storages the forward pass hands to autograd on a small tile (in this
-    process, on CPU); the backward pass adds gradients and kernel workspaces on top, which
-    the factor 1.6 stands for (measured on the U-Nets on CPU). Only a starting point: the
-    search measures.
+    process, on CPU; default: the smallest legal tile); the backward pass adds gradients and
+    kernel workspaces on top, which the factor 1.6 stands for (measured on the U-Nets on
+    CPU). Only a starting point: the search measures.
     """
     fp = footprint(model)
-    side = side or legal_side(fp, 4 * smallest_side(fp))
+    side = side or smallest_side(fp)
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
