@@ -256,7 +256,7 @@ def test_even_weights_skip_absent_classes_and_freeze():
     frozen = loss.frozen(target)
     assert torch.allclose(frozen.class_weights(torch.zeros(1, 1, 1, 1, dtype=torch.long)),
                           torch.tensor([4 / 6, 4 / 2, 0.0]))
-    with pytest.raises(ConfigError, match="task.loss.balance='heavy'"):
+    with pytest.raises(ConfigError, match="task.balance='heavy'"):
         CosmicLoss(3, 3, "heavy")
 
 

@@ -73,12 +73,12 @@ class CosmicLoss(nn.Module):
                  even_power: float = 1.0) -> None:
         super().__init__()
         if balance not in BALANCES:
-            raise ConfigError(f"task.loss.balance={balance!r}: use one of {', '.join(BALANCES)}")
+            raise ConfigError(f"task.balance={balance!r}: use one of {', '.join(BALANCES)}")
         if not 0.0 < even_power <= 1.0:
             raise ConfigError(f"task.even_power={even_power!r}: use a value in (0, 1] "
                               "(1 = even, 0.5 = inverse square-root frequency)")
         if balance == "light" and len(light_weights) != num_classes:
-            raise ConfigError(f"task.loss.light_weights has {len(light_weights)} values for "
+            raise ConfigError(f"task.light_weights has {len(light_weights)} values for "
                               f"{num_classes} classes; give one per class")
         self.planes, self.num_classes, self.balance = planes, num_classes, balance
         self.gamma, self.ignore_index = gamma, ignore_index

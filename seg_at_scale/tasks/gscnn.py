@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.tasks.segmentation import SegmentationTask
+from seg_at_scale.tiling.statistics import uses_image_pool
 
 __all__ = ["GSCNNLoss", "GSCNNTask", "boundary_targets", "boundary_magnitude",
            "boundary_f_counts", "boundary_f_score"]
@@ -230,8 +231,7 @@ class GSCNNTask(SegmentationTask):
         return model.forward_dual(x)  # type: ignore[operator,no-any-return]
 
     def on_fit_start(self) -> None:
-        pool = getattr(getattr(self.model, "aspp", None), "pool", None)
-        if pool is not None:
+        if uses_image_pool(self.model):
             log.warning("Gated-SCNN image pooling sees each training/validation tile's own "
                         "mean, not the whole image's: tile training and validation are an "
                         "approximation (whole-image prediction pools in a first pass and is "

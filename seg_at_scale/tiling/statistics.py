@@ -213,7 +213,7 @@ def tiled_backward_two_pass(model: GSCNN, image: Tensor, target: Tensor, loss: P
         The whole-image loss (detached scalar).
     """
     grid = _grid(model, image, q, tile_size, fp)
-    if model.aspp.pool is None:
+    if not uses_image_pool(model):
         return tiled_backward(model, image, target, loss, q=q, tile_size=tile_size,
                               fp=grid.footprint)
     p = image_pool_mean(model, image, grid).requires_grad_(True)
