@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from seg_at_scale.data.cosmic import (
     IMAGE_GROUP,
@@ -315,11 +316,16 @@ def test_cosmic_experiments_compose(experiment, ds, height):
 
 
 def test_cosmic_quick_composes():
-    """The 15-minute CPU recipe (experiments/learn_cosmic.py): small BN UResNet, even^0.5."""
+    """The 15-minute CPU recipe (experiments/learn_cosmic.py): BN UResNet d6/8, even^0.5."""
     with initialize_config_dir(CONF, version_base="1.3"):
         cfg = compose("train", overrides=["experiment=cosmic_quick"])
     assert cfg.model._target_ == "seg_at_scale.models.UResNet" and cfg.model.batch_norm
-    assert (cfg.model.depth, cfg.model.initial_filters) == (4, 8)
+    assert (cfg.model.depth, cfg.model.initial_filters, cfg.model.growth) == (6, 8,
+                                                                           "multiplicative")
+    net = instantiate(cfg.model)
+    fp = net.footprint()
+    assert fp.halo == 288 and 320 % fp.align == 0 and 512 % fp.align == 0  # whole-image steps
+    assert sum(p.numel() for p in net.parameters()) < 1_500_000
     assert cfg.task.balance == "even" and cfg.data.class_weights is None
     assert cfg.task.even_power == 0.5 and cfg.trainer.precision == "bf16-mixed"
     assert cfg.data.synthetic.options.downsample == 4 and cfg.data.synthetic.height == 320
