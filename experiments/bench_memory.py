@@ -67,10 +67,14 @@ def build(size: str) -> UNet | UResNet:
 
 
 def mode_spec(label: str, granularity: str, spec: dict[str, Any], **extra: Any) -> StepSpec:
-    """``mode`` or ``mode@precision`` (e.g. ``checkpoint@bf16-mixed``) as a step spec."""
+    """``mode[:granularity][@precision]`` as a step spec (``checkpoint@bf16-mixed``,
+    ``checkpoint:strips``); without ``:granularity`` the ``--granularity`` one."""
     mode, _, precision = label.partition("@")
-    return StepSpec(MemoryConfig(mode, granularity=granularity),
-                    precision=precision or "32-true", **spec, **extra)
+    mode, _, gran = mode.partition(":")
+    rows = extra.pop("strip_rows", None) or spec.get("strip_rows") or 256
+    return StepSpec(MemoryConfig(mode, granularity=gran or granularity, strip_rows=rows),
+                    precision=precision or "32-true",
+                    **{k: v for k, v in spec.items() if k != "strip_rows"}, **extra)
 
 
 def time_modes(net: UNet, modes: list[str], side: int, spec: dict[str, Any],
@@ -150,7 +154,8 @@ def main() -> None:
     p.add_argument("--models", default="small,medium")
     p.add_argument("--modes", default="none,checkpoint,offload,checkpoint_offload,"
                    "checkpoint@bf16-mixed", help="mode or mode@precision, comma-separated")
-    p.add_argument("--granularity", default="level")
+    p.add_argument("--granularity", default="level", help="for modes without :granularity")
+    p.add_argument("--strip-rows", type=int, default=256, help="for checkpoint:strips")
     p.add_argument("--budget-gb", type=float, default=6.0)
     p.add_argument("--rel-tol", type=float, default=0.08)
     p.add_argument("--max-probes", type=int, default=6)
@@ -162,7 +167,7 @@ def main() -> None:
     p.add_argument("--name", default="bench_memory")
     args = p.parse_args()
     modes = args.modes.split(",")
-    spec = {"channels_last": True, "threads": args.threads}
+    spec = {"channels_last": True, "threads": args.threads, "strip_rows": args.strip_rows}
     load0, t0 = os.getloadavg(), time.perf_counter()
     results: dict[str, Any] = {}
     for size in args.models.split(","):
@@ -172,7 +177,7 @@ def main() -> None:
         timing = time_modes(net, modes, legal_side(net.footprint(), args.time_side), spec,
                             args.granularity, args.rounds)
         t_default = measure_step(net, legal_side(net.footprint(), DEFAULT_TILE),
-                                 StepSpec(repeats=1, **spec))
+                                 mode_spec("none", "level", spec, repeats=1))
         found = search_modes(net, modes, args, spec)
         none_side = found["none"]["side"]
         for f in found.values():
@@ -183,7 +188,7 @@ def main() -> None:
                          "halo_overhead": halo_overhead(net, found, args.image, t_default)}
     save(args.name, {
         "budget_gib": args.budget_gb, "time_side": args.time_side, "rounds": args.rounds,
-        "granularity": args.granularity, "rel_tol": args.rel_tol,
+        "granularity": args.granularity, "strip_rows": args.strip_rows, "rel_tol": args.rel_tol,
         "measure": "peak RSS (VmHWM) of a fresh process running one training step",
         "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
         "wall_s": round(time.perf_counter() - t0, 1), "results": results,

@@ -36,8 +36,11 @@ from seg_at_scale.memory import (
     memory_config,
     pipe_checkpoint_mode,
 )
+from seg_at_scale.memory import probe as probe_mod
+from seg_at_scale.memory.probe import StepMeasure, run_step
 from seg_at_scale.memory.segments import cut_segments
-from seg_at_scale.models import UNet
+from seg_at_scale.memory.sides import smallest_side
+from seg_at_scale.models import UNet, UResNet
 from seg_at_scale.models.layers import run_layers
 from seg_at_scale.tasks import SegmentationTask
 from seg_at_scale.tasks.losses import CrossEntropy
@@ -47,6 +50,7 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 CONFIGS = [MemoryConfig(m, granularity=g, every=3)
            for m in MODES if m != "none" for g in ("level", "block", "layers")
            if g == "level" or "checkpoint" in m]
+CONFIGS.append(MemoryConfig("checkpoint", granularity="strips", strip_rows=6))  # 6 rows: many
 
 
 def tiny(padding: str = "same", levels: int = 3) -> UNet:
@@ -100,6 +104,63 @@ def test_mode_gives_the_gradients_of_none_tiled(cfg):
     assert_close(grads(net), ref)
 
 
+@pytest.mark.parametrize(("connections", "upsample", "downsample"),
+                         [("concat", "interpolation", "max_pool"),
+                          ("sum", "transpose", "strided_conv")])
+def test_strips_give_the_gradients_of_none_on_a_uresnet(connections, upsample, downsample):
+    """Residual levels, 5 x 5 stem, three planes folded into the batch, bilinear or
+    transposed upsampling, pooling or strided downsampling: strips of 4 rows on 52 x 36."""
+    torch.manual_seed(0)
+    net = UResNet(planes=3, num_classes=3, depth=3, initial_filters=4, blocks_per_layer=1,
+                  blocks_deepest=1, bottleneck_deepest=8, connections=connections,
+                  upsample=upsample, downsample=downsample, batch_norm=False)
+    x = torch.randn(1, 3, 52, 36)
+    net(x).square().mean().backward()
+    ref = grads(net)
+    net.zero_grad(set_to_none=True)
+    strips = apply_memory_mode(net, MemoryConfig("checkpoint", "strips", strip_rows=4))
+    out = strips(x)
+    assert torch.allclose(out, net(x), atol=1e-5)
+    out.square().mean().backward()
+    assert_close(grads(net), ref)
+
+
+def test_strips_keep_only_level_boundaries():
+    """What autograd holds after the forward pass: the input, each level's pooled output and
+    its output from below - no full-resolution feature map of the first level's width."""
+    net = tiny("same", levels=4)
+    x = torch.randn(1, 3, 128, 64)
+    held: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    for cfg in (MemoryConfig("none"), MemoryConfig("checkpoint", "strips", strip_rows=16)):
+        held.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            apply_memory_mode(net, cfg)(x).sum()
+        if cfg.mode == "none":
+            plain = sum(held.values())
+    full_map = 4 * 4 * 128 * 64  # one fp32 map of the first level's 4 channels
+    image = x.numel() * 4
+    assert sum(held.values()) - image < 2 * full_map, sum(held.values()) - image
+    assert plain - image > 8 * full_map, plain - image  # what the plain step holds
+
+
+def test_strips_refuse_what_they_cannot_do_exactly():
+    bn = UNet(in_channels=3, num_classes=4, levels=3, base_width=4, padding="same",
+              norm="batch").train()
+    with pytest.raises(ConfigError, match=r"strips with train-mode BatchNorm.*granularity=level"):
+        apply_memory_mode(bn, MemoryConfig("checkpoint", "strips"))(torch.randn(1, 3, 32, 32))
+    with pytest.raises(ConfigError, match=r"strips needs padding='same', not 'valid'"):
+        apply_memory_mode(tiny("valid"), MemoryConfig("checkpoint", "strips"))
+    with pytest.raises(ConfigError, match=r"memory.strip_rows=7: use an even number"):
+        MemoryConfig("checkpoint", "strips", strip_rows=7)
+    with pytest.raises(ConfigError, match=r"strips .*does not combine with offload"):
+        MemoryConfig("checkpoint_offload", "strips")
+
+
 def test_wrapped_model_shares_parameters_state_dict_and_footprint():
     net = tiny("valid")
     ck = apply_memory_mode(net, "checkpoint")
@@ -140,9 +201,12 @@ def test_checkpoint_under_ddp_matches_none():
         nn.parallel.DistributedDataParallel(net)(x).square().mean().backward()
         ref = grads(net)
         net.zero_grad(set_to_none=True)
-        ddp = nn.parallel.DistributedDataParallel(apply_memory_mode(net, "checkpoint"))
-        ddp(x).square().mean().backward()
-        assert_close(grads(net), ref)
+        for cfg in (MemoryConfig("checkpoint"), MemoryConfig("checkpoint", "strips",
+                                                              strip_rows=8)):
+            net.zero_grad(set_to_none=True)
+            ddp = nn.parallel.DistributedDataParallel(apply_memory_mode(net, cfg))
+            ddp(x).square().mean().backward()  # strips: each weight's gradient arrives once
+            assert_close(grads(net), ref)
     finally:
         dist.destroy_process_group()
 
@@ -253,6 +317,43 @@ def test_bf16_tiled_labels_agree_with_untiled():
 def test_budget_below_the_smallest_tile_is_refused():
     with pytest.raises(ConfigError, match=r"memory.budget_gb=0.05 is too small.*smallest legal"):
         find_largest_tile(tiny(), int(0.05 * GIB), StepSpec(threads=1))
+
+
+def test_search_bisects_when_the_fitted_line_overshoots():
+    """Fitting probes whose peaks grow far slower than the failing ones (small tiles whose
+    peak is floored, noise between close sides): after an overshoot the search must halve
+    the bracket, not creep down 15 % per probe from the failed side."""
+    net = tiny("same")
+
+    def measure(side: int) -> StepMeasure:
+        if side > 1500:  # stopped over budget: no time, the sampled peak
+            return StepMeasure(side, 5 * GIB, 0, float("nan"), False, "over budget")
+        return StepMeasure(side, int(GIB + 10 * side**2), GIB, 1.0, True)
+
+    s = find_largest_tile(net, 4 * GIB, measure=measure, max_probes=10, rel_tol=0.05)
+    assert 0.85 * 1500 <= s.side <= 1500, [(p.side, p.fits) for p in s.probes]
+
+
+def test_warmup_step_runs_on_a_tile_smaller_than_the_measured_one(monkeypatch):
+    """On a CPU the figure is the process's high-water mark: a warm-up on the smallest *legal*
+    tile (a wide-context network's is as large as the first probes) would hide the step."""
+    net = UNet(in_channels=3, num_classes=4, levels=4, base_width=4, padding="same")
+    fp = footprint(net)
+    sides: list[int] = []
+    real = probe_mod._one_step
+
+    def record(net_, opt, side, *args):
+        sides.append(side)
+        return real(net_, opt, side, *args)
+
+    monkeypatch.setattr(probe_mod, "_one_step", record)
+    first = smallest_side(fp)
+    run_step(net, first, StepSpec(threads=1))
+    assert sides == [4 * fp.align, first] and 4 * fp.align < first
+    valid = UNet(in_channels=3, num_classes=4, levels=3, base_width=4, padding="valid")
+    sides.clear()
+    run_step(valid, smallest_side(footprint(valid)), StepSpec(threads=1))
+    assert sides[0] == smallest_side(footprint(valid))  # valid padding: no smaller input
 
 
 def test_auto_tile_size_needs_a_budget_and_no_q(tmp_path, scene_files):

@@ -144,7 +144,12 @@ def find_largest_tile(model: nn.Module, budget_bytes: int, spec: StepSpec | None
         done = hi is not None and not math.isnan(hi.seconds)  # a stopped probe's peak is low
         ref = hi if done else _nearest(probes, lo)
         base, c = _line(lo, ref) if ref is not lo else (float(lo.peak_bytes), c0)
-        side = _next_side(fp, lo, hi, _predict(base, c, limit), fp.align, cap)
+        guess = _predict(base, c, limit)
+        if hi is not None and probes[-1] is hi and not guess < (lo.side + hi.side) / 2:
+            # the line just overshot (two close, noisy small-tile peaks can halve its slope):
+            # bisect instead of creeping down from the failed side
+            guess = (lo.side + hi.side) / 2
+        side = _next_side(fp, lo, hi, guess, fp.align, cap)
         if side <= lo.side:
             break
         m = run(side)

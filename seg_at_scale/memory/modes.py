@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.segments import GRANULARITIES, Segment, cut_segments, run_segments
+from seg_at_scale.memory.strips import DEFAULT_ROWS, Level, find_levels, run_strips
 
 __all__ = ["MODES", "MemoryConfig", "MemoryWrapped", "apply_memory_mode",
            "pipe_checkpoint_mode", "memory_mode_of"]
@@ -53,8 +54,11 @@ class MemoryConfig:
 
     Attributes:
         mode: one of :data:`MODES`.
-        granularity: checkpoint segments: ``"level"``, ``"block"`` or ``"layers"``.
+        granularity: checkpoint segments: ``"level"``, ``"block"`` or ``"layers"``; or
+            ``"strips"``: every level with a skip recomputed in row strips with a halo
+            (:mod:`seg_at_scale.memory.strips`; exact, U-shaped models, same padding).
         every: layers per segment when ``granularity="layers"``.
+        strip_rows: core rows per strip (each level's resolution) for ``"strips"``.
         checkpoint_last: also checkpoint the last segment (off: it would be recomputed at
             once; same peak memory, less time).
         pin_memory: pin the host copies; ``None`` = when CUDA is available.
@@ -63,6 +67,7 @@ class MemoryConfig:
     mode: str = "none"
     granularity: str = "level"
     every: int = 4
+    strip_rows: int = DEFAULT_ROWS
     checkpoint_last: bool = False
     pin_memory: bool | None = None
 
@@ -70,9 +75,16 @@ class MemoryConfig:
         if self.mode not in MODES:
             raise ConfigError(f"memory.mode={self.mode!r} is not a memory mode: use one of "
                               f"{', '.join(MODES)} (e.g. `memory=checkpoint`)")
-        if self.granularity not in GRANULARITIES:
+        if self.granularity not in (*GRANULARITIES, "strips"):
             raise ConfigError(f"memory.granularity={self.granularity!r}: use one of "
-                              f"{', '.join(GRANULARITIES)}")
+                              f"{', '.join(GRANULARITIES)}, strips")
+        if self.granularity == "strips" and (not isinstance(self.strip_rows, int)
+                                             or self.strip_rows < 2 or self.strip_rows % 2):
+            raise ConfigError(f"memory.strip_rows={self.strip_rows!r}: use an even number of "
+                              "rows >= 2")
+        if self.granularity == "strips" and self.offloads:
+            raise ConfigError("memory.granularity=strips keeps only a level's boundaries; "
+                              "it does not combine with offload: use memory=checkpoint")
         if self.granularity == "layers" and (not isinstance(self.every, int) or self.every < 1):
             raise ConfigError(f"memory.every={self.every!r}: use a whole number of layers >= 1")
 
@@ -136,7 +148,20 @@ class MemoryWrapped(nn.Module):
         object.__setattr__(self, "inner", model)  # not a child: keeps the state-dict keys
         self.memory = cfg
         self._segments: list[Segment] = []
-        if cfg.checkpoints:
+        self._levels: list[Level] = []
+        if cfg.checkpoints and cfg.granularity == "strips":
+            if not hasattr(model, "pipeline_layers"):
+                raise ConfigError(f"memory.granularity=strips needs the flat layer form, but "
+                                  f"{type(model).__name__} has no pipeline_layers(); use "
+                                  "memory=offload or memory=none for this model")
+            if getattr(model, "padding", "same") != "same":
+                raise ConfigError(f"memory.granularity=strips needs padding='same', not "
+                                  f"{model.padding!r}; use memory.granularity=level")
+            self._levels = find_levels(model.pipeline_layers())
+            if not self._levels:
+                raise ConfigError(f"memory.granularity=strips: {type(model).__name__} has no "
+                                  "level with a skip to split; use memory.granularity=level")
+        elif cfg.checkpoints:
             if not hasattr(model, "pipeline_layers"):
                 raise ConfigError(
                     f"memory.mode={cfg.mode!r} needs the flat layer form, but "
@@ -180,6 +205,9 @@ class MemoryWrapped(nn.Module):
         with offload:
             if not cfg.checkpoints:
                 return self.inner(x)
+            if self._levels:
+                return run_strips(self.inner.pipeline_layers(), self._levels, x,
+                                  rows=cfg.strip_rows)
             device, pin = x.device, self._pin()
             host = cfg.offloads and device.type != "cpu"
             return run_segments(
@@ -190,6 +218,9 @@ class MemoryWrapped(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.memory
+        if self._levels:
+            return f"mode={c.mode}, granularity=strips, levels={len(self._levels)}, " \
+                   f"strip_rows={c.strip_rows}"
         return (f"mode={c.mode}, granularity={c.granularity}, segments={len(self._segments)}"
                 if c.checkpoints else f"mode={c.mode}")
 
