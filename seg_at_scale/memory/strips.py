@@ -221,7 +221,7 @@ class _LevelRun:
             w0, w1 = self._window(a, b, n, h)
             pw = self.down(self._skip(x[..., w0:w1, :]))
             if p is None:
-                p = pw.new_empty((*pw.shape[:-2], n // 2, pw.shape[-1]))
+                p = _rows_like(pw, n // 2)
             p[..., a // 2 : b // 2, :] = pw[..., (a - w0) // 2 : (b - w0) // 2, :]
         assert p is not None
         return p
@@ -254,7 +254,7 @@ class _LevelRun:
             yw = run_layers(self.top, u[..., w0 // 2 : w1 // 2, :],
                             {self.lv.name: self._skip(x[..., w0:w1, :])})
             if y is None:
-                y = yw.new_empty((*yw.shape[:-2], n, yw.shape[-1]))
+                y = _rows_like(yw, n)
             y[..., a:b, :] = yw[..., a - w0 : b - w0, :]
         assert y is not None
         return y
@@ -277,11 +277,21 @@ class _LevelRun:
             if g_u is not None:
                 grad_u[..., w0 // 2 : w1 // 2, :] += g_u
             if grad_skip is None:
-                grad_skip = sw.new_zeros((*sw.shape[:-2], n, sw.shape[-1]))
+                grad_skip = _rows_like(sw, n).zero_()
             if g_s is not None:
                 grad_skip[..., w0:w1, :] += g_s
         self.grad_skip = grad_skip
         return grad_u, acc
+
+
+def _rows_like(t: Tensor, rows: int) -> Tensor:
+    """An empty tensor like ``t`` with ``rows`` rows, in ``t``'s memory format (NHWC stays
+    NHWC: the convolutions of the next strips and levels keep their fast layout)."""
+    out = t.new_empty((*t.shape[:-2], rows, t.shape[-1]))
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(
+            memory_format=torch.channels_last):
+        out = out.contiguous(memory_format=torch.channels_last)
+    return out
 
 
 def _params(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
@@ -313,7 +323,7 @@ class _EncDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_p: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        grad_x, grad_params = ctx.run.enc_down_backward(x, grad_p.contiguous())
+        grad_x, grad_params = ctx.run.enc_down_backward(x, grad_p)
         return None, grad_x, *grad_params
 
 
@@ -328,7 +338,7 @@ class _Top(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, u = ctx.saved_tensors
-        grad_u, grad_params = ctx.run.top_backward(x, u, grad_y.contiguous())
+        grad_u, grad_params = ctx.run.top_backward(x, u, grad_y)
         return None, None, grad_u, *grad_params
 
 
