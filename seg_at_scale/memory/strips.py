@@ -285,8 +285,10 @@ class _LevelRun:
 
 
 def _rows_like(t: Tensor, rows: int) -> Tensor:
-    """An empty tensor like ``t`` with ``rows`` rows, in ``t``'s memory format (NHWC stays
-    NHWC: the convolutions of the next strips and levels keep their fast layout)."""
+    """An empty tensor like ``t`` with ``rows`` rows, in ``t``'s memory format.
+
+    NHWC stays NHWC: the convolutions of the next strips and levels keep their fast layout.
+    """
     out = t.new_empty((*t.shape[:-2], rows, t.shape[-1]))
     if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(
             memory_format=torch.channels_last):
