@@ -159,6 +159,8 @@ def test_strips_refuse_what_they_cannot_do_exactly():
         MemoryConfig("checkpoint", "strips", strip_rows=7)
     with pytest.raises(ConfigError, match=r"strips .*does not combine with offload"):
         MemoryConfig("checkpoint_offload", "strips")
+    with pytest.raises(ConfigError, match=r"strips does not run inside a Pipe.*granularity=level"):
+        pipe_checkpoint_mode(MemoryConfig("checkpoint", "strips"))
 
 
 def test_wrapped_model_shares_parameters_state_dict_and_footprint():

@@ -106,6 +106,10 @@ def pipe_checkpoint_mode(cfg: MemoryConfig) -> str:
     """
     if not cfg.checkpoints:
         return "never"
+    if cfg.granularity == "strips":
+        raise ConfigError("memory.granularity=strips does not run inside a Pipe (its stages "
+                          "are cut from the flat layers, not from levels); use "
+                          "memory.granularity=level with a pipeline, or pipeline=none")
     return "always" if cfg.checkpoint_last else "except_last"
 
 
