@@ -71,7 +71,7 @@ def mode_spec(label: str, granularity: str, spec: dict[str, Any], **extra: Any) 
     ``checkpoint:strips``); without ``:granularity`` the ``--granularity`` one."""
     mode, _, precision = label.partition("@")
     mode, _, gran = mode.partition(":")
-    rows = extra.pop("strip_rows", None) or spec.get("strip_rows") or 256
+    rows = extra.pop("strip_rows", None) or spec.get("strip_rows") or 128
     return StepSpec(MemoryConfig(mode, granularity=gran or granularity, strip_rows=rows),
                     precision=precision or "32-true",
                     **{k: v for k, v in spec.items() if k != "strip_rows"}, **extra)
@@ -155,7 +155,7 @@ def main() -> None:
     p.add_argument("--modes", default="none,checkpoint,offload,checkpoint_offload,"
                    "checkpoint@bf16-mixed", help="mode or mode@precision, comma-separated")
     p.add_argument("--granularity", default="level", help="for modes without :granularity")
-    p.add_argument("--strip-rows", type=int, default=256, help="for checkpoint:strips")
+    p.add_argument("--strip-rows", type=int, default=128, help="for checkpoint:strips")
     p.add_argument("--budget-gb", type=float, default=6.0)
     p.add_argument("--rel-tol", type=float, default=0.08)
     p.add_argument("--max-probes", type=int, default=6)

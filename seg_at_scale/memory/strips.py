@@ -16,10 +16,12 @@ decoder part ``T`` (from the upsampling to the level's output)::
 Backward: ``T`` recomputes each strip (``E`` too, for the skip), back-propagates the strip's
 core rows, and accumulates the gradients of ``u`` and of the skip; after the levels below,
 ``E`` and ``D`` recompute each strip once more and back-propagate the pooled output's and
-the skip's gradients together. A strip's window is its core widened by a halo (the sum of
-the part's convolution radii, 2 rows for an upsampling), so the core rows are computed
-exactly and each output row belongs to one core: outputs and gradients equal the plain
-network's (up to float summation order). The parts' parameters are explicit inputs of the
+the skip's gradients together. At the first level the skip's gradient would be the largest
+tensor of the step, so there ``T``'s backward goes on through ``E`` strip by strip instead
+(one more backward of ``E``, no full-resolution gradient kept). A strip's window is its
+core widened by a halo (the sum of the part's convolution radii, 2 rows for an
+upsampling), so the core rows are computed exactly and each output row belongs to one
+core: outputs and gradients equal the plain network's (up to float summation order). The parts' parameters are explicit inputs of the
 two autograd functions, so each parameter's gradient arrives once per backward pass (DDP
 counts on that).
 
@@ -55,7 +57,7 @@ from seg_at_scale.models.layers import Skip, check_layers, run_layers
 
 __all__ = ["Level", "find_levels", "run_strips", "DEFAULT_ROWS"]
 
-DEFAULT_ROWS = 256  # rows per strip, at each level's own resolution
+DEFAULT_ROWS = 128  # rows per strip, at each level's own resolution
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ class _LevelRun:
     """One level's strip computations for one forward/backward pass."""
 
     def __init__(self, layers: Sequence[nn.Module], lv: Level, rows: int,
-                 device: torch.device) -> None:
+                 device: torch.device, *, through: bool = False) -> None:
         self.enc = list(layers[lv.start : lv.stash + 1])
         self.down = layers[lv.down]
         self.top = list(layers[lv.up : lv.stop])
@@ -201,7 +203,9 @@ class _LevelRun:
                               "use memory.granularity=level")
         self.lv, self.rows = lv, rows
         self.enc_params = _params([*self.enc, self.down])
-        self.top_params = _params(self.top)
+        # through: T's backward goes on through E (the skip's gradient is never stored whole)
+        self.through = through
+        self.top_params = _params(self.top) + (self.enc_params if through else [])
         self.autocast = _Autocast(device)
         self.grad_skip: Tensor | None = None
 
@@ -260,28 +264,41 @@ class _LevelRun:
         return y
 
     def top_backward(self, x: Tensor, u: Tensor, grad_y: Tensor,
-                     ) -> tuple[Tensor, list[Tensor | None]]:
+                     ) -> tuple[Tensor | None, Tensor, list[Tensor | None]]:
         n, h = x.shape[-2], self.lv.halo_top
         grad_u = torch.zeros_like(u)
+        grad_x = torch.zeros_like(x) if self.through and x.requires_grad else None
         grad_skip: Tensor | None = None
         acc: list[Tensor | None] = [None] * len(self.top_params)
         for a, b in _cores(n, self.rows):
             w0, w1 = self._window(a, b, n, h)
-            with torch.no_grad(), self.autocast():
-                sw = self._skip(x[..., w0:w1, :])
-            sw = sw.detach().requires_grad_()
             uw = u[..., w0 // 2 : w1 // 2, :].detach().requires_grad_()
+            if self.through:
+                xw = x[..., w0:w1, :].detach().requires_grad_(grad_x is not None)
+                with torch.enable_grad(), self.autocast():
+                    sw = self._skip(xw)
+                inputs = [xw, uw] if grad_x is not None else [uw]
+            else:
+                with torch.no_grad(), self.autocast():
+                    sw = self._skip(x[..., w0:w1, :])
+                sw = sw.detach().requires_grad_()
+                inputs = [sw, uw]
             with torch.enable_grad(), self.autocast():
                 core = run_layers(self.top, uw, {self.lv.name: sw})[..., a - w0 : b - w0, :]
-            g_s, g_u = _grads([core], [grad_y[..., a:b, :]], [sw, uw], self.top_params, acc)
+            got = _grads([core], [grad_y[..., a:b, :]], inputs, self.top_params, acc)
+            g_u = got[-1]
             if g_u is not None:
                 grad_u[..., w0 // 2 : w1 // 2, :] += g_u
+            if self.through:
+                if grad_x is not None and got[0] is not None:
+                    grad_x[..., w0:w1, :] += got[0]
+                continue
             if grad_skip is None:
                 grad_skip = _rows_like(sw, n).zero_()
-            if g_s is not None:
-                grad_skip[..., w0:w1, :] += g_s
+            if got[0] is not None:
+                grad_skip[..., w0:w1, :] += got[0]
         self.grad_skip = grad_skip
-        return grad_u, acc
+        return grad_x, grad_u, acc
 
 
 def _rows_like(t: Tensor, rows: int) -> Tensor:
@@ -340,8 +357,8 @@ class _Top(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, u = ctx.saved_tensors
-        grad_u, grad_params = ctx.run.top_backward(x, u, grad_y)
-        return None, None, grad_u, *grad_params
+        grad_x, grad_u, grad_params = ctx.run.top_backward(x, u, grad_y)
+        return None, grad_x, grad_u, *grad_params
 
 
 def _check_norms(layers: Sequence[nn.Module]) -> None:
@@ -376,7 +393,8 @@ def run_strips(layers: Sequence[nn.Module], levels: Sequence[Level], x: Tensor, 
         if k == len(levels):
             lo, hi = (levels[-1].down + 1, levels[-1].up) if levels else (0, len(layers))
             return run_layers(layers[lo:hi], x)
-        run = _LevelRun(layers, levels[k], rows, x.device)
+        # level 0: no whole-resolution skip gradient kept (one more backward through E)
+        run = _LevelRun(layers, levels[k], rows, x.device, through=k == 0)
         u = level(k + 1, _EncDown.apply(run, x, *run.enc_params))
         return _Top.apply(run, x, u, *run.top_params)
 
