@@ -21,9 +21,9 @@ tensor of the step, so there ``T``'s backward goes on through ``E`` strip by str
 (one more backward of ``E``, no full-resolution gradient kept). A strip's window is its
 core widened by a halo (the sum of the part's convolution radii, 2 rows for an
 upsampling), so the core rows are computed exactly and each output row belongs to one
-core: outputs and gradients equal the plain network's (up to float summation order). The parts' parameters are explicit inputs of the
-two autograd functions, so each parameter's gradient arrives once per backward pass (DDP
-counts on that).
+core: outputs and gradients equal the plain network's (up to float summation order). The
+parts' parameters are explicit inputs of the two autograd functions, so each parameter's
+gradient arrives once per backward pass (DDP counts on that).
 
 Needs ``same`` padding, stride-1 convolutions inside the parts, no train-mode BatchNorm in
 them (a strip's statistics are not the image's), and the flat form's level structure
