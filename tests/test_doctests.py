@@ -14,6 +14,10 @@ MODULES = [
     "seg_at_scale.io.raster",
     "seg_at_scale.data.synthetic",
     "seg_at_scale.data.scenes",
+    "seg_at_scale.memory.levels",
+    "seg_at_scale.memory.modes",
+    "seg_at_scale.memory.segments",
+    "seg_at_scale.memory.strips",
 ]
 
 

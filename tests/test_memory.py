@@ -51,6 +51,8 @@ CONFIGS = [MemoryConfig(m, granularity=g, every=3)
            for m in MODES if m != "none" for g in ("level", "block", "layers")
            if g == "level" or "checkpoint" in m]
 CONFIGS.append(MemoryConfig("checkpoint", granularity="strips", strip_rows=6))  # 6 rows: many
+# blocks: 10 columns at the first level (6 at the second: never fewer than the rows)
+CONFIGS.append(MemoryConfig("checkpoint", granularity="strips", strip_rows=6, strip_cols=10))
 
 
 def tiny(padding: str = "same", levels: int = 3) -> UNet:
@@ -74,7 +76,8 @@ def assert_close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 1e-5
 @pytest.mark.parametrize(("cfg", "padding"),
                          [(c, "same") for c in CONFIGS] +
                          [(c, "valid") for c in CONFIGS if c.granularity == "level"],
-                         ids=lambda v: v if isinstance(v, str) else f"{v.mode}-{v.granularity}")
+                         ids=lambda v: v if isinstance(v, str)
+                         else f"{v.mode}-{v.granularity}-{v.strip_cols}")
 def test_mode_gives_the_loss_and_gradients_of_none_untiled(cfg, padding):
     net = tiny(padding)
     x = torch.randn(2, 3, net.valid_input_size(53), net.valid_input_size(77))
@@ -92,7 +95,7 @@ def test_mode_gives_the_loss_and_gradients_of_none_untiled(cfg, padding):
     assert_close(grads(net), ref)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.mode}-{c.granularity}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.mode}-{c.granularity}-{c.strip_cols}")
 def test_mode_gives_the_gradients_of_none_tiled(cfg):
     net = tiny("same")
     image, target = torch.randn(1, 3, 97, 83), torch.randint(0, 4, (1, 97, 83))
@@ -104,12 +107,15 @@ def test_mode_gives_the_gradients_of_none_tiled(cfg):
     assert_close(grads(net), ref)
 
 
-@pytest.mark.parametrize(("connections", "upsample", "downsample"),
-                         [("concat", "interpolation", "max_pool"),
-                          ("sum", "transpose", "strided_conv")])
-def test_strips_give_the_gradients_of_none_on_a_uresnet(connections, upsample, downsample):
+@pytest.mark.parametrize(("connections", "upsample", "downsample", "cols"),
+                         [("concat", "interpolation", "max_pool", None),
+                          ("sum", "transpose", "strided_conv", None),
+                          ("concat", "interpolation", "max_pool", 10),
+                          ("sum", "transpose", "strided_conv", 10)])
+def test_strips_give_the_gradients_of_none_on_a_uresnet(connections, upsample, downsample, cols):
     """Residual levels, 5 x 5 stem, three planes folded into the batch, bilinear or
-    transposed upsampling, pooling or strided downsampling: strips of 4 rows on 52 x 36."""
+    transposed upsampling, pooling or strided downsampling: strips of 4 rows on 52 x 36,
+    whole rows or blocks of 10 columns."""
     torch.manual_seed(0)
     net = UResNet(planes=3, num_classes=3, depth=3, initial_filters=4, blocks_per_layer=1,
                   blocks_deepest=1, bottleneck_deepest=8, connections=connections,
@@ -118,7 +124,8 @@ def test_strips_give_the_gradients_of_none_on_a_uresnet(connections, upsample, d
     net(x).square().mean().backward()
     ref = grads(net)
     net.zero_grad(set_to_none=True)
-    strips = apply_memory_mode(net, MemoryConfig("checkpoint", "strips", strip_rows=4))
+    strips = apply_memory_mode(net, MemoryConfig("checkpoint", "strips", strip_rows=4,
+                                                 strip_cols=cols))
     out = strips(x)
     assert torch.allclose(out, net(x), atol=1e-5)
     out.square().mean().backward()
@@ -136,16 +143,17 @@ def test_strips_keep_only_level_boundaries():
         held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    for cfg in (MemoryConfig("none"), MemoryConfig("checkpoint", "strips", strip_rows=16)):
+    def saved(cfg: MemoryConfig) -> int:
         held.clear()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             apply_memory_mode(net, cfg)(x).sum()
-        if cfg.mode == "none":
-            plain = sum(held.values())
+        return sum(held.values()) - x.numel() * 4  # less the image
+
     full_map = 4 * 4 * 128 * 64  # one fp32 map of the first level's 4 channels
-    image = x.numel() * 4
-    assert sum(held.values()) - image < 2 * full_map, sum(held.values()) - image
-    assert plain - image > 8 * full_map, plain - image  # what the plain step holds
+    assert saved(MemoryConfig("none")) > 8 * full_map  # what the plain step holds
+    for cols in (None, 16):
+        kept = saved(MemoryConfig("checkpoint", "strips", strip_rows=16, strip_cols=cols))
+        assert kept < 2 * full_map, (cols, kept)
 
 
 def test_strips_refuse_what_they_cannot_do_exactly():
@@ -157,6 +165,8 @@ def test_strips_refuse_what_they_cannot_do_exactly():
         apply_memory_mode(tiny("valid"), MemoryConfig("checkpoint", "strips"))
     with pytest.raises(ConfigError, match=r"memory.strip_rows=7: use an even number"):
         MemoryConfig("checkpoint", "strips", strip_rows=7)
+    with pytest.raises(ConfigError, match=r"memory.strip_cols=9: use an even number.*or null"):
+        MemoryConfig("checkpoint", "strips", strip_cols=9)
     with pytest.raises(ConfigError, match=r"strips .*does not combine with offload"):
         MemoryConfig("checkpoint_offload", "strips")
     with pytest.raises(ConfigError, match=r"strips does not run inside a Pipe.*granularity=level"):
@@ -203,8 +213,8 @@ def test_checkpoint_under_ddp_matches_none():
         nn.parallel.DistributedDataParallel(net)(x).square().mean().backward()
         ref = grads(net)
         net.zero_grad(set_to_none=True)
-        for cfg in (MemoryConfig("checkpoint"), MemoryConfig("checkpoint", "strips",
-                                                              strip_rows=8)):
+        for cfg in (MemoryConfig("checkpoint"),
+                    MemoryConfig("checkpoint", "strips", strip_rows=8, strip_cols=12)):
             net.zero_grad(set_to_none=True)
             ddp = nn.parallel.DistributedDataParallel(apply_memory_mode(net, cfg))
             ddp(x).square().mean().backward()  # strips: each weight's gradient arrives once

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.segments import GRANULARITIES, Segment, cut_segments, run_segments
-from seg_at_scale.memory.strips import DEFAULT_ROWS, Level, find_levels, run_strips
+from seg_at_scale.memory.strips import DEFAULT_COLS, DEFAULT_ROWS, Level, find_levels, run_strips
 
 __all__ = ["MODES", "MemoryConfig", "MemoryWrapped", "apply_memory_mode",
            "pipe_checkpoint_mode", "memory_mode_of"]
@@ -58,7 +58,9 @@ class MemoryConfig:
             ``"strips"``: every level with a skip recomputed in row strips with a halo
             (:mod:`seg_at_scale.memory.strips`; exact, U-shaped models, same padding).
         every: layers per segment when ``granularity="layers"``.
-        strip_rows: core rows per strip (each level's resolution) for ``"strips"``.
+        strip_rows: most core rows per block (each level's resolution) for ``"strips"``.
+        strip_cols: most core columns per block at the first level for ``"strips"`` (halved
+            per level, never below ``strip_rows``); ``None``: whole rows.
         checkpoint_last: also checkpoint the last segment (off: it would be recomputed at
             once; same peak memory, less time).
         pin_memory: pin the host copies; ``None`` = when CUDA is available.
@@ -68,6 +70,7 @@ class MemoryConfig:
     granularity: str = "level"
     every: int = 4
     strip_rows: int = DEFAULT_ROWS
+    strip_cols: int | None = DEFAULT_COLS
     checkpoint_last: bool = False
     pin_memory: bool | None = None
 
@@ -82,6 +85,11 @@ class MemoryConfig:
                                              or self.strip_rows < 2 or self.strip_rows % 2):
             raise ConfigError(f"memory.strip_rows={self.strip_rows!r}: use an even number of "
                               "rows >= 2")
+        if self.granularity == "strips" and self.strip_cols is not None and (
+                not isinstance(self.strip_cols, int) or self.strip_cols < 2
+                or self.strip_cols % 2):
+            raise ConfigError(f"memory.strip_cols={self.strip_cols!r}: use an even number of "
+                              "columns >= 2, or null for whole rows")
         if self.granularity == "strips" and self.offloads:
             raise ConfigError("memory.granularity=strips keeps only a level's boundaries; "
                               "it does not combine with offload: use memory=checkpoint")
@@ -211,7 +219,7 @@ class MemoryWrapped(nn.Module):
                 return self.inner(x)
             if self._levels:
                 return run_strips(self.inner.pipeline_layers(), self._levels, x,
-                                  rows=cfg.strip_rows)
+                                  rows=cfg.strip_rows, cols=cfg.strip_cols)
             device, pin = x.device, self._pin()
             host = cfg.offloads and device.type != "cpu"
             return run_segments(
@@ -224,7 +232,7 @@ class MemoryWrapped(nn.Module):
         c = self.memory
         if self._levels:
             return f"mode={c.mode}, granularity=strips, levels={len(self._levels)}, " \
-                   f"strip_rows={c.strip_rows}"
+                   f"strip_rows={c.strip_rows}, strip_cols={c.strip_cols}"
         return (f"mode={c.mode}, granularity={c.granularity}, segments={len(self._segments)}"
                 if c.checkpoints else f"mode={c.mode}")
 
