@@ -1,0 +1,42 @@
+"""Importing seg_at_scale before torch backs large CPU tensors with transparent huge pages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+PROBE = """
+import resource, seg_at_scale, torch
+import os
+for _ in range(2):  # the second allocation is the steady state
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = torch.empty(64 << 20, dtype=torch.uint8)
+    t.fill_(1)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    del t
+print(os.environ.get("THP_MEM_ALLOC_ENABLE"), faults)
+"""
+
+
+def faults_per_64_mib(env_value: str | None) -> tuple[str, int]:
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if env_value is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = env_value
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                    reason="the kernel offers no transparent huge pages")
+def test_large_tensors_take_huge_pages_unless_the_user_opts_out():
+    small_pages = (64 << 20) // 4096  # 16384 faults when every 4 KiB page faults alone
+    value, faults = faults_per_64_mib(None)
+    assert value == "1" and faults < small_pages / 8, faults
+    value, faults = faults_per_64_mib("0")
+    assert value == "0" and faults > small_pages / 2, faults
