@@ -71,10 +71,10 @@ def mode_spec(label: str, granularity: str, spec: dict[str, Any], **extra: Any) 
     ``checkpoint:strips``); without ``:granularity`` the ``--granularity`` one."""
     mode, _, precision = label.partition("@")
     mode, _, gran = mode.partition(":")
-    rows = extra.pop("strip_rows", None) or spec.get("strip_rows") or 128
-    return StepSpec(MemoryConfig(mode, granularity=gran or granularity, strip_rows=rows),
+    strips = {"strip_rows": spec.get("strip_rows", 128), "strip_cols": spec.get("strip_cols")}
+    return StepSpec(MemoryConfig(mode, granularity=gran or granularity, **strips),
                     precision=precision or "32-true",
-                    **{k: v for k, v in spec.items() if k != "strip_rows"}, **extra)
+                    **{k: v for k, v in spec.items() if k not in strips}, **extra)
 
 
 def time_modes(net: UNet, modes: list[str], side: int, spec: dict[str, Any],
@@ -117,13 +117,14 @@ def search_modes(net: UNet, modes: list[str], args: argparse.Namespace,
                               mode_spec(mode, args.granularity, spec),
                               max_side=args.max_side, rel_tol=args.rel_tol,
                               max_probes=args.max_probes)
-        best = next(p for p in reversed(s.probes) if p.side == s.side)
         failed = [p.side for p in s.probes if not p.fits]
+        # the probe timed a first step (allocator warm-up included): time a second one
+        at = measure_step(net, s.side, mode_spec(mode, args.granularity, spec, repeats=1))
         found[mode] = {"side": s.side, "peak_mib": round(s.peak_bytes / 2**20, 1),
                        "bracket_fail": min((f for f in failed if f > s.side), default=None),
                        "bytes_per_pixel": round(s.bytes_per_pixel, 1),
-                       "s_per_mpix_at_side": round(best.seconds_per_mpix, 3),
-                       "cpu_s_per_mpix_at_side": round(best.cpu_seconds_per_mpix, 3),
+                       "s_per_mpix_at_side": round(at.seconds_per_mpix, 3),
+                       "cpu_s_per_mpix_at_side": round(at.cpu_seconds_per_mpix, 3),
                        "probes": [(p.side, round(p.peak_bytes / 2**20), p.fits) for p in s.probes],
                        "search_s": round(time.perf_counter() - t0, 1)}
         print(f"  {mode}: largest tile {s.side}^2 (peak {s.peak_bytes / 2**20:.0f} MiB, "
@@ -152,10 +153,14 @@ def halo_overhead(net: UNet, found: dict[str, Any], image: int, default: StepMea
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="small,medium")
-    p.add_argument("--modes", default="none,checkpoint,offload,checkpoint_offload,"
-                   "checkpoint@bf16-mixed", help="mode or mode@precision, comma-separated")
+    p.add_argument("--modes", default="none,checkpoint,checkpoint:strips,offload,"
+                   "checkpoint_offload,none@bf16-mixed,checkpoint@bf16-mixed,"
+                   "checkpoint:strips@bf16-mixed",
+                   help="mode[:granularity][@precision], comma-separated")
     p.add_argument("--granularity", default="level", help="for modes without :granularity")
     p.add_argument("--strip-rows", type=int, default=128, help="for checkpoint:strips")
+    p.add_argument("--strip-cols", type=int, default=1024,
+                   help="for checkpoint:strips (0: whole rows)")
     p.add_argument("--budget-gb", type=float, default=6.0)
     p.add_argument("--rel-tol", type=float, default=0.08)
     p.add_argument("--max-probes", type=int, default=6)
@@ -167,7 +172,8 @@ def main() -> None:
     p.add_argument("--name", default="bench_memory")
     args = p.parse_args()
     modes = args.modes.split(",")
-    spec = {"channels_last": True, "threads": args.threads, "strip_rows": args.strip_rows}
+    spec = {"channels_last": True, "threads": args.threads, "strip_rows": args.strip_rows,
+            "strip_cols": args.strip_cols or None}
     load0, t0 = os.getloadavg(), time.perf_counter()
     results: dict[str, Any] = {}
     for size in args.models.split(","):
@@ -179,17 +185,26 @@ def main() -> None:
         t_default = measure_step(net, legal_side(net.footprint(), DEFAULT_TILE),
                                  mode_spec("none", "level", spec, repeats=1))
         found = search_modes(net, modes, args, spec)
-        none_side = found["none"]["side"]
-        for f in found.values():
-            f["side_vs_none"] = round(f["side"] / none_side, 3)
-            for k in ("s_per_mpix_at_side", "cpu_s_per_mpix_at_side"):
-                f[k.replace("s_per_mpix", "time_vs_none")] = round(f[k] / found["none"][k], 3)
+        for mode, f in found.items():
+            # against fp32 none, and (bf16 rows) against none at the same precision
+            prec = mode.partition("@")[2]
+            for ref, tag in (("none", "none"), (f"none@{prec}", "none_same_precision")):
+                if not prec and tag != "none" or ref not in found:
+                    continue
+                f[f"side_vs_{tag}"] = round(f["side"] / found[ref]["side"], 3)
+                for k in ("s_per_mpix_at_side", "cpu_s_per_mpix_at_side"):
+                    f[k.replace("s_per_mpix", f"time_vs_{tag}")] = round(
+                        f[k] / found[ref][k], 3)
         results[size] = {"timing_common_side": timing, "largest_tile": found,
                          "halo_overhead": halo_overhead(net, found, args.image, t_default)}
     save(args.name, {
         "budget_gib": args.budget_gb, "time_side": args.time_side, "rounds": args.rounds,
-        "granularity": args.granularity, "strip_rows": args.strip_rows, "rel_tol": args.rel_tol,
-        "measure": "peak RSS (VmHWM) of a fresh process running one training step",
+        "granularity": args.granularity, "strip_rows": args.strip_rows,
+        "strip_cols": args.strip_cols or None, "rel_tol": args.rel_tol,
+        "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+        "measure": "peak RSS (VmHWM) of a fresh process running one training step; time: "
+                   "the second step in a fresh process, at a common side and at each "
+                   "mode's largest tile",
         "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
         "wall_s": round(time.perf_counter() - t0, 1), "results": results,
         "goals": {"checkpoint_side_vs_none": ">= 2", "checkpoint_time_vs_none": "<= 1.35",
