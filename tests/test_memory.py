@@ -314,6 +314,19 @@ def test_old_and_new_precision_choices_compose():
         check_memory(cfg)
 
 
+def test_strip_blocks_compose_from_the_command_line():
+    base = ["memory=checkpoint", "memory.granularity=strips"]
+    with initialize_config_dir(CONF, version_base="1.3"):
+        blocks = check_memory(compose("train", overrides=base))
+        assert blocks.strip_cols == 1024 and blocks.label == "checkpoint:strips"
+        assert MemoryConfig("checkpoint").label == "checkpoint"  # level: the default
+        whole = check_memory(compose("train", overrides=[*base, "memory.strip_cols=null"]))
+        assert whole.strip_cols is None and whole.strip_rows == 128
+        bad = compose("train", overrides=[*base, "memory.strip_cols=9"])
+    with pytest.raises(ConfigError, match=r"memory.strip_cols=9: use an even number"):
+        check_memory(bad)
+
+
 def test_bf16_tiled_labels_agree_with_untiled():
     net = tiny("same").eval()
     x = torch.randn(1, 3, 203, 171)

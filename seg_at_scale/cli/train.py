@@ -210,7 +210,7 @@ def main(cfg: DictConfig) -> float | None:
              computed["grid"])
     task = instantiate(cfg.task, model=model if pipeline else apply_memory_mode(model, memory))
     setup_pipeline(task, pipeline, batch_size=train_batch_size(cfg))
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [MemoryReport(memory.mode)]
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [MemoryReport(memory.label)]
     loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
     for lg in loggers:
         lg.log_hyperparams({"computed": computed})

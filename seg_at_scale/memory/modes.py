@@ -97,6 +97,16 @@ class MemoryConfig:
             raise ConfigError(f"memory.every={self.every!r}: use a whole number of layers >= 1")
 
     @property
+    def label(self) -> str:
+        """``mode[:granularity]`` as runs and benchmarks report it: ``checkpoint:strips``.
+
+        The default ``level`` granularity is left out (``checkpoint``).
+        """
+        if self.checkpoints and self.granularity != "level":
+            return f"{self.mode}:{self.granularity}"
+        return self.mode
+
+    @property
     def checkpoints(self) -> bool:
         return self.mode in ("checkpoint", "checkpoint_offload")
 
