@@ -178,7 +178,7 @@ class Box:
     def grow(self, halo: int, h: int, w: int) -> Box:
         """The window: the box widened by ``halo`` on every side, clipped to ``h x w``."""
         return Box(max(0, self.r0 - halo), min(h, self.r1 + halo),
-                    max(0, self.c0 - halo), min(w, self.c1 + halo))
+                   max(0, self.c0 - halo), min(w, self.c1 + halo))
 
     def within(self, win: Box) -> Box:
         """This box in the coordinates of the window ``win`` around it."""
