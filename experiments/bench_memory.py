@@ -14,7 +14,8 @@ tile is per wire plane, all three planes in one step) and memory mode, on this m
 * step time per input megapixel, at one common side for every mode (``--time-side``, best
   of ``--rounds`` interleaved rounds), and
   at each mode's own largest tile, relative to ``none`` measured in the same run;
-* ``mode@precision`` rows (default: ``checkpoint@bf16-mixed``) combine a mode with autocast;
+* ``mode[:granularity][@precision]`` rows (``checkpoint:strips``, ``none@bf16-mixed``) pick a
+  checkpoint granularity and autocast; bf16 rows are also compared with ``none`` in bf16;
 * the halo overhead E on a ``--image`` x ``--image`` scene at the auto-chosen tile vs the
   default tile (512, ``conf/tiling``), and the whole-image training throughput that follows
   (output Mpix/s = 1 / (E x seconds per input Mpix); also per CPU-second, which a loaded
@@ -188,9 +189,10 @@ def main() -> None:
         for mode, f in found.items():
             # against fp32 none, and (bf16 rows) against none at the same precision
             prec = mode.partition("@")[2]
-            for ref, tag in (("none", "none"), (f"none@{prec}", "none_same_precision")):
-                if not prec and tag != "none" or ref not in found:
-                    continue
+            refs = {"none": "none"}
+            if prec and f"none@{prec}" in found:
+                refs[f"none@{prec}"] = "none_same_precision"
+            for ref, tag in refs.items():
                 f[f"side_vs_{tag}"] = round(f["side"] / found[ref]["side"], 3)
                 for k in ("s_per_mpix_at_side", "cpu_s_per_mpix_at_side"):
                     f[k.replace("s_per_mpix", f"time_vs_{tag}")] = round(

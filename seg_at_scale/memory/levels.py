@@ -30,7 +30,7 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.segments import _body, _is_down, _is_up
 from seg_at_scale.models.layers import Skip, check_layers
 
-__all__ = ["Level", "find_levels", "Box", "spans", "even"]
+__all__ = ["Level", "find_levels", "Box", "spans", "even", "check_block_size"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,19 @@ def find_levels(layers: Sequence[nn.Module]) -> list[Level]:
                             even(r_enc + _radius(top, f"level {len(levels)}"))))
         start, stop = stash + 2, up
     return levels
+
+
+def check_block_size(rows: object, cols: object) -> None:
+    """Refuse block sizes :func:`spans` cannot use (odd, < 2, not whole numbers).
+
+    Raises:
+        ConfigError: naming ``memory.strip_rows`` / ``memory.strip_cols`` and the fix.
+    """
+    if not isinstance(rows, int) or rows < 2 or rows % 2:
+        raise ConfigError(f"memory.strip_rows={rows!r}: use an even number of rows >= 2")
+    if cols is not None and (not isinstance(cols, int) or cols < 2 or cols % 2):
+        raise ConfigError(f"memory.strip_cols={cols!r}: use an even number of columns >= 2, "
+                          "or null for whole rows")
 
 
 def spans(n: int, most: int) -> list[tuple[int, int]]:

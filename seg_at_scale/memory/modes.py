@@ -38,8 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.memory.levels import Level, check_block_size, find_levels
 from seg_at_scale.memory.segments import GRANULARITIES, Segment, cut_segments, run_segments
-from seg_at_scale.memory.strips import DEFAULT_COLS, DEFAULT_ROWS, Level, find_levels, run_strips
+from seg_at_scale.memory.strips import DEFAULT_COLS, DEFAULT_ROWS, run_strips
 
 __all__ = ["MODES", "MemoryConfig", "MemoryWrapped", "apply_memory_mode",
            "pipe_checkpoint_mode", "memory_mode_of"]
@@ -55,7 +56,7 @@ class MemoryConfig:
     Attributes:
         mode: one of :data:`MODES`.
         granularity: checkpoint segments: ``"level"``, ``"block"`` or ``"layers"``; or
-            ``"strips"``: every level with a skip recomputed in row strips with a halo
+            ``"strips"``: every level with a skip recomputed in blocks with a halo
             (:mod:`seg_at_scale.memory.strips`; exact, U-shaped models, same padding).
         every: layers per segment when ``granularity="layers"``.
         strip_rows: most core rows per block (each level's resolution) for ``"strips"``.
@@ -81,15 +82,8 @@ class MemoryConfig:
         if self.granularity not in (*GRANULARITIES, "strips"):
             raise ConfigError(f"memory.granularity={self.granularity!r}: use one of "
                               f"{', '.join(GRANULARITIES)}, strips")
-        if self.granularity == "strips" and (not isinstance(self.strip_rows, int)
-                                             or self.strip_rows < 2 or self.strip_rows % 2):
-            raise ConfigError(f"memory.strip_rows={self.strip_rows!r}: use an even number of "
-                              "rows >= 2")
-        if self.granularity == "strips" and self.strip_cols is not None and (
-                not isinstance(self.strip_cols, int) or self.strip_cols < 2
-                or self.strip_cols % 2):
-            raise ConfigError(f"memory.strip_cols={self.strip_cols!r}: use an even number of "
-                              "columns >= 2, or null for whole rows")
+        if self.granularity == "strips":
+            check_block_size(self.strip_rows, self.strip_cols)
         if self.granularity == "strips" and self.offloads:
             raise ConfigError("memory.granularity=strips keeps only a level's boundaries; "
                               "it does not combine with offload: use memory=checkpoint")

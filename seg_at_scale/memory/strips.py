@@ -57,7 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.memory.levels import Box, Level, even, find_levels, spans
+from seg_at_scale.memory.levels import Box, Level, check_block_size, even, find_levels, spans
 from seg_at_scale.memory.segments import _body
 from seg_at_scale.models.layers import run_layers
 
@@ -277,11 +277,7 @@ def run_strips(layers: Sequence[nn.Module], levels: Sequence[Level], x: Tensor, 
     Raises:
         ConfigError: ``rows`` or ``cols`` odd or < 2; train-mode BatchNorm in a stripped part.
     """
-    if rows < 2 or rows % 2:
-        raise ConfigError(f"memory.strip_rows={rows}: use an even number of rows >= 2")
-    if cols is not None and (cols < 2 or cols % 2):
-        raise ConfigError(f"memory.strip_cols={cols}: use an even number of columns >= 2, "
-                          "or null for whole rows")
+    check_block_size(rows, cols)
     if torch.is_grad_enabled():
         for lv in levels:
             _check_norms([*layers[lv.start : lv.stash + 2], *layers[lv.up : lv.stop]])
