@@ -19,7 +19,7 @@ from seg_at_scale.inference import Normalizer
 from seg_at_scale.io import RasterReader, read_raster
 from seg_at_scale.tiling import predict_full
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf")
 # U-Net experiments; those of other model families (an `override /model:` line, e.g. the
 # cosmic UResNet ones) are composed and run by their own tests with their own tiny sizes.
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml")

@@ -36,7 +36,7 @@ from seg_at_scale.tiling import Footprint
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT.parent / "shared" / "data" / "cosmic_tagging_light.h5"
-CONF = str(ROOT / "conf")
+CONF = str(ROOT / "seg_at_scale" / "conf")
 
 # ----- tiny larcv3 files in the real layout ------------------------------------------------
 

@@ -46,7 +46,7 @@ from seg_at_scale.tasks import SegmentationTask
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import footprint, make_grid, predict_full, predict_tiled, tiled_backward
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf")
 CONFIGS = [MemoryConfig(m, granularity=g, every=3)
            for m in MODES if m != "none" for g in ("level", "block", "layers")
            if g == "level" or "checkpoint" in m]

@@ -32,7 +32,7 @@ from seg_at_scale.data.taco import convert_taco, load_taco
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import read_raster
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+CONF = str(Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf")
 
 # label id -> train id, by hand from the Cityscapes label table (ids 0, 4 are ignored)
 CS_EXPECTED = {0: 255, 4: 255, 7: 0, 8: 1, 11: 2, 21: 8, 23: 10, 24: 11, 26: 13, 33: 18}

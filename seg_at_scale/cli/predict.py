@@ -34,7 +34,7 @@ from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import check_output_path
 
 log = logging.getLogger("seg_at_scale.predict")
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
 
 
 def load_run(run: str | Path, ckpt: str = "best") -> tuple[DictConfig, nn.Module, Path]:

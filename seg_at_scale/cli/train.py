@@ -53,7 +53,7 @@ from seg_at_scale.tiling import make_grid
 
 log = logging.getLogger("seg_at_scale.train")
 DEFAULT_GENERATOR = "seg_at_scale.data.synthetic_dataset.make_dataset"
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
 
 
 def build_data(cfg: DictConfig, fp: Any) -> TileDataModule:
