@@ -80,8 +80,7 @@ def computed_values(dm: TileDataModule, fp: Any, cfg: DictConfig) -> dict[str, A
     """Halo, alignment and efficiency E of the validation grid: saved with the run."""
     scene = dm.scenes_of("val")[0]
     with RasterReader(scene.image) as r:
-        grid = make_grid(r.height, r.width, fp, q=cfg.tiling.q,
-                         tile_size=None if cfg.tiling.q else cfg.tiling.tile_size)
+        grid = make_grid(r.height, r.width, fp, q=cfg.tiling.q, tile_size=cfg.tiling.tile_size)
         size = [r.height, r.width]
     return {"halo": fp.halo, "context": fp.context, "align": fp.align, "padding": fp.padding,
             "out_residue": fp.out_residue, "grid": list(grid.shape), "scene_size": size,

@@ -27,7 +27,7 @@ from seg_at_scale.data.tiles import (
 )
 from seg_at_scale.data.transforms import build_augment
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.inference import Normalizer
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.parallel.sampling import ShardedImageSampler, ShardedTiles, shard_indices
 from seg_at_scale.tiling import Footprint
 

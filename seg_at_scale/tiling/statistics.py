@@ -67,8 +67,7 @@ def whole_image_batch_norm(model: nn.Module, images: Sequence[Tensor], *,
         stats = _CoreStats()
         hook = bn.register_forward_pre_hook(stats)
         for image in images:
-            grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q,
-                             tile_size=tile_size if q is None else None)
+            grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q, tile_size=tile_size)
             for tile in grid:  # core in tile coordinates; the last ones reach the extension
                 ext, rd = grid.extended, tile.read
                 r1 = ext.row_end if tile.core.row_end == grid.height else tile.core.row_end
@@ -167,7 +166,7 @@ def image_pool_mean_of(model: GSCNN, tile_inputs: Iterable[tuple[Tile, Tensor]],
 def _grid(model: GSCNN, image: Tensor, q: int | tuple[int, int] | None,
           tile_size: int | tuple[int, int] | None, fp: Footprint | None) -> TileGrid:
     return make_grid(image.shape[-2], image.shape[-1], fp or model.footprint(), q=q,
-                     tile_size=tile_size if q is None else None)
+                     tile_size=tile_size)
 
 
 def predict_tiled_two_pass(model: GSCNN, image: Tensor, *,
