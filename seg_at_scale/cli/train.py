@@ -107,7 +107,8 @@ def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_di
             normalizer=normalizer_of(cfg.data), tile_size=cfg.predict.tile_size, q=None,
             fast=cfg.predict.fast, overwrite=True, nodata=cfg.data.nodata, mask=scene.mask,
             num_classes=cfg.data.num_classes, ignore_index=cfg.data.ignore_index,
-            preview=cfg.predict.preview)
+            preview=cfg.predict.preview, progress=False,
+            class_names=list(cfg.data.class_names) if cfg.data.get("class_names") else None)
         results.append(res)
         for lg in loggers:
             if hasattr(lg, "log_image") and "preview" in res:

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from seg_at_scale.data.scenes import Scene
-from seg_at_scale.errors import InputError
 from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.data.scenes import Scene
 from seg_at_scale.data.windows import RasterWindows
+from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Footprint, Tile, make_grid, random_core
 from seg_at_scale.tiling.geometry import fill_of

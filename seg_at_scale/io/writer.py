@@ -14,6 +14,7 @@ complete: a crash never leaves a half-written output under the real name.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import suppress
 from pathlib import Path
@@ -29,6 +30,7 @@ from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags
 __all__ = [
     "BIGTIFF_THRESHOLD",
     "check_output_path",
+    "temporary_path",
     "write_atomic",
     "write_raster",
     "write_raster_bands",
@@ -70,8 +72,13 @@ def _check_tile(tile: tuple[int, int], path: Path) -> None:
                          "use multiples of 16, e.g. (256, 256), or tile=None for strips")
 
 
-def _partial_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
+def temporary_path(path: Path, tag: str = "partial") -> Path:
+    """A unique hidden name beside ``path``: two writers of one output never share it.
+
+    >>> temporary_path(Path("out/mask.tif")).name.startswith(".mask.tif.partial.")
+    True
+    """
+    return path.with_name(f".{path.name}.{tag}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
 
 
 def _check_band(band: np.ndarray, c: int, w: int, dtype: np.dtype, path: Path) -> np.ndarray:
@@ -185,7 +192,7 @@ def _use_bigtiff(bigtiff: bool | None, shape: tuple[int, int, int], dtype: np.dt
 
 def write_atomic(path: Path, write: Any) -> Path:
     """Run ``write(tmp_path)``, then rename onto ``path``; remove the temporary on failure."""
-    tmp = _partial_path(path)
+    tmp = temporary_path(path)
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -200,7 +207,8 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
                        dtype: npt.DTypeLike, bands: Iterable[np.ndarray], *,
                        tile: tuple[int, int] | None = (256, 256), compression: str | None = "zlib",
                        bigtiff: bool | None = None, geotags: GeoTags | None = None,
-                       nodata: float | None = None, overwrite: bool = False) -> Path:
+                       nodata: float | None = None, overwrite: bool = False,
+                       atomic: bool = True) -> Path:
     """Write a raster from row bands, top to bottom, with memory of one band + one tile row.
 
     Args:
@@ -215,6 +223,8 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
         geotags: GeoTIFF tags to write (e.g. ``reader.geotags`` of the input).
         nodata: written as the GDAL_NODATA tag.
         overwrite: replace an existing ``path``.
+        atomic: write under a temporary name and rename (False: write ``path`` itself,
+            for callers that own a temporary name already).
 
     Returns:
         ``path``.
@@ -248,6 +258,9 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
                      extratags=_extratags(geotags, nodata, dt, path), metadata=None,
                      buffersize=buffersize)
 
+    if not atomic:
+        write(path)
+        return path
     return write_atomic(path, write)
 
 

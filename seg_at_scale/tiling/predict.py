@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
+from seg_at_scale.tiling.engine import TTA, TensorWindows, plan_batches, run_batches
 from seg_at_scale.tiling.geometry import (
     Footprint,
     Tile,
@@ -29,7 +29,6 @@ from seg_at_scale.tiling.geometry import (
     make_grid,
     source_indices,
 )
-from seg_at_scale.tiling.engine import TTA, TensorWindows, plan_batches, run_batches
 from seg_at_scale.tiling.halo import footprint as model_footprint
 
 __all__ = [

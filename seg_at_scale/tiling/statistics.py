@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from seg_at_scale.models.gscnn import GSCNN
 
 __all__ = ["whole_image_batch_norm", "uses_image_pool", "image_pool_mean", "image_pool_mean_of",
+           "image_pool_sum_of", "feature_count",
            "predict_tiled_two_pass", "tiled_backward_two_pass"]
 
 
@@ -126,7 +127,8 @@ def _core_feature_sums(model: GSCNN, tile_inputs: Iterable[tuple[Tile, Tensor]]
         yield model.backbone(x.to(device))[-1][..., rows, cols].sum(dim=(2, 3), keepdim=True)
 
 
-def _feature_count(model: GSCNN, grid: TileGrid) -> int:
+def feature_count(model: GSCNN, grid: TileGrid) -> int:
+    """Feature pixels the image pooling averages over (the extended image's)."""
     s = model.downsampling_factor
     return (grid.extended.height // s) * (grid.extended.width // s)
 
@@ -152,15 +154,29 @@ def image_pool_mean_of(model: GSCNN, tile_inputs: Iterable[tuple[Tile, Tensor]],
                        grid: TileGrid) -> Tensor:
     """:func:`image_pool_mean` from ``(tile, input window)`` pairs covering ``grid``.
 
-    For inputs that are not one tensor in memory: :func:`seg_at_scale.inference.predict_raster`
+    For inputs that are not one tensor in memory: :func:`seg_at_scale.prediction.predict_raster`
     streams the windows from the raster file.
     """
+    total, dtype = image_pool_sum_of(model, tile_inputs)
+    return (total / feature_count(model, grid)).to(dtype)
+
+
+@torch.no_grad()
+def image_pool_sum_of(model: GSCNN, tile_inputs: Iterable[tuple[Tile, Tensor]]
+                      ) -> tuple[Tensor, torch.dtype]:
+    """Sum (float64) of the tiles' core features and the features' dtype.
+
+    Processes that each see part of the tiles all-reduce these sums, then divide by
+    :func:`feature_count`: the same mean as one process, in any split.
+    """
     total: Tensor | None = None
+    dtype = torch.float32
     for s in _core_feature_sums(model, tile_inputs):
         total = s.double() if total is None else total + s.double()
         dtype = s.dtype
-    assert total is not None
-    return (total / _feature_count(model, grid)).to(dtype)
+    if total is None:
+        raise ValueError("image_pool_sum_of needs at least one tile")
+    return total, dtype
 
 
 def _grid(model: GSCNN, image: Tensor, q: int | tuple[int, int] | None,
@@ -220,7 +236,7 @@ def tiled_backward_two_pass(model: GSCNN, image: Tensor, target: Tensor, loss: P
         value = tiled_backward(model, image, target, loss, q=q, tile_size=tile_size,
                                fp=grid.footprint)
     if p.grad is not None:
-        g = p.grad / _feature_count(model, grid)
+        g = p.grad / feature_count(model, grid)
         for s in _core_feature_sums(model, _tile_inputs(image, grid)):
             (s * g).sum().backward()
     return value
