@@ -182,6 +182,7 @@ def run_batches(model: nn.Module, source: WindowSource, batches: Sequence[Batch]
         return _load(source, job, height, width, fp, device, stream, channels_last)
 
     acc: list[Tensor] = []
+    masks: list[np.ndarray | None] = []
     with ThreadPoolExecutor(1) as pool, torch.inference_mode(), ctx:
         pending = pool.submit(load, jobs[0]) if jobs else None
         for k, (batch, g) in enumerate(jobs):
@@ -193,10 +194,13 @@ def run_batches(model: nn.Module, source: WindowSource, batches: Sequence[Batch]
             if event is not None:
                 torch.cuda.current_stream(device).wait_event(event)
             cores = _forward(model, groups, g, tta is not None, len(batch.tiles))
-            acc = cores if g == views[0] else [a + c for a, c in zip(acc, cores, strict=True)]
+            if g == views[0]:  # the identity: its no-data masks are the tiles'
+                acc, masks = cores, invalid
+            else:
+                acc = [a + c for a, c in zip(acc, cores, strict=True)]
             if g == views[-1]:
                 outs = acc if tta is None else [a / len(views) for a in acc]
-                yield BatchOutput(batch, outs, invalid, tta is not None)
+                yield BatchOutput(batch, outs, masks, tta is not None)
 
 
 def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
