@@ -22,7 +22,12 @@ NORM = {"scale": 1 / 255, "mean": [0.5], "std": [0.25]}
 
 def make_model(padding: str = "same", levels: int = 3, width: int = 8, seed: int = 0) -> UNet:
     torch.manual_seed(seed)
-    return UNet(4, 5, levels=levels, base_width=width, padding=padding).eval()
+    model = UNet(4, 5, levels=levels, base_width=width, padding=padding).eval()
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)][-1]
+    with torch.no_grad():  # an untrained net predicts one class: spread the logits
+        head.weight.mul_(30.0)
+        head.bias.zero_()
+    return model
 
 
 def make_run(folder: Path, model: UNet) -> Path:
