@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 import torch
 
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.scenes import Scene, find_scenes, validate_scene
 from seg_at_scale.data.tiles import GridTiles, ImageGroupedSampler, RandomTiles, pad_collate
 from seg_at_scale.errors import InputError
-from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import write_raster
 from seg_at_scale.models import UNet
 from seg_at_scale.tasks.losses import CrossEntropy

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import zarr
-
 from prediction_helpers import (
     CLASSES,
     NORM,
@@ -26,6 +25,7 @@ from prediction_helpers import (
     predict_cmd,
     seg_predict,
 )
+
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import ConfigError, OutputExistsError
 from seg_at_scale.io import read_raster

@@ -24,7 +24,8 @@ from seg_at_scale.metrics import confusion_from_rasters, iou_from_confusion
 from seg_at_scale.prediction import PredictionStats, output_kind, predict_raster
 from seg_at_scale.tiling import Footprint, footprint
 
-__all__ = ["model_footprint", "normalizer_of", "predict_scene", "preview_path", "format_iou", "save_run_config",
+__all__ = ["model_footprint", "normalizer_of", "predict_scene", "preview_path", "format_iou",
+           "save_run_config",
            "RUN_CONFIG"]
 
 log = logging.getLogger(__name__)

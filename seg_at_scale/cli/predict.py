@@ -152,8 +152,9 @@ def _launch(processes: int, nodes: int, device: torch.device) -> torch.device:
 
 
 def _terminate(signum: int, _: Any) -> None:
-    """SIGTERM (what SLURM sends before a kill) unwinds like Ctrl-C: temporary files are
-    removed, the store keeps every finished tile, and a rerun resumes.
+    """Unwind on SIGTERM (what SLURM sends before a kill) as on Ctrl-C.
+
+    Temporary files are removed, the store keeps every finished tile, a rerun resumes.
     """
     raise KeyboardInterrupt(f"signal {signum}")
 

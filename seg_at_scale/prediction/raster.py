@@ -52,8 +52,10 @@ __all__ = ["PredictionStats", "predict_raster", "output_kind", "default_batch_si
 class PredictionStats:
     """What a prediction run did, and where its time went (seconds, this process).
 
-    ``read_s`` is spent on a background thread, overlapped with the model; ``model_s`` is
-    the main thread's time in the forward passes and turning logits into outputs;
+    ``read_s`` is spent on a background thread, overlapped with the model (``read_wait_s``:
+    how long the model waited for it); ``model_s`` is the main thread's time in the forward
+    passes and turning logits into outputs; ``write_s`` how long it waited for the
+    background chunk writer;
     ``finalize_s`` is rank 0's COG (or store) finalisation; ``statistics_s`` the first pass
     of a model with whole-image statistics. ``tiles_computed`` counts this process's tiles
     (a resumed run skips the batches already on disk: ``tiles_resumed``).
@@ -69,6 +71,7 @@ class PredictionStats:
     tiles_computed: int = 0
     tiles_resumed: int = 0
     read_s: float = 0.0
+    read_wait_s: float = 0.0
     model_s: float = 0.0
     write_s: float = 0.0
     finalize_s: float = 0.0
@@ -312,8 +315,9 @@ def _predict_batches(model: nn.Module, source: RasterWindows, mine: list[Batch],
                      autocast: torch.dtype | None, channels_last: bool, tta: str | None,
                      probabilities: str | None, stats: PredictionStats, bar: Any) -> None:
     """Run this rank's batches; chunks are written on a background thread."""
-    def on_read(seconds: float) -> None:
+    def on_read(seconds: float, waited: float) -> None:
         stats.read_s += seconds
+        stats.read_wait_s += waited
 
     with ThreadPoolExecutor(1) as writer:
         pending: Future | None = None

@@ -20,6 +20,7 @@ processes and after any interruption.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -162,13 +163,14 @@ class BatchOutput:
 def run_batches(model: nn.Module, source: WindowSource, batches: Sequence[Batch], *,
                 height: int, width: int, fp: Footprint, device: torch.device,
                 autocast: torch.dtype | None = None, channels_last: bool = False,
-                tta: str | None = None, on_read: Callable[[float], None] | None = None,
+                tta: str | None = None, on_read: Callable[[float, float], None] | None = None,
                 ) -> Iterator[BatchOutput]:
     """Run ``batches`` through ``model``, reading the next batch on a background thread.
 
     On CUDA the reader thread stages each batch in pinned memory and copies it on a side
     stream, so the copy of batch k+1 overlaps the model on batch k; the model's stream
-    waits on an event, never on the host.
+    waits on an event, never on the host. ``on_read(read_s, waited_s)`` is told, per batch,
+    how long reading took (on the thread) and how long the model waited for it.
     """
     if tta not in TTA:
         raise ValueError(f"tta={tta!r}: use null, 'flips' or 'd4'")
@@ -187,10 +189,12 @@ def run_batches(model: nn.Module, source: WindowSource, batches: Sequence[Batch]
         pending = pool.submit(load, jobs[0]) if jobs else None
         for k, (batch, g) in enumerate(jobs):
             assert pending is not None
+            t0 = time.perf_counter()
             groups, invalid, event, seconds = pending.result()
+            waited = time.perf_counter() - t0
             pending = pool.submit(load, jobs[k + 1]) if k + 1 < len(jobs) else None
             if on_read is not None:
-                on_read(seconds)
+                on_read(seconds, waited)
             if event is not None:
                 torch.cuda.current_stream(device).wait_event(event)
             cores = _forward(model, groups, g, tta is not None, len(batch.tiles))
@@ -207,8 +211,6 @@ def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
           fp: Footprint, device: torch.device, stream: Any, channels_last: bool
           ) -> tuple[list[_Group], list[np.ndarray | None], Any, float]:
     """Read a batch's windows in the view ``g``; group equal input sizes into tensors."""
-    import time
-
     t0 = time.perf_counter()
     batch, g = job
     th, tw = g.shape(height, width)
