@@ -18,8 +18,8 @@ class _Quiet:
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, show: bool, pixels_per_tile: float, world: int = 1
-                 ) -> Iterator[Any]:
+def progress_bar(total: int, show: bool, pixels_per_tile: float, world: int = 1,
+                 desc: str = "predict") -> Iterator[Any]:
     """A bar counting tiles (all ranks, estimated from rank 0's share) with Mpix/s.
 
     ``show=False`` (``progress=false``, ``CI=true`` or a rank other than 0) yields an
@@ -29,7 +29,7 @@ def progress_bar(total: int, show: bool, pixels_per_tile: float, world: int = 1
         yield _Quiet()
         return
     bar = tqdm(total=total, unit="tile", file=sys.stderr, dynamic_ncols=True,
-               desc="predict", smoothing=0.1)
+               desc=desc, smoothing=0.1)
 
     class _Bar:
         def update(self, n: int) -> None:

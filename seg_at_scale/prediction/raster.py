@@ -219,9 +219,9 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         mine = todo[rank::world]
         stats.batches = len(mine)
         source = RasterWindows(reader, norm, fill_of(fp))
-        pool_ctx = _image_pool(model, source, grid, batches[rank::world], device, autocast,
-                               channels_last, stats)
         show = progress if progress is not None else not os.environ.get("CI")
+        pool_ctx = _image_pool(model, source, grid, batches[rank::world], device, autocast,
+                               channels_last, stats, show and rank == 0, world)
         with pool_ctx, progress_bar(sum(len(b.tiles) for b in todo), show and rank == 0,
                                     grid.height * grid.width / len(grid), world) as bar:
             _predict_batches(model, source, mine, grid, store, device, autocast,
@@ -281,7 +281,8 @@ def _cog_outputs(out_path: Path, probabilities: str | None) -> list[Path]:
 
 def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: list[Batch],
                 device: torch.device, autocast: torch.dtype | None, channels_last: bool,
-                stats: PredictionStats) -> contextlib.AbstractContextManager[Any]:
+                stats: PredictionStats, show: bool, world: int
+                ) -> contextlib.AbstractContextManager[Any]:
     """Pass 1 of a model with a whole-image statistic: fix its pooled mean for pass 2.
 
     Every tile counts, also on a resumed run: each rank sums the core features of its share
@@ -292,17 +293,19 @@ def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: 
         return contextlib.nullcontext()
     t0 = time.perf_counter()
 
-    def inputs() -> Iterator[tuple[Any, Tensor]]:
+    def inputs(bar: Any) -> Iterator[tuple[Any, Tensor]]:
         for batch in share:
             for tile in batch.tiles:
                 x = torch.from_numpy(source.read(tile.read)[0]).unsqueeze(0)
                 yield tile, (x.contiguous(memory_format=torch.channels_last)
                              if channels_last else x)
+                bar.update(1)
 
     ctx = (torch.autocast(device.type, dtype=autocast) if autocast is not None
            else contextlib.nullcontext())
-    with torch.inference_mode(), ctx:
-        total, dtype = image_pool_sum_of(model, inputs())
+    with torch.inference_mode(), ctx, progress_bar(len(grid), show, grid.height * grid.width
+                                                   / len(grid), world, "pass 1") as bar:
+        total, dtype = image_pool_sum_of(model, inputs(bar))
     if _rank_world()[1] > 1:
         dist.all_reduce(total)
     pooled = (total / feature_count(model, grid)).to(dtype)
