@@ -249,3 +249,17 @@ def test_output_kind_and_processes_errors_in_python(tmp_path):
     image = make_image(tmp_path / "a.tif", 40, 40)
     with pytest.raises(ConfigError, match="use .tif"):
         predict_raster(make_model(), image, tmp_path / "a.jpg")
+
+
+def test_existing_preview_and_unwritable_folder_are_refused_before_work(cli_case, tmp_path):
+    run, image = cli_case
+    preview = tmp_path / "mask_preview.png"
+    preview.write_bytes(b"mine")
+    res = seg_predict(run, image, tmp_path / "mask.tif", check=False)
+    assert res.returncode != 0 and "preview" in res.stderr and "overwrite=true" in res.stderr
+    assert preview.read_bytes() == b"mine" and not (tmp_path / "mask.tif").exists()
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("a file, not a folder")
+    res = seg_predict(run, image, blocker / "mask.tif", "preview=false",
+                      f"hydra.run.dir={tmp_path / 'h'}", check=False)
+    assert res.returncode != 0 and "cannot create its folder" in res.stderr
