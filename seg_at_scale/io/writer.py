@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,9 @@ __all__ = [
     "write_raster",
     "write_raster_bands",
 ]
+
+#: A reduced-resolution page: its ``(height, width)`` and a function giving its row bands.
+Overview = tuple[tuple[int, int], Callable[[], Iterable[np.ndarray]]]
 
 #: Uncompressed image bytes from which BigTIFF is chosen automatically (as ``tifffile``
 #: does: 4 GiB minus 32 MiB of head room for tags and offsets).
@@ -208,7 +211,7 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
                        tile: tuple[int, int] | None = (256, 256), compression: str | None = "zlib",
                        bigtiff: bool | None = None, geotags: GeoTags | None = None,
                        nodata: float | None = None, overwrite: bool = False,
-                       atomic: bool = True) -> Path:
+                       atomic: bool = True, overviews: Sequence[Overview] = ()) -> Path:
     """Write a raster from row bands, top to bottom, with memory of one band + one tile row.
 
     Args:
@@ -225,6 +228,10 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
         overwrite: replace an existing ``path``.
         atomic: write under a temporary name and rename (False: write ``path`` itself,
             for callers that own a temporary name already).
+        overviews: reduced-resolution pages written after the main one (TIFF
+            NewSubfileType 1, which GDAL reads as internal overviews): ``((h, w), make)``
+            where ``make()`` returns that level's row bands; called once the previous
+            page is complete. Tiled output only.
 
     Returns:
         ``path``.
@@ -250,6 +257,9 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
         data = _strips(_row_blocks(bands, (c, h, w), dt, block, path), h, compression)
         buffersize = None
 
+    if overviews and tile is None:
+        raise InputError(f"writing '{path}': overviews need a tiled file; pass tile=(h, w)")
+
     def write(tmp: Path) -> None:
         with tifffile.TiffWriter(tmp, bigtiff=_use_bigtiff(bigtiff, (c, h, w), dt)) as tw:
             tw.write(data, shape=(h, w) if c == 1 else (h, w, c), dtype=dt, tile=tile,
@@ -257,6 +267,13 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
                      photometric="rgb" if c == 3 else "minisblack", planarconfig="contig",
                      extratags=_extratags(geotags, nodata, dt, path), metadata=None,
                      buffersize=buffersize)
+            for (oh, ow), make in overviews:
+                assert tile is not None
+                level = _tiles(_row_blocks(make(), (c, oh, ow), dt, block, path), tile, ow)
+                tw.write(level, shape=(oh, ow) if c == 1 else (oh, ow, c), dtype=dt,
+                         tile=tile, compression=compression, subfiletype=1,
+                         photometric="rgb" if c == 3 else "minisblack", planarconfig="contig",
+                         metadata=None, buffersize=buffersize)
 
     if not atomic:
         write(path)
