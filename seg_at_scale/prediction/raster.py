@@ -34,9 +34,9 @@ from torch import Tensor, nn
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.windows import RasterWindows
-from seg_at_scale.errors import ConfigError, InputError, OutputExistsError
+from seg_at_scale.errors import ConfigError, OutputExistsError
 from seg_at_scale.io import RasterReader
-from seg_at_scale.io.cog import class_colors, write_cog
+from seg_at_scale.prediction.finalize import cog_outputs, finalize
 from seg_at_scale.prediction.lock import output_lock
 from seg_at_scale.prediction.progress import progress_bar
 from seg_at_scale.prediction.store import NODATA, PredictionStore
@@ -229,7 +229,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         _barrier()
         if rank == 0:
             t0 = time.perf_counter()
-            stats.class_pixels = _finalize(store, out_path, kind, reader, names, probabilities,
+            stats.class_pixels = finalize(store, out_path, kind, reader, names, probabilities,
                                            overwrite, keep_store)
             stats.finalize_s = time.perf_counter() - t0
         _barrier()
@@ -255,7 +255,7 @@ def _open_store(out_path: Path, kind: str, store_path: Path, grid: TileGrid,
                 ) -> PredictionStore:
     """Rank 0: refuse to replace a finished output, then resume or create the store."""
     if kind == "cog":
-        for p in _cog_outputs(out_path, probabilities):
+        for p in cog_outputs(out_path, probabilities):
             if p.exists() and not overwrite:
                 raise OutputExistsError(f"output '{p}' already exists; pass overwrite=true "
                                         "to replace it (or choose another path)")
@@ -270,13 +270,6 @@ def _open_store(out_path: Path, kind: str, store_path: Path, grid: TileGrid,
     return PredictionStore.open(store_path, grid, fingerprint=fingerprint,
                                 num_classes=num_classes, probabilities=probabilities,
                                 attrs=attrs, resume=resume)
-
-
-def _cog_outputs(out_path: Path, probabilities: str | None) -> list[Path]:
-    paths = [out_path]
-    if probabilities:
-        paths.append(out_path.with_name(f"{out_path.stem}_probabilities{out_path.suffix}"))
-    return paths
 
 
 def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: list[Batch],
@@ -372,55 +365,3 @@ def _write(store: PredictionStore, batch: Batch,
     for tile, (labels, probs) in zip(batch.tiles, outputs, strict=True):
         if not store.done(tile):  # a recomputed batch may hold tiles already on disk
             store.write(tile, labels, probs)
-
-
-def _finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterReader,
-              names: list[str], probabilities: str | None, overwrite: bool,
-              keep_store: bool) -> list[int]:
-    """Rank 0: class histogram, then the COG(s) or the store marked complete."""
-    missing = [t.index for t in _all_tiles(store) if not store.done(t)]
-    if missing:
-        raise InputError(f"the store '{store.path}' misses {len(missing)} tiles after every "
-                         "rank finished (first: {missing[0]}); rerun the same command to "
-                         "complete them")
-    hist = np.zeros(256, np.int64)
-
-    def counted() -> Iterator[np.ndarray]:
-        for band in store.row_bands(store.labels):
-            hist[:] += torch.bincount(torch.from_numpy(band).reshape(-1), minlength=256).numpy()
-            yield band
-
-    h, w = store.labels.shape
-    if kind == "cog":
-        write_cog(out_path, (1, h, w), "uint8", counted(), geotags=reader.geotags,
-                  nodata=NODATA, colormap=class_colors(len(names)), resampling="mode",
-                  overwrite=True)
-        if store.probabilities is not None:
-            k = store.probabilities.shape[0]
-            write_cog(_cog_outputs(out_path, probabilities)[1], (k, h, w),
-                      str(store.probabilities.dtype).replace("float16", "float32"),
-                      (b.astype(np.float32) if b.dtype == np.float16 else b
-                       for b in store.row_bands(store.probabilities)),
-                      geotags=reader.geotags, resampling="average", overwrite=True,
-                      descriptions=names[:k])
-    else:
-        for _ in counted():
-            pass
-    class_pixels = [int(v) for v in hist[:NODATA]]
-    store.finish(class_pixels)
-    if kind == "cog" and not keep_store:
-        import shutil
-
-        shutil.rmtree(store.path, ignore_errors=True)
-    return class_pixels
-
-
-def _all_tiles(store: PredictionStore) -> Iterator[Any]:
-    from seg_at_scale.tiling.geometry import Tile, Window
-
-    ch, cw = store.group.attrs["chunk"]
-    h, w = store.labels.shape
-    for i, r in enumerate(range(0, h, ch)):
-        for j, c in enumerate(range(0, w, cw)):
-            core = Window(r, c, min(ch, h - r), min(cw, w - c))
-            yield Tile((i, j), core, core, core)
