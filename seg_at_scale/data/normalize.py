@@ -26,18 +26,28 @@ class Normalizer:
     std: Sequence[float] = (1.0,)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return self.standardize(self.rescale(x))
+        return self.standardize(self.rescale(x), in_place=True)
 
     def rescale(self, x: np.ndarray) -> np.ndarray:
         """Raw samples to float32 in about ``[0, 1]`` (where photometric augmentation acts)."""
-        return x.astype(np.float32) * np.float32(self.scale)
+        out = x.astype(np.float32)
+        out *= np.float32(self.scale)
+        return out
 
-    def standardize(self, x: np.ndarray) -> np.ndarray:
-        """``(x - mean) / std`` per band of a rescaled ``[C, h, w]`` array."""
+    def standardize(self, x: np.ndarray, in_place: bool = False) -> np.ndarray:
+        """``(x - mean) / std`` per band of a rescaled ``[C, h, w]`` array.
+
+        ``in_place`` reuses ``x`` (one array instead of three: the same arithmetic, so the
+        same bits).
+        """
         c = x.shape[0]
         mean = np.asarray(self.mean, np.float32).reshape(-1, 1, 1)
         std = np.asarray(self.std, np.float32).reshape(-1, 1, 1)
         if mean.shape[0] not in (1, c) or std.shape[0] not in (1, c):
             raise InputError(f"normalization has {mean.shape[0]} means / {std.shape[0]} stds "
                              f"for {c} bands; give one value per band (data.mean / data.std)")
-        return (x - mean) / std
+        if not in_place:
+            return (x - mean) / std
+        x -= mean
+        x /= std
+        return x

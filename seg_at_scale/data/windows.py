@@ -68,7 +68,7 @@ class RasterWindows:
         ``keep`` is the inside as slices, or a boolean ``[h, w]`` mask (after a geometric
         augmentation moved it).
         """
-        x = self.normalizer.standardize(x)
+        x = self.normalizer.standardize(x, in_place=True)  # x is ours (rescaled above)
         if self.fill == "reflect":
             return x  # the reflection of normalised pixels is the normalised reflection
         if isinstance(keep, np.ndarray):
