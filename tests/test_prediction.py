@@ -263,3 +263,20 @@ def test_existing_preview_and_unwritable_folder_are_refused_before_work(cli_case
     res = seg_predict(run, image, blocker / "mask.tif", "preview=false",
                       f"hydra.run.dir={tmp_path / 'h'}", check=False)
     assert res.returncode != 0 and "cannot create its folder" in res.stderr
+
+
+def test_slurm_prediction_launcher_takes_processes_and_nodes():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    import seg_at_scale
+
+    conf = str(Path(seg_at_scale.__file__).parent / "conf")
+    with initialize_config_dir(conf, version_base="1.3"):
+        cfg = compose("predict", overrides=["hydra/launcher=slurm_predict", "processes=4",
+                                            "nodes=3", "run=r", "image=i.tif", "output=o.zarr"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (3, 4, 4)
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.max_num_timeout > 0
