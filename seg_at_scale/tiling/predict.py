@@ -179,7 +179,7 @@ def tiled_backward(model: nn.Module, image: Tensor, target: Tensor, loss: PixelL
         t = target[..., tile.core.row : tile.core.row_end, tile.core.col : tile.core.col_end]
         s, _ = loss(y, t)
         (s / total_weight.to(s.device)).backward()
-        total += s.detach().double()
+        total += s.detach().double().cpu()  # the total lives on the host, s on the device
     return (total / total_weight).float()
 
 
