@@ -51,6 +51,7 @@ GPU_TESTS = {"test_tiled_prediction_equals_untiled", "test_bf16_fast_path_agrees
              "test_pipe_on_one_device_equals_plain_model",
              "test_sample_parallel_gradient_equals_whole_image",
              "test_auto_tile_fits_and_the_next_size_does_not", "test_cli_train_resume_predict"}
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: shared CPU cores
 MODES = [MemoryConfig("checkpoint", "level"), MemoryConfig("checkpoint", "block"),
          MemoryConfig("checkpoint", "layers", every=3),
          MemoryConfig("checkpoint", "strips", strip_rows=6),
@@ -61,6 +62,9 @@ MODES = [MemoryConfig("checkpoint", "level"), MemoryConfig("checkpoint", "block"
 
 @pytest.fixture(params=[ON_CPU, ON_GPU])
 def device(request: pytest.FixtureRequest) -> torch.device:
+    """``cpu``, or ``cuda:<current>`` (an explicit index: Pipe stages name their device)."""
+    if request.param == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(request.param)
 
 
