@@ -377,8 +377,8 @@ def test_gpu_suite_collects_and_skips_cleanly():
     """`pytest -m gpu` selects exactly the cuda variants of the tests above; without CUDA
     each one skips with the reason (with CUDA, only collection is checked here)."""
     here = Path(__file__)
-    cmd = [sys.executable, "-m", "pytest", str(here), "-m", "gpu", "-v", "-rs",
-           "-p", "no:cacheprovider", *(["--collect-only", "-q"] if HAS_CUDA else [])]
+    cmd = [sys.executable, "-m", "pytest", str(here), "-m", "gpu", "-p", "no:cacheprovider",
+           *(["--collect-only", "-q"] if HAS_CUDA else ["-v", "-rs"])]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=here.parents[1], timeout=300)
     ids = [line.split()[0] for line in out.stdout.splitlines() if "test_gpu.py::" in line]
     assert ids, out.stdout[-3000:] + out.stderr[-3000:]
