@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all lint bench clean-data install
+.PHONY: demo test test-all test-gpu lint bench clean-data install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(ARGS)
+
+## the CUDA paths on a GPU (tests/test_gpu.py; each skips with the reason where CUDA is absent)
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check seg_at_scale tests experiments

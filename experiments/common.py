@@ -43,12 +43,12 @@ def machine() -> dict[str, Any]:
     }
 
 
-def save(name: str, figures: dict[str, Any]) -> Path:
-    """Print ``figures`` and write ``results/<name>.json`` with the machine attached."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def save(name: str, figures: dict[str, Any], path: Path | None = None) -> Path:
+    """Print ``figures`` and write ``results/<name>.json`` (or ``path``) with the machine."""
     doc = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
            **figures}
-    path = RESULTS / f"{name}.json"
+    path = path or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2, default=float) + "\n")
     print(json.dumps(doc, indent=2, default=float))
     print(f"saved {path}")
