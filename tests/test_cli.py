@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_train
+from cli_helpers import run_train
 from hydra import compose, initialize_config_dir
 
 from seg_at_scale.cli.predict import load_run, run_prediction

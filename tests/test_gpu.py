@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_train
+from cli_helpers import run_train
 from hydra import compose, initialize_config_dir
 from test_cli import CONF, TINY
 from torch import nn
