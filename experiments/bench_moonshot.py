@@ -30,23 +30,20 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from common import peak_rss_self_mib, run_isolated, save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_rss_self_mib, run_isolated, save  # noqa: E402
-
-from seg_at_scale.data.synthetic import SceneGenerator  # noqa: E402
-from seg_at_scale.data.synthetic_dataset import write_scene  # noqa: E402
-from seg_at_scale.inference import Normalizer, predict_raster  # noqa: E402
-from seg_at_scale.io import write_raster_bands  # noqa: E402
-from seg_at_scale.models import UNet  # noqa: E402
-from seg_at_scale.tiling import Window  # noqa: E402
+from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.data.synthetic_dataset import write_scene
+from seg_at_scale.inference import Normalizer, predict_raster
+from seg_at_scale.io import write_raster_bands
+from seg_at_scale.models import UNet
+from seg_at_scale.tiling import Window
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bench" / "moonshot"
 BANDS = 4

@@ -37,17 +37,15 @@ from typing import Any
 
 import psutil
 import torch
+from common import save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save  # noqa: E402
-
-from seg_at_scale.cli.common import normalizer_of  # noqa: E402
-from seg_at_scale.cli.predict import load_run  # noqa: E402
-from seg_at_scale.data.synthetic import SceneGenerator  # noqa: E402
-from seg_at_scale.data.synthetic_dataset import write_scene  # noqa: E402
-from seg_at_scale.data.windows import RasterWindows  # noqa: E402
-from seg_at_scale.io import RasterReader  # noqa: E402
-from seg_at_scale.tiling import fill_of, footprint, make_grid  # noqa: E402
+from seg_at_scale.cli.common import normalizer_of
+from seg_at_scale.cli.predict import load_run
+from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.data.synthetic_dataset import write_scene
+from seg_at_scale.data.windows import RasterWindows
+from seg_at_scale.io import RasterReader
+from seg_at_scale.tiling import fill_of, footprint, make_grid
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bench" / "predict_scale"
 

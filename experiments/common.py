@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 import torch
+from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -100,3 +101,20 @@ def peak_rss_self_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def random_feature_init(net: nn.Module) -> nn.Module:
+    """He-normal weights, zero biases: an untrained net whose labels vary over the image.
+
+    PyTorch's default init shrinks activations layer by layer, so an untrained U-Net's
+    logits are the head's bias almost everywhere and its argmax is one class for the whole
+    image, which would make every label comparison trivially equal. With variance-keeping
+    weights the logits are random features of the image (several classes, small margins).
+    """
+    for m in net.modules():
+        if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
+            fan = "fan_out" if isinstance(m, nn.ConvTranspose2d) else "fan_in"  # = in x k x k
+            nn.init.kaiming_normal_(m.weight, mode=fan, nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    return net
