@@ -30,7 +30,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check seg_at_scale tests experiments
+	$(PY) -m ruff check seg_at_scale hydra_plugins tests experiments
 
 ## benchmark scripts (JSON under experiments/results/)
 bench: $(STAMP)

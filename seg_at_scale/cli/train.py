@@ -34,6 +34,7 @@ from seg_at_scale.cli.common import (
     predict_scene,
     save_run_config,
 )
+from seg_at_scale.cli.resolvers import register_resolvers
 from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
@@ -54,6 +55,7 @@ from seg_at_scale.tiling import make_grid
 log = logging.getLogger("seg_at_scale.train")
 DEFAULT_GENERATOR = "seg_at_scale.data.synthetic_dataset.make_dataset"
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
+register_resolvers()  # ${seg.class_weights:...} (data.class_weight_power)
 
 
 def build_data(cfg: DictConfig, fp: Any) -> TileDataModule:
