@@ -193,7 +193,7 @@ def _cells(report: SweepReport) -> tuple[list[str], list[list[str]]]:
     body = []
     for r in report.rows:
         rec = r.record
-        body.append([str(r.job), r.status, "" if r.objective is None else f"{r.objective:.6g}",
+        body.append([str(r.job), r.status, "" if r.objective is None else repr(r.objective),
                      *("" if r.value_of(k) is None else str(r.value_of(k))
                        for k in report.params),
                      "" if r.seconds is None else str(r.seconds),
@@ -203,13 +203,22 @@ def _cells(report: SweepReport) -> tuple[list[str], list[list[str]]]:
     return head, body
 
 
-def format_table(report: SweepReport, width: int = 14) -> str:
+def _short(text: str, width: int) -> str:
+    """A cell for the text table: numbers to 4 significant digits, keys by their last part."""
+    try:
+        value = float(text)
+    except ValueError:
+        return text.rsplit(".", 1)[-1][:width] if "=" not in text else text[:width]
+    return text[:width] if value.is_integer() and "." not in text else f"{value:.4g}"
+
+
+def format_table(report: SweepReport, width: int = 12) -> str:
     """The report as aligned text (without the override and folder columns)."""
     head, body = _cells(report)
     keep = len(head) - 2
-    lines = ["  ".join(h[-width:].ljust(width) for h in head[:keep])]
-    lines += ["  ".join(c[:width].ljust(width) for c in row[:keep]) for row in body]
-    return "\n".join(lines)
+    lines = ["  ".join(_short(h, width).ljust(width) for h in head[:keep])]
+    lines += ["  ".join(_short(c, width).ljust(width) for c in row[:keep]) for row in body]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def write_report(folder: str | Path, study_name: str | None = None) -> SweepReport:

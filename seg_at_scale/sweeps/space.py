@@ -118,8 +118,8 @@ def encode_value(value: Any) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _param(override: Override, key: str) -> Param:
-    """The :class:`Param` of one sweep override (``key`` names it in errors)."""
+def _param(override: Override, where: str) -> Param:
+    """The :class:`Param` of one sweep override (``where`` names it in errors)."""
     value = override.value()
     name = override.get_key_element()
     if isinstance(value, ChoiceSweep):
@@ -130,18 +130,18 @@ def _param(override: Override, key: str) -> Param:
         low, high = float(value.start), float(value.end)  # type: ignore[arg-type]
         log = "log" in value.tags
         if not low < high or (log and low <= 0):
-            raise ConfigError(f"{key}={override.input_line!r}: interval needs low < high "
+            raise ConfigError(f"{where}: interval needs low < high "
                               "(and low > 0 with tag(log, ...)), e.g. interval(0.0, 1.0)")
         return Param(name, "float", low=low, high=high, log=log)
     if isinstance(value, RangeSweep):
         start, stop, step = value.start, value.stop, value.step
         if not all(isinstance(v, int) for v in (start, stop, step)) or stop <= start:
-            raise ConfigError(f"{key}={override.input_line!r}: range() searches integers "
+            raise ConfigError(f"{where}: range() searches integers "
                               "start .. stop - 1, e.g. range(2, 9); use interval() for floats")
         last = start + (stop - 1 - start) // step * step  # type: ignore[operator]
         return Param(name, "int", low=start, high=last, step=step,  # type: ignore[arg-type]
                      log="log" in value.tags)
-    raise ConfigError(f"{key}={override.input_line!r}: use choice(...), interval(...), "
+    raise ConfigError(f"{where}: use choice(...), interval(...), "
                       "tag(log, interval(...)) or range(...)")
 
 
@@ -168,14 +168,16 @@ def search_space(params: Mapping[str, Any], fixed: Sequence[str] = (),
     """
     parser = OverridesParser.create()
     lines = [f"{k}={v}" for k, v in params.items()] + list(fixed)
+    where = [f"{key}.{line}" for line in lines[:len(params)]]
+    where += [f"command-line override {line}" for line in lines[len(params):]]
     found: dict[str, Param] = {}
     kept: dict[str, str] = {}  # key -> override line; a later line replaces an earlier one
     values: dict[str, str] = {}  # key -> fixed value, for conditions on a fixed key
-    for line, override in zip(lines, parser.parse_overrides(lines)):
+    for line, label, override in zip(lines, where, parser.parse_overrides(lines)):
         name = override.get_key_element()
         if override.is_sweep_override():  # replaces a searched key in its place
             kept.pop(name, None)
-            found[name] = _param(override, key)
+            found[name] = _param(override, label)
         else:
             found.pop(name, None)
             kept[name] = line
