@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import doctest
 import importlib
+import json
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from seg_at_scale.cli.resolvers import register_resolvers
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.sweeps.pruning import PRUNED_AT, OptunaPruning
 from seg_at_scale.sweeps.report import collect_trials
+from seg_at_scale.sweeps.report import main as report_main
 from seg_at_scale.sweeps.space import search_space
 from seg_at_scale.sweeps.study import INTERRUPTED, open_study, storage_url
 from seg_at_scale.tasks.class_weights import scene_class_weights
@@ -178,9 +180,8 @@ def test_sweep_report_rows_hold_each_runs_best_val_miou(killed_sweep):
     for r in rows:
         if r["status"] != "complete":
             continue
-        with open(folder / r["job"] / "csv" / "version_0" / "metrics.csv") as f:
-            own = [float(m["val/miou"]) for m in csv.DictReader(f) if m["val/miou"]]
-        assert len(own) == 2 and float(r["objective"]) == pytest.approx(max(own), rel=1e-5)
+        own = _miou_history(folder / r["job"])
+        assert len(own) == 2 and float(r["objective"]) == pytest.approx(max(own), rel=1e-6)
     assert {"task.optimizer.lr", "tiling.core_size", "tiling.batch_size"} <= set(rows[0])
     assert (folder / "sweep_report.png").stat().st_size > 10_000
     report = collect_trials(folder)
@@ -191,19 +192,94 @@ def test_sweep_report_rows_hold_each_runs_best_val_miou(killed_sweep):
                                          if r["status"] == "complete")
 
 
-def test_parallel_trials_get_their_share_of_threads_and_a_grid_report(tmp_path):
-    folder = tmp_path / "grid"
-    out = subprocess.run(_train_cmd("-m", *TINY, "hydra/launcher=local_parallel",
-                                    "hydra.launcher.n_jobs=2", "hydra.launcher.cores=2",
-                                    "task.optimizer.lr=0.001,0.01", "predict_after_fit=false",
-                                    f"hydra.sweep.dir={folder}"),
+def _miou_history(run: Path) -> list[float]:
+    with open(run / "csv" / "version_0" / "metrics.csv") as f:
+        return [float(m["val/miou"]) for m in csv.DictReader(f) if m["val/miou"]]
+
+
+def test_parallel_trials_get_their_share_of_threads_and_report_to_the_study(tmp_path):
+    folder = tmp_path / "sweep"
+    out = subprocess.run(_train_cmd(*OPTUNA, "hydra.sweeper.n_trials=2", "predict_after_fit=false",
+                                    "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2",
+                                    "hydra.launcher.cores=2", f"hydra.sweep.dir={folder}",
+                                    "hydra.sweeper.study_name=p"),
                          env=_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "Launching 2 jobs, 2 at a time, 1 torch threads each (2 cores)" in out.stdout
     report = collect_trials(folder)
     assert [r.status for r in report.rows] == ["complete", "complete"]
     assert [r.record["threads"] for r in report.rows] == [1, 1]  # 2 cores / 2 trials
-    assert report.params == ["task.optimizer.lr"]
-    assert (folder / "sweep_report.csv").read_text().count("\n") == 3  # header + 2 trials
+    trials = optuna.load_study(study_name="p", storage=f"sqlite:///{folder / 'optuna.db'}").trials
+    for t in trials:  # the pruning callback in each child process reported every epoch
+        assert list(t.intermediate_values.values()) == pytest.approx(
+            _miou_history(folder / str(t.number)))
+
+
+def test_grid_sweep_report_finds_the_varying_key_and_the_best_command(tmp_path, capsys):
+    folder = tmp_path / "grid"
+    for job, (q, best) in enumerate([(1, 0.31), (2, 0.42), (4, None)]):
+        run = folder / f"{job}_tiling.q={q}"
+        (run / ".hydra").mkdir(parents=True)
+        (run / ".hydra" / "overrides.yaml").write_text(
+            f"- tiling=grid\n- tiling.q={q}\n- logger=csv\n")
+        (run / ".hydra" / "hydra.yaml").write_text(f"hydra:\n  job:\n    num: {job}\n")
+        (run / ".hydra" / "config.yaml").write_text("{}\n")
+        if best is not None:  # job 2 never finished
+            (run / "trial.json").write_text(json.dumps({"monitor": "val/miou", "mode": "max",
+                                                        "best": best, "threads": 2}))
+            (run / "summary.json").write_text(json.dumps({"val/miou": best - 0.1}))
+    out = subprocess.run([sys.executable, "-m", "seg_at_scale.sweeps.report", str(folder)],
+                         env=_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    with open(folder / "sweep_report.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["status"], r["tiling.q"], r["objective"]) for r in rows] == [
+        ("0", "complete", "1", "0.31"), ("1", "complete", "2", "0.42"),
+        ("2", "incomplete", "4", "")]
+    assert "best: job 1, objective 0.4200" in out.stdout
+    command = "seg-train tiling=grid tiling.q=2 logger=csv"
+    assert command in out.stdout and (folder / "best_command.txt").read_text().strip() == command
+    with pytest.raises(SystemExit) as stop:
+        report_main([str(tmp_path)])
+    assert stop.value.code == 2 and "holds no Hydra job folders" in capsys.readouterr().err
+
+
+def test_job_outcome_reads_the_runs_best_value(tmp_path):
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from seg_at_scale.sweeps.optuna_sweep import job_outcome
+
+    (tmp_path / "trial.json").write_text(json.dumps({"monitor": "val/miou", "best": 0.7}))
+    hydra_cfg = OmegaConf.create({"hydra": {"runtime": {"output_dir": str(tmp_path)}}})
+    ok = JobReturn(hydra_cfg=hydra_cfg, status=JobStatus.COMPLETED, _return_value=0.5)
+    assert job_outcome(ok, "val/miou", None) == ("complete", 0.7)  # best, not the last 0.5
+    assert job_outcome(ok, "val/miou", 3) == ("pruned", None)
+    bad = JobReturn(hydra_cfg=hydra_cfg, status=JobStatus.FAILED, _return_value=RuntimeError())
+    assert job_outcome(bad, "val/miou", None) == ("failed", None)
+    with pytest.raises(ConfigError, match="objective='val/loss' but the runs record 'val/miou'"):
+        job_outcome(ok, "val/loss", None)
+
+
+def test_optuna_search_composes_every_choice_on_the_checkpoint_metric():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(str(REPO / "seg_at_scale" / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[
+            "hparams_search=optuna", "model_size=medium", "memory=checkpoint",
+            "tiling.core_size=192", "tiling.batch_size=16", "data.class_weight_power=0.5"],
+            return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    sweeper = cfg.hydra.sweeper
+    assert sweeper.objective == cfg.callbacks.model_checkpoint.monitor == "val/miou"
+    assert cfg.callbacks.early_stopping.monitor == cfg.callbacks.trial_record.monitor == "val/miou"
+    space = search_space(dict(sweeper.params), conditions=OmegaConf.to_container(
+        sweeper.conditions))
+    assert {p.name for p in space.params} >= {"task.optimizer.lr", "model_size", "memory"}
+    pruning = instantiate(cfg.callbacks.optuna_pruning)
+    assert isinstance(pruning.pruner, optuna.pruners.MedianPruner)
+    assert pruning.url.endswith("multirun/optuna_synthetic/optuna.db")
 
 
 def _outputs(nb) -> tuple[str, list[int]]:

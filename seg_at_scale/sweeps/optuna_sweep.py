@@ -26,7 +26,7 @@ import yaml
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.sweeps.pruning import PRUNED_AT
-from seg_at_scale.sweeps.record import read_record
+from seg_at_scale.sweeps.report import read_record
 from seg_at_scale.sweeps.space import SearchSpace
 from seg_at_scale.sweeps.study import open_study, storage_url
 

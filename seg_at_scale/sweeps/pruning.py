@@ -32,23 +32,24 @@ class OptunaPruning(pl.Callback):
 
     Args:
         study_name: the study's name.
-        trial: the trial number (``${hydra:job.num}``).
+        trial: the trial number (``${hydra:job.num}``; None outside a multirun).
         sweep_dir: the sweep folder (default storage location).
         storage: database URL, or None for ``<sweep_dir>/optuna.db``.
         monitor: the metric (``val/miou``).
         pruner: the study's optuna pruner (e.g. ``MedianPruner``); None: optuna's default.
     """
 
-    def __init__(self, study_name: str, trial: int, sweep_dir: str, storage: str | None = None,
-                 monitor: str = "val/miou", pruner: Any = None) -> None:
-        self.study_name, self.number, self.monitor = study_name, int(trial), monitor
+    def __init__(self, study_name: str, trial: int | None, sweep_dir: str,
+                 storage: str | None = None, monitor: str = "val/miou", pruner: Any = None) -> None:
+        self.study_name, self.monitor = study_name, monitor
+        self.number = None if trial is None else int(trial)  # None: not a sweep's job
         self.url = storage_url(storage, sweep_dir)
         self.pruner = pruner
         self.trial: Any = None
         self.pruned_at: int | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or self.number is None:
             return
         import optuna
 

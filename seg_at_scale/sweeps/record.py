@@ -18,20 +18,17 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.report import peak_memory_mib
+from seg_at_scale.sweeps.report import RECORD_FILE
 
-__all__ = ["TrialRecord", "RECORD_FILE", "read_record", "reset_peak_rss"]
+__all__ = ["TrialRecord", "reset_peak_rss"]
 
 log = logging.getLogger("seg_at_scale.sweeps")
-
-RECORD_FILE = "trial.json"
-
 
 def reset_peak_rss() -> bool:
     """Reset this process's ``VmHWM`` to its current RSS (Linux >= 4.0); False if not allowed."""
@@ -41,15 +38,6 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
-
-
-def read_record(run_dir: str | Path) -> dict[str, Any] | None:
-    """The run's ``trial.json``, or None when the run wrote none (yet)."""
-    path = Path(run_dir) / RECORD_FILE
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 class TrialRecord(pl.Callback):

@@ -29,16 +29,24 @@ from typing import Any
 import yaml
 from hydra.experimental.callback import Callback
 
-from seg_at_scale.sweeps.record import read_record
 from seg_at_scale.sweeps.study import INTERRUPTED, STUDY_FILE
 
 __all__ = ["TrialRow", "SweepReport", "collect_trials", "write_report", "best_command",
-           "format_table", "SweepReportCallback", "main"]
+           "format_table", "read_record", "RECORD_FILE", "SweepReportCallback", "main"]
 
 log = logging.getLogger("seg_at_scale.sweeps")
 
 CSV_FILE, PNG_FILE, COMMAND_FILE = "sweep_report.csv", "sweep_report.png", "best_command.txt"
 NOT_PARAMS = ("hparams_search=", "hydra.", "hydra/")  # overrides that are not a run's setting
+RECORD_FILE = "trial.json"  # written by seg_at_scale.sweeps.record.TrialRecord
+
+
+def read_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's ``trial.json``, or None when the run wrote none (yet)."""
+    try:
+        return json.loads((Path(run_dir) / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass
