@@ -51,9 +51,10 @@ def _train_cmd(*overrides: str) -> list[str]:
     return [sys.executable, "-m", "seg_at_scale.cli.train", *overrides]
 
 
-@pytest.mark.parametrize("module", ["space", "study", "launcher"])
+@pytest.mark.parametrize("module", ["sweeps.space", "sweeps.study", "sweeps.launcher",
+                                    "tasks.class_weights", "cli.filelock"])
 def test_docstring_examples(module):
-    result = doctest.testmod(importlib.import_module(f"seg_at_scale.sweeps.{module}"))
+    result = doctest.testmod(importlib.import_module(f"seg_at_scale.{module}"))
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -258,6 +259,39 @@ def test_job_outcome_reads_the_runs_best_value(tmp_path):
     assert job_outcome(bad, "val/miou", None) == ("failed", None)
     with pytest.raises(ConfigError, match="objective='val/loss' but the runs record 'val/miou'"):
         job_outcome(ok, "val/loss", None)
+
+
+def test_run_study_tells_each_outcome_and_stops_after_max_failures(tmp_path):
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from seg_at_scale.sweeps.optuna_sweep import StudySettings, run_study
+
+    firsts: list[int] = []
+
+    def launch(batch, first):  # job n: even n completes with best = n / 10, odd n fails
+        firsts.append(first)
+        out = []
+        for n, overrides in enumerate(batch, start=first):
+            run = tmp_path / str(n)
+            run.mkdir()
+            (run / "trial.json").write_text(json.dumps({"monitor": "val/miou", "best": n / 10}))
+            cfg = OmegaConf.create({"hydra": {"runtime": {"output_dir": str(run)}}})
+            out.append(JobReturn(overrides=overrides, hydra_cfg=cfg, _return_value=ValueError(n),
+                                 status=JobStatus.FAILED if n % 2 else JobStatus.COMPLETED))
+        return out
+
+    space = search_space({"x": "interval(0, 1)"})
+    settings = StudySettings("s", None, "maximize", "val/miou", n_trials=4, n_jobs=2, seed=0,
+                             max_failures=2)
+    run_study(settings, space, tmp_path, launch)
+    study = optuna.load_study(study_name="s", storage=storage_url(None, tmp_path))
+    assert [(t.state.name, t.value) for t in study.trials] == [
+        ("COMPLETE", 0.0), ("FAIL", None), ("COMPLETE", 0.2), ("FAIL", None)]
+    assert firsts == [0, 2]  # job numbers = trial numbers
+    more = StudySettings(**{**settings.__dict__, "n_trials": 6, "max_failures": 0})
+    with pytest.raises(ValueError, match="5"):  # a failure past the limit re-raises its error
+        run_study(more, space, tmp_path, launch)
+    assert [t.state.name for t in study.trials][4:] == ["COMPLETE", "FAIL"]  # both told
 
 
 def test_optuna_search_composes_every_choice_on_the_checkpoint_metric():

@@ -143,26 +143,35 @@ def run_study(settings: StudySettings, space: SearchSpace, sweep_dir: str | Path
             for t in trials:
                 study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
             raise
-        stored = {t.number: t for t in study.get_trials(deepcopy=False)}  # fresh user attrs
-        for trial, ret in zip(trials, done):
-            pruned_at = stored[trial.number].user_attrs.get(PRUNED_AT)
-            state, value = job_outcome(ret, settings.objective, pruned_at)
-            if state == "complete":
-                study.tell(trial, value)
-            elif state == "pruned":
-                study.tell(trial, state=TrialState.PRUNED)
-            else:
-                failures += 1
-                study.tell(trial, state=TrialState.FAIL)
-                log.warning("trial %d failed: %s", trial.number, _error_of(ret))
-                if failures > settings.max_failures:
-                    ret.return_value  # re-raises the job's exception  # noqa: B018
-                    raise RuntimeError(f"{failures} trials failed (hydra.sweeper.max_failures="
-                                       f"{settings.max_failures})")
+        failed = _tell(study, trials, done, settings.objective)
+        failures += len(failed)
+        if failed and failures > settings.max_failures:
+            failed[-1].return_value  # re-raises the job's own exception  # noqa: B018
+            raise RuntimeError(f"{failures} trials failed, no objective recorded "
+                               f"(hydra.sweeper.max_failures={settings.max_failures})")
         returns.extend(done)
         todo -= len(trials)
     _write_results(study, Path(sweep_dir), settings)
     return returns
+
+
+def _tell(study: Any, trials: Sequence[Any], done: Sequence[Any], objective: str) -> list[Any]:
+    """Tell the study how each launched trial ended; the JobReturns of the failed ones."""
+    from optuna.trial import TrialState
+
+    stored = {t.number: t for t in study.get_trials(deepcopy=False)}  # fresh user attrs
+    failed = []
+    for trial, ret in zip(trials, done):
+        state, value = job_outcome(ret, objective, stored[trial.number].user_attrs.get(PRUNED_AT))
+        if state == "complete":
+            study.tell(trial, value)
+        elif state == "pruned":
+            study.tell(trial, state=TrialState.PRUNED)
+        else:
+            study.tell(trial, state=TrialState.FAIL)
+            log.warning("trial %d failed: %s", trial.number, _error_of(ret))
+            failed.append(ret)
+    return failed
 
 
 def _error_of(ret: Any) -> str:
