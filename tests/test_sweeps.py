@@ -26,7 +26,7 @@ from seg_at_scale.sweeps.pruning import PRUNED_AT, OptunaPruning
 from seg_at_scale.sweeps.report import collect_trials
 from seg_at_scale.sweeps.report import main as report_main
 from seg_at_scale.sweeps.space import search_space
-from seg_at_scale.sweeps.study import INTERRUPTED, open_study, storage_url
+from seg_at_scale.sweeps.study import INTERRUPTED, open_storage, open_study, storage_url
 from seg_at_scale.tasks.class_weights import scene_class_weights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -268,10 +268,14 @@ def test_run_study_tells_each_outcome_and_stops_after_max_failures(tmp_path):
 
     firsts: list[int] = []
 
-    def launch(batch, first):  # job n: even n completes with best = n / 10, odd n fails
-        firsts.append(first)
+    def launch(batch, first):  # job n: even n completes with best = n / 10, odd n fails,
+        firsts.append(first)  # job 2 is pruned (its callback marks the trial in the study)
         out = []
         for n, overrides in enumerate(batch, start=first):
+            if n == 2:
+                storage = open_storage(storage_url(None, tmp_path))
+                storage.set_trial_user_attr(storage.get_trial_id_from_study_id_trial_number(
+                    storage.get_study_id_from_name("s"), n), PRUNED_AT, 1)
             run = tmp_path / str(n)
             run.mkdir()
             (run / "trial.json").write_text(json.dumps({"monitor": "val/miou", "best": n / 10}))
@@ -286,7 +290,7 @@ def test_run_study_tells_each_outcome_and_stops_after_max_failures(tmp_path):
     run_study(settings, space, tmp_path, launch)
     study = optuna.load_study(study_name="s", storage=storage_url(None, tmp_path))
     assert [(t.state.name, t.value) for t in study.trials] == [
-        ("COMPLETE", 0.0), ("FAIL", None), ("COMPLETE", 0.2), ("FAIL", None)]
+        ("COMPLETE", 0.0), ("FAIL", None), ("PRUNED", None), ("FAIL", None)]
     assert firsts == [0, 2]  # job numbers = trial numbers
     more = StudySettings(**{**settings.__dict__, "n_trials": 6, "max_failures": 0})
     with pytest.raises(ValueError, match="5"):  # a failure past the limit re-raises its error
