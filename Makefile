@@ -34,7 +34,7 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(ARGS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check seg_at_scale tests experiments
+	$(PY) -m ruff check seg_at_scale hydra_plugins tests experiments
 
 ## benchmark scripts (JSON under experiments/results/)
 bench: $(STAMP)

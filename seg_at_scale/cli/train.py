@@ -34,6 +34,8 @@ from seg_at_scale.cli.common import (
     predict_scene,
     save_run_config,
 )
+from seg_at_scale.cli.filelock import exclusive
+from seg_at_scale.cli.resolvers import register_resolvers
 from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
@@ -54,6 +56,7 @@ from seg_at_scale.tiling import make_grid
 log = logging.getLogger("seg_at_scale.train")
 DEFAULT_GENERATOR = "seg_at_scale.data.synthetic_dataset.make_dataset"
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
+register_resolvers()  # ${seg.class_weights:...} (data.class_weight_power)
 
 
 def build_data(cfg: DictConfig, fp: Any) -> TileDataModule:
@@ -63,10 +66,12 @@ def build_data(cfg: DictConfig, fp: Any) -> TileDataModule:
         # data.synthetic.generator: a function (root, splits, height, width, seed) writing
         # <root>/<split>/<name>_image.tif + _mask.tif; the satellite scenes by default.
         maker = get_method(d.synthetic.get("generator") or DEFAULT_GENERATOR)
-        # data.synthetic.options: extra keyword arguments of that generator (optional)
-        maker(d.root, splits=dict(d.synthetic.splits), height=d.synthetic.height,
-              width=d.synthetic.width, seed=d.synthetic.seed,
-              **dict(d.synthetic.get("options") or {}))
+        root = Path(d.root)
+        with exclusive(root.parent / f".{root.name}.lock"):  # parallel trials start together
+            # data.synthetic.options: extra keyword arguments of that generator (optional)
+            maker(d.root, splits=dict(d.synthetic.splits), height=d.synthetic.height,
+                  width=d.synthetic.width, seed=d.synthetic.seed,
+                  **dict(d.synthetic.get("options") or {}))
     return TileDataModule(
         d.root, fp, d.num_classes, mode=t.mode, q=t.q, tile_size=t.tile_size,
         core_size=t.core_size or 128, samples_per_epoch=t.samples_per_epoch or 0,
