@@ -81,14 +81,13 @@ def test_tiled_file_read_in_tiles_does_not_warn(tmp_path: Path,
 rasterio = pytest.importorskip("rasterio")
 
 
-def write_with_gdal_mask(path: Path, image: np.ndarray, valid: np.ndarray, *,
-                         eight_bit: bool, **options: object) -> Path:
-    """A GeoTIFF written by GDAL with an internal (per-dataset) mask band."""
+def write_with_gdal_mask(path: Path, image: np.ndarray, valid: np.ndarray,
+                         **options: object) -> Path:
+    """A GeoTIFF written by GDAL with an internal (per-dataset) mask band: 1-bit, deflate."""
     from rasterio.transform import from_origin
 
     c, h, w = image.shape
-    env = {"GDAL_TIFF_INTERNAL_MASK": True, "GDAL_TIFF_INTERNAL_MASK_TO_8BIT": eight_bit}
-    with rasterio.Env(**env), rasterio.open(
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True), rasterio.open(
             path, "w", driver="GTiff", width=w, height=h, count=c, dtype=image.dtype.name,
             crs="EPSG:32633", transform=from_origin(500000, 4000000, 10, 10),
             **options) as ds:
@@ -97,22 +96,48 @@ def write_with_gdal_mask(path: Path, image: np.ndarray, valid: np.ndarray, *,
     return path
 
 
-@pytest.mark.parametrize("eight_bit", [False, True], ids=["1-bit", "8-bit"])
-@pytest.mark.parametrize("options", [
-    {"tiled": True, "blockxsize": 64, "blockysize": 64, "compress": "deflate"},
-    {"compress": "jpeg", "photometric": "ycbcr", "tiled": True, "blockxsize": 64,
-     "blockysize": 64},
-    {},  # striped, uncompressed: the image is memory-mapped
-], ids=["deflate", "jpeg", "raw-strips"])
-def test_gdal_internal_mask_is_read(tmp_path: Path, eight_bit: bool,
-                                    options: dict[str, object]) -> None:
+def write_cog(path: Path, image: np.ndarray, valid: np.ndarray) -> Path:
+    """A Cloud-Optimized GeoTIFF from rio-cogeo: overviews, each with its reduced mask."""
+    from rio_cogeo.cogeo import cog_translate
+    from rio_cogeo.profiles import cog_profiles
+
+    source = write_with_gdal_mask(path.with_suffix(".src.tif"), image, valid)
+    profile = {**cog_profiles.get("deflate"), "blockxsize": 64, "blockysize": 64}
+    cog_translate(source, path, profile, overview_level=2, quiet=True)
+    return path
+
+
+def write_8bit_mask(path: Path, image: np.ndarray, valid: np.ndarray) -> Path:
+    """The 8-bit form of the mask IFD (0 / 255), as other GDAL versions and tools write."""
+    tifffile.imwrite(path, np.moveaxis(image, 0, -1), photometric="rgb", tile=(64, 64),
+                     compression="zlib")
+    # tifffile writes only 1-bit MASK pages: tag NewSubfileType (254) = 4 by hand
+    tifffile.imwrite(path, np.where(valid, 255, 0).astype(np.uint8), append=True,
+                     photometric="minisblack", tile=(64, 64), compression="zlib",
+                     extratags=[(254, "I", 1, 4, True)])
+    return path
+
+
+WRITERS = {
+    "gdal-deflate": lambda p, i, v: write_with_gdal_mask(
+        p, i, v, tiled=True, blockxsize=64, blockysize=64, compress="deflate"),
+    "gdal-jpeg": lambda p, i, v: write_with_gdal_mask(
+        p, i, v, tiled=True, blockxsize=64, blockysize=64, compress="jpeg",
+        photometric="ycbcr"),
+    "gdal-raw-strips": write_with_gdal_mask,  # uncompressed strips: the image is mapped
+    "cog": write_cog,
+    "8-bit": write_8bit_mask,
+}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_internal_mask_is_read(tmp_path: Path, writer: str) -> None:
     rng = np.random.default_rng(0)
     image = rng.integers(0, 255, (3, 150, 130), dtype=np.uint8)
     valid = np.ones((150, 130), bool)
     valid[:40, :55] = False
     valid[100:, 90:] = False
-    path = write_with_gdal_mask(tmp_path / "m.tif", image, valid, eight_bit=eight_bit,
-                                **options)
+    path = WRITERS[writer](tmp_path / "m.tif", image, valid)
     with rasterio.open(path) as ds:  # GDAL's own reading of the mask
         np.testing.assert_array_equal(ds.dataset_mask() > 0, valid)
     with RasterReader(path) as r:
@@ -123,9 +148,11 @@ def test_gdal_internal_mask_is_read(tmp_path: Path, eight_bit: bool,
         reflected = r.read_mask(Window(-10, -10, 30, 30), fill="reflect")
         np.testing.assert_array_equal(reflected, np.pad(valid, 10, mode="reflect")[:30, :30])
         assert r.read_mask(Window(-10, -10, 30, 30), fill="constant")[:10].all()
-        if "compress" not in options:
-            assert r.layout.contiguous is not None
-            np.testing.assert_array_equal(r.read(inner), image[(slice(None), *inner.slices())])
+        if writer != "gdal-jpeg":  # lossless (rio-cogeo zeroes the masked pixels)
+            keep = valid[inner.slices()]
+            np.testing.assert_array_equal(r.read(inner)[:, keep],
+                                          image[(slice(None), *inner.slices())][:, keep])
+        assert (r.layout.contiguous is not None) == (writer == "gdal-raw-strips")
 
 
 def test_file_without_mask_has_none(tmp_path: Path) -> None:
