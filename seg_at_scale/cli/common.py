@@ -147,5 +147,6 @@ def save_run_config(cfg: DictConfig, out_dir: Path, computed: dict[str, Any]) ->
     assert isinstance(doc, dict)
     doc["computed"] = computed
     path = out_dir / RUN_CONFIG
+    out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(OmegaConf.to_yaml(OmegaConf.create(doc)))
     return path

@@ -32,7 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning.utilities import rank_zero_only
 
-from seg_at_scale.cli.common import RUN_CONFIG
+from seg_at_scale.cli.common import RUN_CONFIG, save_run_config
 from seg_at_scale.errors import ConfigError
 
 __all__ = ["RunFolder", "RESUME_KEYS", "config_diff"]
@@ -173,11 +173,7 @@ class RunFolder:
             k = 1 + len(list(hydra_dir.glob("resume_*")))
             hydra_dir = hydra_dir / f"resume_{k}"
         else:
-            doc = OmegaConf.to_container(cfg, resolve=True)
-            assert isinstance(doc, dict)
-            doc["computed"] = {**computed, "filled": self.filled}
-            self.path.mkdir(parents=True, exist_ok=True)
-            (self.path / RUN_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(doc)))
+            save_run_config(cfg, self.path, {**computed, "filled": self.filled})
         self._save_hydra(self._requested if self._requested is not None else cfg, hydra_dir)
 
     @staticmethod

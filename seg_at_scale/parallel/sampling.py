@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-__all__ = ["ShardedImageSampler", "ShardedTiles", "shard_indices"]
+__all__ = ["ShardedImageSampler", "ShardedTiles", "shard_indices", "padded_slots", "is_pad"]
 
 PAD = -1
 
@@ -85,5 +85,26 @@ class ShardedTiles(Dataset):
 
 
 def shard_indices(n: int, rank: int, world: int) -> list[int]:
-    """Round-robin share of ``range(n)`` (validation tiles, random-tile epochs)."""
+    """Round-robin share of ``range(n)`` (random-tile epochs)."""
     return list(range(rank, n, world))
+
+
+def padded_slots(n: int, rank: int, world: int) -> list[tuple[int, bool]]:
+    """This rank's ``(index, last)`` slots of ``range(n)``, padded to every rank's count.
+
+    Validation walks every tile once over all ranks; a rank with fewer tiles (``n`` not a
+    multiple of ``world``, or fewer tiles than ranks) gets pad slots, so every rank runs
+    the same number of steps and reaches the epoch-end metric sync (a rank without a single
+    batch would have no loop at all: "DataLoader within local rank has zero length").
+
+    >>> padded_slots(3, rank=1, world=4), padded_slots(3, rank=3, world=4)
+    ([(1, True)], [(-1, True)])
+    """
+    return ShardedImageSampler([list(range(n))], rank, world, shuffle=False).slots(
+        list(range(n)))
+
+
+def is_pad(batch: dict[str, Any]) -> bool:
+    """True for a batch of pad slots only (no tile: nothing to compute)."""
+    pad = batch.get("pad")
+    return pad is not None and bool(pad.all())
