@@ -194,6 +194,7 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
         ``(model, footprint, memory mode, DataModule, computed values)``.
     """
     data, _ = checked_groups(cfg)  # data / tiling keys: type, range, unknown keys
+    pl.seed_everything(cfg.seed, workers=True)
     run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
     model = instantiate(cfg.model)
     fp = model_footprint(model, cfg.tiling.halo)
@@ -246,7 +247,6 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
 def main(cfg: DictConfig) -> float | None:
     """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
     run = RunFolder.open(Path(HydraConfig.get().runtime.output_dir), cfg)  # before any write
-    pl.seed_everything(cfg.seed, workers=True)
     model, fp, memory, dm, computed = prepare(cfg, run)
     trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed)
     if not trainer.is_global_zero:  # sample parallelism: rank 0 predicts and reports
