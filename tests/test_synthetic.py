@@ -200,8 +200,11 @@ def test_cli_single_and_dataset(tmp_path, capsys):
     assert str(img) in out and "Mpix/s" in out
     image, labels = SceneGenerator(9, 97, 131).render(Window(0, 0, 97, 131))
     assert np.array_equal(read(img), image) and np.array_equal(read(mask), labels[None])
-    assert main(args) == 2  # exists, no --overwrite
-    assert "overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(args)  # exists, no --overwrite
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("seg-synth: error: ") and "overwrite" in err and "Traceback" not in err
     assert main(args + ["--overwrite"]) == 0
     ds = tmp_path / "ds"
     assert main(["--out", str(ds), "--height", "40", "--width", "44", "--train", "1",

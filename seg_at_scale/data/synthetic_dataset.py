@@ -26,7 +26,7 @@ from seg_at_scale.data.synthetic import (
     SceneGenerator,
     _hash,  # the generator's coordinate hash also derives per-scene seeds
 )
-from seg_at_scale.errors import InputError
+from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import check_output_path, example_geotags, write_raster_bands
 from seg_at_scale.tiling.geometry import Window
 
@@ -68,7 +68,7 @@ def write_scene(image_path: str | os.PathLike[str], mask_path: str | os.PathLike
         OutputExistsError: an output exists and ``overwrite`` is false (nothing is written).
     """
     if band_rows < 1:
-        raise ValueError(f"band_rows={band_rows} must be >= 1")
+        raise ConfigError(f"band_rows={band_rows} must be >= 1")
     image_path = check_output_path(image_path, overwrite, key="image_path")
     mask_path = check_output_path(mask_path, overwrite, key="mask_path")
     windows = [Window(r, 0, min(band_rows, gen.height - r), gen.width)
@@ -161,7 +161,7 @@ def _plan(root: Path, splits: Mapping[str, int], height: int, width: int,
     """Describe the dataset ``make_dataset`` is asked for, before writing anything."""
     for name, count in splits.items():
         if not name or "/" in name or "\\" in name or count < 0:
-            raise ValueError(f"split {name!r}: {count} scenes; use a plain folder name and a "
+            raise ConfigError(f"split {name!r}: {count} scenes; use a plain folder name and a "
                              "count >= 0")
     params = {"generator_version": GENERATOR_VERSION, "seed": int(seed), "height": int(height),
               "width": int(width), "splits": {s: int(n) for s, n in splits.items()}}
