@@ -11,8 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import run_train
+
+from seg_at_scale.tasks.interrupt import SaveOnStop, newest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["trainer=fast", "logger=csv", "model_size=tiny", "data.synthetic.height=157",
@@ -44,6 +47,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
     time.sleep(0.5)  # written completely, and into the next epoch
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_a_rerun_resumes_from_it(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = start(tmp_path, "trainer.max_epochs=1000", run_dir=run)
@@ -56,37 +60,64 @@ def test_ctrl_c_saves_a_checkpoint_and_a_rerun_resumes_from_it(tmp_path: Path) -
     assert "stopped by SIGINT" in log and "Traceback" not in log
     assert last.stat().st_mtime_ns > epoch_end  # saved by the stop, not the epoch's end
     saved = torch.load(last, map_location="cpu", weights_only=False)
-    assert saved["global_step"] >= 4
-
     again = run_train(tmp_path, "run", *TINY, f"trainer.max_epochs={saved['epoch'] + 2}")
     assert f"Restoring states from the checkpoint path at {last}" in again["log"]
     resumed = torch.load(last, map_location="cpu", weights_only=False)
     assert resumed["global_step"] >= saved["global_step"] + 4  # it went on from there
 
 
-def test_slurm_requeue_and_sigterm_save_checkpoints_in_the_job_folder(tmp_path: Path) -> None:
-    bin_dir = tmp_path / "bin"  # a stand-in scontrol that records the requeue
-    bin_dir.mkdir()
+def fake_slurm(tmp: Path) -> dict[str, str]:
+    """The environment of SLURM job 4242, with a stand-in scontrol that records requeues."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
     scontrol = bin_dir / "scontrol"
-    scontrol.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'requeued'}\n")
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp / 'requeued'}\n")
     scontrol.chmod(0o755)
-    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "seg", "SLURM_JOB_ID": "4242",
-             "SLURM_NODELIST": "localhost", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-             "SLURM_NODEID": "0", "PATH": f"{bin_dir}:/usr/bin:/bin"}
+    return {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "seg", "SLURM_JOB_ID": "4242",
+            "SLURM_NODELIST": "localhost", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0", "PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+def test_slurm_requeue_then_sigterm_then_the_requeued_job_resumes(tmp_path: Path) -> None:
+    slurm = fake_slurm(tmp_path)
     proc = start(tmp_path, "trainer.max_epochs=1000", env=slurm)
     run = tmp_path / "runs" / "same_tiny" / "4242"  # the job id names the run folder
-    wait_for(run / "checkpoints" / "last.ckpt", proc)
-    proc.send_signal(signal.SIGUSR1)  # sbatch --signal=USR1@90
+    last = run / "checkpoints" / "last.ckpt"
+    wait_for(last, proc)
+    proc.send_signal(signal.SIGUSR1)  # sbatch --signal=USR1@90: Lightning's requeue
     end = time.monotonic() + 60
     while not (tmp_path / "requeued").exists() and time.monotonic() < end:
         time.sleep(0.2)
     assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
     assert (run / "hpc_ckpt_1.ckpt").exists()
-    proc.send_signal(signal.SIGTERM)  # what SLURM sends the requeued job
+    proc.send_signal(signal.SIGTERM)  # what SLURM sends the job it requeues
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
-    assert "stopped by SIGTERM" in (tmp_path / "out.txt").read_text()
-    from seg_at_scale.tasks.interrupt import newest_checkpoint
+    log = (tmp_path / "out.txt").read_text()
+    assert "stopped by SIGTERM" in log and "Traceback" not in log
+    assert newest_checkpoint(run) == last  # written after the HPC checkpoint
+    saved = torch.load(last, map_location="cpu", weights_only=False)
 
-    assert newest_checkpoint(run) == run / "checkpoints" / "last.ckpt"  # the later one
+    requeued = start(tmp_path, f"trainer.max_epochs={saved['epoch'] + 2}", env=slurm)
+    assert requeued.wait(timeout=300) == 0
+    log = (tmp_path / "out.txt").read_text()
+    assert f"Restoring states from the checkpoint path at {last}" in log
+    resumed = torch.load(last, map_location="cpu", weights_only=False)
+    assert resumed["global_step"] >= saved["global_step"] + 4  # it went on from there
     os.utime(run / "hpc_ckpt_1.ckpt")
-    assert newest_checkpoint(run) == run / "hpc_ckpt_1.ckpt"
+    assert newest_checkpoint(run) == run / "hpc_ckpt_1.ckpt"  # the newer one wins
+
+
+def test_first_ctrl_c_stops_like_sigterm_the_second_at_once(monkeypatch) -> None:
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    stop = SaveOnStop("unused")
+    try:
+        stop.setup(None, None, "fit")  # type: ignore[arg-type]
+        os.kill(os.getpid(), signal.SIGINT)
+        assert calls == [signal.SIGTERM] and stop.signal == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.teardown(None, None, "fit")  # type: ignore[arg-type]
+        signal.signal(signal.SIGTERM, previous)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
