@@ -102,9 +102,16 @@ def _plain_or(value: Any) -> Any:
     return value if isinstance(value, str) else list(value)
 
 
-def build_data(cfg: DictConfig, fp: Footprint, report: PreflightReport) -> TileDataModule:
-    """The DataModule over the preflight's validated scenes (numbers resolved)."""
+def build_data(cfg: DictConfig, fp: Footprint,
+               report: PreflightReport | None = None) -> TileDataModule:
+    """The DataModule over the preflight's validated scenes (numbers resolved).
+
+    Without a report (library use) the synthetic scenes are made here and each split is
+    validated when first read.
+    """
     d, t = data_config(_plain(cfg.data)), tiling_config(_plain(cfg.tiling))
+    if report is None:
+        make_synthetic(d)
     return TileDataModule(
         d.root, fp, d.num_classes, mode=t.mode, q=t.q, tile_size=t.tile_size,  # type: ignore[arg-type]
         core_size=t.core_size or 128, samples_per_epoch=t.samples_per_epoch or 0,
@@ -112,7 +119,7 @@ def build_data(cfg: DictConfig, fp: Footprint, report: PreflightReport) -> TileD
         mean=list(d.mean), std=list(d.std), class_weights=d.class_weights,
         ignore_index=d.ignore_index, nodata=d.nodata,
         augment=dict(t.augment) if t.augment else None, seed=cfg.seed,
-        mask_bands=d.mask_bands, scenes=report.scenes)
+        mask_bands=d.mask_bands, scenes=report.scenes if report else None)
 
 
 def check_grids(cfg: DictConfig, fp: Footprint, report: PreflightReport) -> None:

@@ -93,6 +93,11 @@ class RunFolder:
         self.filled: dict[str, Any] = dict((saved or {}).get("computed", {}).get("filled", {}))
 
     @classmethod
+    def detached(cls) -> RunFolder:
+        """A run of no folder: :meth:`fill` sets values (for library callers and tests)."""
+        return cls(Path.cwd(), None)
+
+    @classmethod
     def open(cls, path: Path, cfg: DictConfig) -> RunFolder:
         """The run folder for ``cfg``; refuses a saved run whose config differs.
 

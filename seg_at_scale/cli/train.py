@@ -116,17 +116,17 @@ def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_di
     return results
 
 
-def check_memory(cfg: DictConfig, run: RunFolder) -> MemoryConfig:
+def check_memory(cfg: DictConfig, run: RunFolder | None = None) -> MemoryConfig:
     """The memory mode of ``cfg.memory``; refuses a precision this machine cannot run."""
-    run.fill(cfg, "trainer.precision", lambda: check_precision(
+    (run or RunFolder.detached()).fill(cfg, "trainer.precision", lambda: check_precision(
         cfg.trainer.precision, cfg.trainer.get("accelerator", "auto")))
     group = cfg.get("memory")
     return memory_config(OmegaConf.to_container(group, resolve=True)  # type: ignore[arg-type]
                          if group is not None else None)
 
 
-def resolve_auto_tile(cfg: DictConfig, run: RunFolder, model: Any, fp: Any,
-                      dm: TileDataModule, memory: MemoryConfig) -> None:
+def resolve_auto_tile(cfg: DictConfig, model: Any, fp: Any, dm: TileDataModule,
+                      memory: MemoryConfig, run: RunFolder | None = None) -> None:
     """``tiling.tile_size=auto``: measure the largest tile within ``memory.budget_gb``.
 
     Sets ``tiling.tile_size`` (and the random mode's ``core_size``) in ``cfg`` and ``dm``;
@@ -151,6 +151,7 @@ def resolve_auto_tile(cfg: DictConfig, run: RunFolder, model: Any, fp: Any,
         device="cuda" if cuda else "cpu", rel_tol=m.get("rel_tol", 0.05),
         max_probes=m.get("max_probes", 8),
         host_rss=None if cuda else psutil.Process().memory_info().rss)
+    run = run or RunFolder.detached()
     run.fill(cfg, "tiling.tile_size", lambda: keys["tile_size"])
     if t.mode == "random":
         run.fill(cfg, "tiling.core_size", lambda: keys["core_size"])
@@ -204,7 +205,7 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     computed: dict[str, Any] = {}
     resolve_normalization(cfg, run, report, computed)  # data.scale/mean/std=auto
     dm = build_data(cfg, fp, report)
-    resolve_auto_tile(cfg, run, model, fp, dm, memory)  # tiling.tile_size=auto
+    resolve_auto_tile(cfg, model, fp, dm, memory, run)  # tiling.tile_size=auto
     check_grids(cfg, fp, report)
     computed.update(computed_values(dm, fp, cfg))
     computed["preflight_s"] = round(report.seconds, 3)
