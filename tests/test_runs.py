@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import yaml
 from conftest import run_train
+from omegaconf import OmegaConf
 
 from seg_at_scale.cli.common import normalizer_of, reports_errors
 from seg_at_scale.cli.predict import load_run
+from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import write_raster
 
@@ -106,3 +108,28 @@ def test_bad_tiling_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
     full = seg_train(tmp_path, *TINY, "tiling.q=abc", f"hydra.run.dir={tmp_path / 'run'}",
                      env={"HYDRA_FULL_ERROR": "1"})
     assert full.returncode == 1 and "Traceback" in full.stderr and "ConfigError" in full.stderr
+
+
+def test_filled_values_are_reused_on_resume_and_their_requests_compared(tmp_path: Path) -> None:
+    def config(scale: object, epochs: int):  # type: ignore[no-untyped-def]
+        return OmegaConf.create({"data": {"scale": scale}, "task": {"scale": "${data.scale}"},
+                                 "trainer": {"max_epochs": epochs}})
+
+    cfg = config("auto", 1)
+    run = RunFolder.open(tmp_path, cfg)
+    assert not run.resuming and run.fill(cfg, "data.scale", lambda: 0.25) == 0.25
+    run.save(cfg, {"halo": 3})
+    saved = yaml.safe_load((tmp_path / "run_config.yaml").read_text())
+    assert saved["task"]["scale"] == 0.25 and saved["computed"]["filled"] == {"data.scale": "auto"}
+    assert yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())["data"] == {
+        "scale": "auto"}  # what was asked
+
+    again = config("auto", 5)  # more epochs: a resume, with the saved number
+    resumed = RunFolder.open(tmp_path, again)
+    assert resumed.resuming and again.task.scale == 0.25
+    assert resumed.fill(again, "data.scale", lambda: pytest.fail("worked out again")) == 0.25
+    resumed.save(again, {})
+    assert yaml.safe_load((tmp_path / "run_config.yaml").read_text()) == saved
+    assert (tmp_path / ".hydra" / "resume_1" / "config.yaml").exists()
+    with pytest.raises(ConfigError, match=r"data.scale: 'auto' in the run, 0.5 now"):
+        RunFolder.open(tmp_path, config(0.5, 1))

@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 # not what it learns from or what its checkpoints hold.
 RESUME_KEYS = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time",
                "trainer.enable_progress_bar", "trainer.log_every_n_steps", "data.num_workers",
-               "ckpt_path", "predict", "predict_after_fit", "logger")
+               "ckpt_path", "predict", "predict_after_fit", "logger", "slurm")
 MAX_LISTED = 8  # differences named in the refusal
+_ABSENT = object()  # a key one of two configs lacks
 
 
 def _flat(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -68,13 +69,18 @@ def config_diff(saved: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, A
     [('a.b', 1, 2)]
     """
     old, now = dict(_flat(saved)), dict(_flat(new))
-    missing = object()
-    return [(k, old.get(k, missing), now.get(k, missing)) for k in sorted(old.keys() | now.keys())
-            if not _free(k) and old.get(k, missing) != now.get(k, missing)]
+    return [(k, old.get(k, _ABSENT), now.get(k, _ABSENT)) for k in sorted(old.keys() | now.keys())
+            if not _free(k) and old.get(k, _ABSENT) != now.get(k, _ABSENT)]
 
 
 def _show(v: Any) -> str:
-    return "(absent)" if type(v) is object else repr(v)
+    return "(absent)" if v is _ABSENT else repr(v)
+
+
+def _resolved(cfg: DictConfig, key: str) -> Any:
+    """The value of ``key`` with interpolations resolved, as plain Python."""
+    return OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}),
+                                  resolve=True)["v"]  # type: ignore[index]
 
 
 class RunFolder:
@@ -129,8 +135,7 @@ class RunFolder:
         assert self._saved is not None
         diffs = []
         for key, requested in self.filled.items():
-            asked = OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}),
-                                           resolve=True)["v"]  # type: ignore[index]
+            asked = _resolved(cfg, key)
             if asked != requested:
                 diffs.append((key, requested, asked))
             with open_dict(cfg):
@@ -157,8 +162,7 @@ class RunFolder:
         """
         if self.resuming and key in self.filled:
             return OmegaConf.select(cfg, key)
-        requested = OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}),
-                                           resolve=True)["v"]  # type: ignore[index]
+        requested = _resolved(cfg, key)
         value = compute()
         if value != requested:
             self.filled[key] = requested
