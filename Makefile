@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all lint bench clean-data install
+.PHONY: demo test test-all test-gpu lint bench clean-data install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,12 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(ARGS)
 
+## the CUDA paths on a GPU (tests/test_gpu.py; each skips with the reason where CUDA is absent)
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu $(ARGS)
+
 lint: $(STAMP)
-	$(PY) -m ruff check seg_at_scale tests experiments
+	$(PY) -m ruff check seg_at_scale hydra_plugins tests experiments
 
 ## benchmark scripts (JSON under experiments/results/)
 bench: $(STAMP)

@@ -22,23 +22,18 @@ import contextlib
 import copy
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+from common import random_feature_init, save
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tiled_inference import random_feature_init  # noqa: E402
-from common import save  # noqa: E402
-
-from seg_at_scale.data.synthetic import SceneGenerator  # noqa: E402
-from seg_at_scale.models import UNet  # noqa: E402
-from seg_at_scale.tiling import Window  # noqa: E402
+from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.models import UNet
+from seg_at_scale.tiling import Window
 
 MODES = {  # name -> (autocast dtype or None, channels_last)
     "fp32": (None, False),

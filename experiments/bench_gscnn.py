@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,14 +37,12 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
+from common import run_isolated, save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_isolated, save  # noqa: E402
-
-from seg_at_scale.data.streets import canny_band, render_street  # noqa: E402
-from seg_at_scale.models import GSCNN  # noqa: E402
-from seg_at_scale.tasks.losses import CrossEntropy  # noqa: E402
-from seg_at_scale.tiling import (  # noqa: E402  # noqa: E402
+from seg_at_scale.data.streets import canny_band, render_street
+from seg_at_scale.models import GSCNN
+from seg_at_scale.tasks.losses import CrossEntropy
+from seg_at_scale.tiling import (
     Footprint,
     extend,
     make_grid,

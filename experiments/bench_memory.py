@@ -32,17 +32,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from common import save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save  # noqa: E402  (saves machine() with the figures)
-
-from seg_at_scale.memory import (  # noqa: E402
+from seg_at_scale.memory import (
     GIB,
     MemoryConfig,
     StepMeasure,
@@ -50,9 +46,9 @@ from seg_at_scale.memory import (  # noqa: E402
     find_largest_tile,
     measure_step,
 )
-from seg_at_scale.memory.sides import legal_side  # noqa: E402
-from seg_at_scale.models import UNET_SIZES, URESNET_SIZES, UNet, UResNet  # noqa: E402
-from seg_at_scale.tiling import make_grid  # noqa: E402
+from seg_at_scale.memory.sides import legal_side
+from seg_at_scale.models import UNET_SIZES, URESNET_SIZES, UNet, UResNet
+from seg_at_scale.tiling import make_grid
 
 DEFAULT_TILE = 512  # conf/tiling/random.yaml tile_size
 

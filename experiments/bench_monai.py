@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,16 +34,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from common import peak_rss_self_mib, random_feature_init, run_isolated, save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tiled_inference import random_feature_init  # noqa: E402
-from common import peak_rss_self_mib, run_isolated, save  # noqa: E402
-
-from seg_at_scale.data.synthetic import SceneGenerator  # noqa: E402
-from seg_at_scale.inference import Normalizer, predict_raster  # noqa: E402
-from seg_at_scale.io import RasterReader, write_raster_bands  # noqa: E402
-from seg_at_scale.models import UNet  # noqa: E402
-from seg_at_scale.tiling import Window, make_grid  # noqa: E402
+from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.inference import Normalizer, predict_raster
+from seg_at_scale.io import RasterReader, write_raster_bands
+from seg_at_scale.models import UNet
+from seg_at_scale.tiling import Window, make_grid
 
 SCALE = 1 / 255
 

@@ -30,21 +30,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import peak_rss_self_mib, run_isolated, save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_rss_self_mib, run_isolated, save  # noqa: E402
-
-from seg_at_scale.data.synthetic import SceneGenerator  # noqa: E402
-from seg_at_scale.data.synthetic_dataset import write_scene  # noqa: E402
-from seg_at_scale.inference import Normalizer, predict_raster  # noqa: E402
-from seg_at_scale.models import UNet  # noqa: E402
-from seg_at_scale.tiling import Window, make_grid  # noqa: E402
+from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.data.synthetic_dataset import write_scene
+from seg_at_scale.inference import Normalizer, predict_raster
+from seg_at_scale.models import UNet
+from seg_at_scale.tiling import Window, make_grid
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bench"
 RSS_LIMIT_MIB = 2e9 / 2**20

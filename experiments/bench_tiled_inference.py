@@ -20,21 +20,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from common import random_feature_init, save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save  # noqa: E402
-
-from seg_at_scale.data.synthetic import SceneGenerator  # noqa: E402
-from seg_at_scale.models import UNet  # noqa: E402
-from seg_at_scale.tiling import Window, make_grid, predict_full, predict_tiled  # noqa: E402
+from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.models import UNet
+from seg_at_scale.tiling import Window, make_grid, predict_full, predict_tiled
 
 
 def synthetic_image(size: int, bands: int, seed: int = 0) -> torch.Tensor:
@@ -42,23 +37,6 @@ def synthetic_image(size: int, bands: int, seed: int = 0) -> torch.Tensor:
     gen = SceneGenerator(seed=seed, height=size, width=size, bands=bands)
     image, _ = gen.render(Window(0, 0, size, size))
     return torch.from_numpy(image).float().div_(255).unsqueeze(0)
-
-
-def random_feature_init(net: nn.Module) -> nn.Module:
-    """He-normal weights, zero biases: an untrained net whose labels vary over the image.
-
-    PyTorch's default init shrinks activations layer by layer, so an untrained U-Net's
-    logits are the head's bias almost everywhere and its argmax is one class for the whole
-    image, which would make every label comparison trivially equal. With variance-keeping
-    weights the logits are random features of the image (several classes, small margins).
-    """
-    for m in net.modules():
-        if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
-            fan = "fan_out" if isinstance(m, nn.ConvTranspose2d) else "fan_in"  # = in x k x k
-            nn.init.kaiming_normal_(m.weight, mode=fan, nonlinearity="relu")
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-    return net
 
 
 def build_model(args: argparse.Namespace, padding: str) -> UNet:

@@ -33,22 +33,18 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
 import torch
+from common import RESULTS, peak_rss_self_mib, run_isolated, save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, peak_rss_self_mib, run_isolated, save  # noqa: E402
-
-from seg_at_scale.data.synthetic import SceneGenerator  # noqa: E402
-from seg_at_scale.models import UNet  # noqa: E402
-from seg_at_scale.tasks.losses import CrossEntropy  # noqa: E402
-from seg_at_scale.tiling import Window, make_grid, tiled_backward  # noqa: E402
+from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.models import UNet
+from seg_at_scale.tasks.losses import CrossEntropy
+from seg_at_scale.tiling import Window, make_grid, tiled_backward
 
 LIMIT_MIB = 16 * 1024
 TILED_NOTE = (

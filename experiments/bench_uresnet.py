@@ -38,14 +38,12 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
+from common import run_isolated, save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import run_isolated, save  # noqa: E402
-
-from seg_at_scale.data.cosmic import downsample_event, read_cosmic_h5, synthetic_event  # noqa: E402
-from seg_at_scale.models import URESNET_SIZES, UResNet  # noqa: E402
-from seg_at_scale.tasks.cosmic import CosmicLoss, cosmic_confusion, cosmic_metrics  # noqa: E402
-from seg_at_scale.tiling import make_grid, tiled_backward  # noqa: E402
+from seg_at_scale.data.cosmic import downsample_event, read_cosmic_h5, synthetic_event
+from seg_at_scale.models import URESNET_SIZES, UResNet
+from seg_at_scale.tasks.cosmic import CosmicLoss, cosmic_confusion, cosmic_metrics
+from seg_at_scale.tiling import make_grid, tiled_backward
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT.parent / "shared" / "data" / "cosmic_tagging_light.h5"

@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 import torch
+from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -43,12 +44,12 @@ def machine() -> dict[str, Any]:
     }
 
 
-def save(name: str, figures: dict[str, Any]) -> Path:
-    """Print ``figures`` and write ``results/<name>.json`` with the machine attached."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def save(name: str, figures: dict[str, Any], path: Path | None = None) -> Path:
+    """Print ``figures`` and write ``results/<name>.json`` (or ``path``) with the machine."""
     doc = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
            **figures}
-    path = RESULTS / f"{name}.json"
+    path = path or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2, default=float) + "\n")
     print(json.dumps(doc, indent=2, default=float))
     print(f"saved {path}")
@@ -100,3 +101,20 @@ def peak_rss_self_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def random_feature_init(net: nn.Module) -> nn.Module:
+    """He-normal weights, zero biases: an untrained net whose labels vary over the image.
+
+    PyTorch's default init shrinks activations layer by layer, so an untrained U-Net's
+    logits are the head's bias almost everywhere and its argmax is one class for the whole
+    image, which would make every label comparison trivially equal. With variance-keeping
+    weights the logits are random features of the image (several classes, small margins).
+    """
+    for m in net.modules():
+        if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
+            fan = "fan_out" if isinstance(m, nn.ConvTranspose2d) else "fan_in"  # = in x k x k
+            nn.init.kaiming_normal_(m.weight, mode=fan, nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+    return net

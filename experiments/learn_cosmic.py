@@ -29,8 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save  # noqa: E402
+from common import save
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.7

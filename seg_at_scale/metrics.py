@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from seg_at_scale.errors import InputError
-from seg_at_scale.io import RasterReader
+from seg_at_scale.io.zarr_raster import open_raster
 from seg_at_scale.tiling import Window
 
 __all__ = ["confusion_matrix", "iou_from_confusion", "confusion_from_rasters"]
@@ -34,7 +34,7 @@ def confusion_from_rasters(pred: str | os.PathLike[str], truth: str | os.PathLik
                            num_classes: int, ignore_index: int = 255,
                            band_rows: int = 1024) -> np.ndarray:
     """Confusion matrix of two single-band label rasters of the same size, by row bands."""
-    with RasterReader(pred) as p, RasterReader(truth) as t:
+    with open_raster(pred) as p, open_raster(truth) as t:
         if (p.height, p.width) != (t.height, t.width):
             raise InputError(f"prediction '{p.path}' is {p.height}x{p.width} but mask "
                              f"'{t.path}' is {t.height}x{t.width}; score against the mask of "

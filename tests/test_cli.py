@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_train
+from cli_helpers import run_train
 from hydra import compose, initialize_config_dir
 
 from seg_at_scale.cli.predict import load_run, run_prediction
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import OutputExistsError
-from seg_at_scale.inference import Normalizer
 from seg_at_scale.io import RasterReader, read_raster
 from seg_at_scale.tiling import predict_full
 

@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 import torch
 
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.scenes import Scene, find_scenes, validate_scene
 from seg_at_scale.data.tiles import GridTiles, ImageGroupedSampler, RandomTiles, pad_collate
 from seg_at_scale.errors import InputError
-from seg_at_scale.inference import Normalizer
 from seg_at_scale.io import write_raster
 from seg_at_scale.models import UNet
 from seg_at_scale.tasks.losses import CrossEntropy
@@ -68,13 +68,17 @@ def test_grid_tiles_carry_each_label_once(tmp_path, scene_files, padding):
     assert all(float(ds[i]["norm"]) == 203 * 171 for i in range(len(ds)))
 
 
-def test_grid_tiles_give_the_whole_image_gradient(tmp_path, scene_files):
-    """The training data path (reader -> tiles -> core targets -> loss / norm) is exact."""
+@pytest.mark.parametrize("padding", ["valid", "same"])
+def test_grid_tiles_give_the_whole_image_gradient(tmp_path, scene_files, padding):
+    """The training data path (reader -> tiles -> core targets -> loss / norm) is exact,
+    also with a normalisation that moves zero (same padding: the fill is zero *after*
+    normalising, as the model's own padding; zero-filling raw pixels was off at borders)."""
     img, msk = scene_files(tmp_path, shape=(4, 141, 117))
     scene = validate_scene(Scene(img, msk), num_classes=5)
     torch.manual_seed(0)
-    net = UNet(4, 5, levels=3, base_width=4, padding="valid").double()
-    fp, norm, loss = net.footprint(), Normalizer(), CrossEntropy(5, [1, 2, 1, 1, 3])
+    net = UNet(4, 5, levels=3, base_width=4, padding=padding).double()
+    fp, loss = net.footprint(), CrossEntropy(5, [1, 2, 1, 1, 3])
+    norm = Normalizer(1 / 255, (0.5,), (0.25,))
     ds = GridTiles([scene], fp, norm, q=2, class_weights=[1, 2, 1, 1, 3])
     for i in range(len(ds)):
         s, _ = loss(net(ds[i]["image"][None].double()), ds[i]["target"][None])

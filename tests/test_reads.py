@@ -162,11 +162,8 @@ def test_file_without_mask_has_none(tmp_path: Path) -> None:
         assert not r.has_mask and r.read_mask(Window(0, 0, 5, 5)) is None
 
 
-@pytest.mark.xfail(reason="the hand-over: read_valid (inference.py, moving to io/ with the new "
-                          "tile engine) must OR in RasterReader.read_mask; prediction (255) and "
-                          "training (ignore) both take their no-data from it", strict=False)
 def test_masked_pixels_are_no_data_where_prediction_and_training_read(tmp_path: Path) -> None:
-    from seg_at_scale.inference import read_valid
+    from seg_at_scale.io.valid import read_valid
 
     image = np.full((3, 80, 60), 7, np.uint8)
     valid = np.ones((80, 60), bool)
@@ -176,3 +173,31 @@ def test_masked_pixels_are_no_data_where_prediction_and_training_read(tmp_path: 
         _, invalid = read_valid(r, Window(-4, -4, 88, 68), "constant")
     assert invalid is not None
     np.testing.assert_array_equal(invalid[4:-4, 4:-4], ~valid)
+
+
+def test_masked_pixels_are_predicted_255_and_ignored_in_training(tmp_path: Path) -> None:
+    import torch
+    import zarr
+
+    from seg_at_scale.data.normalize import Normalizer
+    from seg_at_scale.data.scenes import Scene, validate_scene
+    from seg_at_scale.data.tiles import GridTiles
+    from seg_at_scale.io import write_raster
+    from seg_at_scale.models import UNet
+    from seg_at_scale.prediction import predict_raster
+
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 255, (4, 90, 70)).astype(np.uint8)
+    valid = np.ones((90, 70), bool)
+    valid[10:30, 5:25] = False
+    path = write_with_gdal_mask(tmp_path / "m_image.tif", image, valid, compress="deflate")
+    torch.manual_seed(0)
+    net = UNet(4, 3, levels=2, base_width=4).eval()
+    predict_raster(net, path, tmp_path / "m.zarr", tile_size=48, progress=False)
+    labels = zarr.open_group(tmp_path / "m.zarr", mode="r")["labels"][:]
+    assert (labels[~valid] == 255).all() and (labels[valid] < 3).all()
+    mask = write_raster(tmp_path / "m_mask.tif", np.ones((90, 70), np.uint8))
+    scene = validate_scene(Scene(path, mask), num_classes=3)
+    ds = GridTiles([scene], net.footprint(), Normalizer(), q=1)
+    target = ds[0]["target"].numpy()[:90, :70]
+    assert (target[~valid] == 255).all() and (target[valid] == 1).all()

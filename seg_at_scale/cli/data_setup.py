@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
@@ -54,9 +55,13 @@ def make_synthetic(data: DataConfig) -> None:
     # data.synthetic.generator: a function (root, splits, height, width, seed) writing
     # <root>/<split>/<name>_image.tif + _mask.tif; the satellite scenes by default.
     maker = get_method(syn.get("generator") or DEFAULT_GENERATOR)
-    # data.synthetic.options: extra keyword arguments of that generator (optional)
-    maker(data.root, splits=dict(syn["splits"]), height=syn["height"], width=syn["width"],
-          seed=syn["seed"], **dict(syn.get("options") or {}))
+    root = Path(data.root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # parallel trials and DDP ranks start together: the first generates, the others wait
+    with FileLock(root.parent / f".{root.name}.lock"):
+        # data.synthetic.options: extra keyword arguments of that generator (optional)
+        maker(data.root, splits=dict(syn["splits"]), height=syn["height"], width=syn["width"],
+              seed=syn["seed"], **dict(syn.get("options") or {}))
 
 
 def run_preflight(data: DataConfig, run: RunFolder, predict_after_fit: bool) -> PreflightReport:

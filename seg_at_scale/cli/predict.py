@@ -6,14 +6,24 @@ Run it::
     seg-predict run=... image=big.tif output=big_mask.tif tile_size=2048 fast=false
     seg-predict run=... image=a.tif output=a_mask.tif mask=a_truth.tif   # also scores it
 
-The output is a tiled uint8 TIFF (255 = no data) with the input's GeoTIFF tags, written
-under a temporary name and renamed when complete; a PNG preview is drawn beside it.
+    seg-predict run=... image=big.tif output=big_mask.zarr processes=2   # 2 processes, zarr
+    seg-predict run=... image=a.tif output=a_mask.tif probabilities=uint8 tta=d4
+
+``output=*.tif`` is a Cloud-Optimized GeoTIFF (uint8 labels, 255 = no data, the input's
+georeferencing, a colour table, mode overviews); ``output=*.zarr`` a Zarr v3 store. Both
+are computed into a Zarr store first: a killed run rerun with the same command continues
+from the tiles already written (``resume=false`` starts afresh). A PNG preview is drawn
+beside the output. ``processes=N`` spreads the tiles over N local processes (Lightning
+Fabric's DDP launch: gloo on CPU, NCCL on GPUs); under SLURM ``nodes`` x ``processes``
+ranks come from the cluster environment.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +41,7 @@ from seg_at_scale.cli.common import (
     predict_scene,
 )
 from seg_at_scale.errors import ConfigError, InputError
-from seg_at_scale.io import check_output_path
+from seg_at_scale.prediction import output_kind
 
 log = logging.getLogger("seg_at_scale.predict")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
@@ -87,30 +97,75 @@ def _device(name: str) -> torch.device:
 
 def run_prediction(cfg: DictConfig) -> dict[str, Any]:
     """Predict ``cfg.image`` into ``cfg.output`` with the run ``cfg.run``."""
-    output = check_output_path(cfg.output, cfg.overwrite, key="output")  # fail before work
+    processes, nodes = _positive(cfg, "processes"), _positive(cfg, "nodes")
+    output = Path(cfg.output)
+    output_kind(output)  # the extension names a format, before any work
     image = Path(cfg.image)
     if not image.exists():
         raise InputError(f"image='{image}' does not exist; give the path of a TIFF to predict")
+    device = _device(cfg.device)
+    if processes * nodes > 1:
+        device = _launch(processes, nodes, device)
     train_cfg, model, ckpt = load_run(cfg.run, cfg.ckpt)
-    model = model.to(_device(cfg.device))
+    model = model.to(device)
     fp = model_footprint(model, train_cfg.tiling.halo)
+    names = train_cfg.data.get("class_names")
     res = predict_scene(model, fp, image, output, normalizer=normalizer_of(train_cfg.data),
                         tile_size=cfg.tile_size, q=cfg.q, fast=cfg.fast,
                         overwrite=cfg.overwrite, nodata=cfg.nodata,
                         mask=Path(cfg.mask) if cfg.mask else None,
                         num_classes=train_cfg.data.num_classes,
-                        ignore_index=train_cfg.data.ignore_index, preview=cfg.preview)
+                        ignore_index=train_cfg.data.ignore_index, preview=cfg.preview,
+                        class_names=list(names) if names else None,
+                        probabilities=cfg.probabilities, tta=cfg.tta,
+                        batch_size=cfg.batch_size, resume=cfg.resume,
+                        progress=cfg.progress, keep_store=cfg.keep_store)
     res["checkpoint"] = str(ckpt)
     res["halo"] = fp.halo
     if "miou" in res:
-        log.info("scores:\n%s", format_iou(res, list(train_cfg.data.class_names)))
+        log.info("scores:\n%s", format_iou(res, list(names or [])))
     return res
+
+
+def _positive(cfg: DictConfig, key: str) -> int:
+    value = cfg.get(key, 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key}={value!r}: give a whole number >= 1 (e.g. {key}=2)")
+    return value
+
+
+def _launch(processes: int, nodes: int, device: torch.device) -> torch.device:
+    """Join (or start) the ranks of a multi-process prediction; returns this rank's device.
+
+    Lightning Fabric's DDP launcher re-runs this command for local ranks 1..N-1 (on a
+    SLURM allocation the cluster environment gives every rank instead); gloo on CPU, NCCL
+    on GPUs. On CPU each process gets its share of the cores.
+    """
+    from lightning_fabric import Fabric
+
+    fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu", devices=processes,
+                    num_nodes=nodes, strategy="ddp")
+    fabric.launch()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+    return fabric.device
+
+
+def _terminate(signum: int, _: Any) -> None:
+    """Unwind on SIGTERM (what SLURM sends before a kill) as on Ctrl-C.
+
+    Temporary files are removed, the store keeps every finished tile, a rerun resumes.
+    """
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="predict")
 def main(cfg: DictConfig) -> None:
     """Console entry point ``seg-predict``."""
-    print(json.dumps(run_prediction(cfg), indent=2))
+    signal.signal(signal.SIGTERM, _terminate)
+    res = run_prediction(cfg)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":

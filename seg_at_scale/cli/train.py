@@ -46,6 +46,7 @@ from seg_at_scale.cli.data_setup import (
     resolve_normalization,
     run_preflight,
 )
+from seg_at_scale.cli.resolvers import register_resolvers
 from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.errors import ConfigError
@@ -72,14 +73,14 @@ from seg_at_scale.tiling import make_grid
 
 log = logging.getLogger("seg_at_scale.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
+register_resolvers()  # ${seg.class_weights:...} (data.class_weight_power)
 
 
 def computed_values(dm: TileDataModule, fp: Any, cfg: DictConfig) -> dict[str, Any]:
     """Halo, alignment and efficiency E of the validation grid: saved with the run."""
     scene = dm.scenes_of("val")[0]
     with RasterReader(scene.image) as r:
-        grid = make_grid(r.height, r.width, fp, q=cfg.tiling.q,
-                         tile_size=None if cfg.tiling.q else cfg.tiling.tile_size)
+        grid = make_grid(r.height, r.width, fp, q=cfg.tiling.q, tile_size=cfg.tiling.tile_size)
         size = [r.height, r.width]
     return {"halo": fp.halo, "context": fp.context, "align": fp.align, "padding": fp.padding,
             "out_residue": fp.out_residue, "grid": list(grid.shape), "scene_size": size,
@@ -106,7 +107,8 @@ def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_di
             normalizer=normalizer_of(cfg.data), tile_size=cfg.predict.tile_size, q=None,
             fast=cfg.predict.fast, overwrite=True, nodata=cfg.data.nodata, mask=scene.mask,
             num_classes=cfg.data.num_classes, ignore_index=cfg.data.ignore_index,
-            preview=cfg.predict.preview)
+            preview=cfg.predict.preview, progress=False,
+            class_names=list(cfg.data.class_names) if cfg.data.get("class_names") else None)
         results.append(res)
         for lg in loggers:
             if hasattr(lg, "log_image") and "preview" in res:

@@ -17,6 +17,7 @@ from typing import Any
 import pytorch_lightning as pl
 from torch.utils.data import DataLoader
 
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.scenes import Scene, find_scenes, validate_scene
 from seg_at_scale.data.tiles import (
     EpochSampler,
@@ -27,7 +28,6 @@ from seg_at_scale.data.tiles import (
 )
 from seg_at_scale.data.transforms import build_augment
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.inference import Normalizer
 from seg_at_scale.parallel.sampling import ShardedImageSampler, ShardedTiles, padded_slots
 from seg_at_scale.tiling import Footprint
 

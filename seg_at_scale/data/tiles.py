@@ -20,11 +20,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.scenes import Scene
+from seg_at_scale.data.windows import RasterWindows
 from seg_at_scale.errors import InputError
-from seg_at_scale.inference import Normalizer, read_valid
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Footprint, Tile, make_grid, random_core
+from seg_at_scale.tiling.geometry import fill_of
 
 __all__ = ["GridTiles", "RandomTiles", "EpochSampler", "ImageGroupedSampler", "TileSample",
            "pad_collate"]
@@ -69,9 +71,8 @@ class _SceneTiles(Dataset):
         ``seed`` reseeds a transform that can be (``Augment.reseed``) before it is applied.
         """
         image_r, mask_r = self._open(k)
-        fill = "reflect" if self.fp.padding == "valid" else "constant"
-        raw, invalid = read_valid(image_r, tile.read, fill)
-        x = self.normalizer.rescale(raw)
+        source = RasterWindows(image_r, self.normalizer, fill_of(self.fp))
+        x, keep, invalid = source.rescaled(tile.read)
         # labels over the whole input window, ignore outside the core and on no-data
         labels = np.full((mask_r.bands, tile.read.height, tile.read.width), self.ignore_index,
                          np.int64)
@@ -84,8 +85,10 @@ class _SceneTiles(Dataset):
         if self.transform is not None:  # geometric: image and labels alike; photometric: image
             if seed is not None and hasattr(self.transform, "reseed"):
                 self.transform.reseed(seed)
-            x, labels = self.transform(x, labels)
-        x = self.normalizer.standardize(x)
+            inside = np.zeros(x.shape[-2:], bool)
+            inside[keep] = True  # the fill rule follows the pixels a flip or rotation moves
+            x, labels, keep = self.transform(x, labels, inside)
+        x = source.finish(x, keep)
         h = self.fp.halo if self.fp.padding == "valid" else 0  # output = window - 2 halo
         target = labels[..., h : labels.shape[-2] - h, h : labels.shape[-1] - h]
         return np.ascontiguousarray(x), np.ascontiguousarray(target, dtype=np.int64)
@@ -107,7 +110,7 @@ class GridTiles(_SceneTiles):
         self.groups: list[list[int]] = []
         for k, scene in enumerate(self.scenes):
             with RasterReader(scene.image) as r:
-                grid = make_grid(r.height, r.width, fp, q=q, tile_size=None if q else tile_size)
+                grid = make_grid(r.height, r.width, fp, q=q, tile_size=tile_size)
             start = len(self.items)
             self.items += [(k, t, i == len(grid) - 1) for i, t in enumerate(grid)]
             self.groups.append(list(range(start, len(self.items))))

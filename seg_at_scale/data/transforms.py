@@ -30,10 +30,19 @@ class Augment:
         """
         self.pipeline.set_random_seed(seed)
 
-    def __call__(self, image: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, image: np.ndarray, labels: np.ndarray, *masks: np.ndarray
+                 ) -> tuple[np.ndarray, ...]:
+        """Transform ``image``, ``labels`` and any extra ``[h, w]`` masks alike.
+
+        Returns ``(image, labels, *masks)``; an extra mask (e.g. which pixels lie inside
+        the scene) moves with the geometric transforms and is untouched by the others.
+        """
+        extra = {"masks": [np.ascontiguousarray(m, np.uint8) for m in masks]} if masks else {}
         out = self.pipeline(image=np.ascontiguousarray(image.transpose(1, 2, 0)),
-                            mask=labels)
-        return np.ascontiguousarray(out["image"].transpose(2, 0, 1)), out["mask"]
+                            mask=labels, **extra)
+        moved = tuple(np.asarray(m).astype(masks[i].dtype) for i, m in
+                      enumerate(out["masks"])) if masks else ()
+        return (np.ascontiguousarray(out["image"].transpose(2, 0, 1)), out["mask"], *moved)
 
 
 def build_augment(flips: bool = True, rotate90: bool = True, brightness: float = 0.1,

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO
 
 import numpy as np
 import tifffile
@@ -33,7 +33,7 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags
 from seg_at_scale.io.segments import PageLayout, mask_page
 from seg_at_scale.io.writer import check_output_path, write_raster, write_raster_bands
-from seg_at_scale.tiling.geometry import Window
+from seg_at_scale.tiling.geometry import Fill, Window, source_indices
 
 __all__ = [
     "RasterReader",
@@ -43,7 +43,6 @@ __all__ = [
     "check_output_path",
 ]
 
-Fill = Literal["reflect", "constant"]
 
 log = logging.getLogger(__name__)
 
@@ -61,28 +60,6 @@ def _open_binary(path: Path) -> BinaryIO:
 def _cannot_read(path: Path, reason: object) -> InputError:
     return InputError(f"cannot read '{path}' as TIFF: {reason}. "
                       "Check the path, or re-create / re-copy the file.")
-
-
-def _map_axis(start: int, stop: int, length: int, fill: Fill | None) -> np.ndarray:
-    """Source index of each position in ``[start, stop)``; -1 where ``constant`` gives 0.
-
-    ``reflect`` follows ``numpy.pad(mode="reflect")``: the edge is not repeated and the
-    pattern continues periodically (period ``2 * (length - 1)``) for windows reaching out
-    further than the axis is long.
-
-    >>> _map_axis(-3, 6, 4, "reflect").tolist()
-    [3, 2, 1, 0, 1, 2, 3, 2, 1]
-    >>> _map_axis(-2, 5, 4, "constant").tolist()
-    [-1, -1, 0, 1, 2, 3, -1]
-    """
-    idx = np.arange(start, stop)
-    if fill == "constant":
-        return np.where((idx >= 0) & (idx < length), idx, -1)
-    if length == 1:
-        return np.zeros_like(idx)
-    period = 2 * (length - 1)
-    idx = np.mod(idx, period)
-    return np.where(idx >= length, period - idx, idx)
 
 
 class RasterReader:
@@ -295,8 +272,8 @@ class RasterReader:
             raise InputError(
                 f"{window} reaches outside '{self.path}' ({self.height}x{self.width} pixels); "
                 "read inside the image or pass fill='reflect' or fill='constant'")
-        rows = _map_axis(window.row, window.row_end, self.height, fill)
-        cols = _map_axis(window.col, window.col_end, self.width, fill)
+        rows = source_indices(window.row, window.height, self.height, fill)
+        cols = source_indices(window.col, window.width, self.width, fill)
         bands, dtype = (1, np.dtype(np.uint8)) if mask else (self.bands, self.dtype)
         out = np.full((bands, window.height, window.width), 1 if mask else 0, dtype)
         vr, vc = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)

@@ -14,7 +14,8 @@ complete: a crash never leaves a half-written output under the real name.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,14 @@ from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags
 __all__ = [
     "BIGTIFF_THRESHOLD",
     "check_output_path",
+    "temporary_path",
     "write_atomic",
     "write_raster",
     "write_raster_bands",
 ]
+
+#: A reduced-resolution page: its ``(height, width)`` and a function giving its row bands.
+Overview = tuple[tuple[int, int], Callable[[], Iterable[np.ndarray]]]
 
 #: Uncompressed image bytes from which BigTIFF is chosen automatically (as ``tifffile``
 #: does: 4 GiB minus 32 MiB of head room for tags and offsets).
@@ -70,8 +75,13 @@ def _check_tile(tile: tuple[int, int], path: Path) -> None:
                          "use multiples of 16, e.g. (256, 256), or tile=None for strips")
 
 
-def _partial_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
+def temporary_path(path: Path, tag: str = "partial") -> Path:
+    """A unique hidden name beside ``path``: two writers of one output never share it.
+
+    >>> temporary_path(Path("out/mask.tif")).name.startswith(".mask.tif.partial.")
+    True
+    """
+    return path.with_name(f".{path.name}.{tag}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
 
 
 def _check_band(band: np.ndarray, c: int, w: int, dtype: np.dtype, path: Path) -> np.ndarray:
@@ -185,7 +195,7 @@ def _use_bigtiff(bigtiff: bool | None, shape: tuple[int, int, int], dtype: np.dt
 
 def write_atomic(path: Path, write: Any) -> Path:
     """Run ``write(tmp_path)``, then rename onto ``path``; remove the temporary on failure."""
-    tmp = _partial_path(path)
+    tmp = temporary_path(path)
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -200,7 +210,8 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
                        dtype: npt.DTypeLike, bands: Iterable[np.ndarray], *,
                        tile: tuple[int, int] | None = (256, 256), compression: str | None = "zlib",
                        bigtiff: bool | None = None, geotags: GeoTags | None = None,
-                       nodata: float | None = None, overwrite: bool = False) -> Path:
+                       nodata: float | None = None, overwrite: bool = False,
+                       atomic: bool = True, overviews: Sequence[Overview] = ()) -> Path:
     """Write a raster from row bands, top to bottom, with memory of one band + one tile row.
 
     Args:
@@ -215,6 +226,12 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
         geotags: GeoTIFF tags to write (e.g. ``reader.geotags`` of the input).
         nodata: written as the GDAL_NODATA tag.
         overwrite: replace an existing ``path``.
+        atomic: write under a temporary name and rename (False: write ``path`` itself,
+            for callers that own a temporary name already).
+        overviews: reduced-resolution pages written after the main one (TIFF
+            NewSubfileType 1, which GDAL reads as internal overviews): ``((h, w), make)``
+            where ``make()`` returns that level's row bands; called once the previous
+            page is complete. Tiled output only.
 
     Returns:
         ``path``.
@@ -240,6 +257,9 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
         data = _strips(_row_blocks(bands, (c, h, w), dt, block, path), h, compression)
         buffersize = None
 
+    if overviews and tile is None:
+        raise InputError(f"writing '{path}': overviews need a tiled file; pass tile=(h, w)")
+
     def write(tmp: Path) -> None:
         with tifffile.TiffWriter(tmp, bigtiff=_use_bigtiff(bigtiff, (c, h, w), dt)) as tw:
             tw.write(data, shape=(h, w) if c == 1 else (h, w, c), dtype=dt, tile=tile,
@@ -247,7 +267,17 @@ def write_raster_bands(path: str | os.PathLike[str], shape: tuple[int, int, int]
                      photometric="rgb" if c == 3 else "minisblack", planarconfig="contig",
                      extratags=_extratags(geotags, nodata, dt, path), metadata=None,
                      buffersize=buffersize)
+            for (oh, ow), make in overviews:
+                assert tile is not None
+                level = _tiles(_row_blocks(make(), (c, oh, ow), dt, block, path), tile, ow)
+                tw.write(level, shape=(oh, ow) if c == 1 else (oh, ow, c), dtype=dt,
+                         tile=tile, compression=compression, subfiletype=1,
+                         photometric="rgb" if c == 3 else "minisblack", planarconfig="contig",
+                         metadata=None, buffersize=buffersize)
 
+    if not atomic:
+        write(path)
+        return path
     return write_atomic(path, write)
 
 

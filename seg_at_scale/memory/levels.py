@@ -27,8 +27,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.memory.segments import _body, _is_down, _is_up
-from seg_at_scale.models.layers import Skip, check_layers
+from seg_at_scale.models.layers import Skip, body_of, check_layers, is_downsampling, is_upsampling
 
 __all__ = ["Level", "find_levels", "Box", "spans", "even", "check_block_size"]
 
@@ -103,8 +102,8 @@ def _down_radius(m: nn.Module, name: str) -> int:
 
 def _check_part(layers: Sequence[nn.Module], name: str, where: str, *, up_first: bool) -> None:
     for i, layer in enumerate(layers):
-        body = _body(layer)
-        if _is_down(body) or (_is_up(body) and not (up_first and i == 0)):
+        body = body_of(layer)
+        if is_downsampling(body) or (is_upsampling(body) and not (up_first and i == 0)):
             raise ConfigError(f"memory.granularity=strips: {where} changes resolution at "
                               f"{type(body).__name__}; use memory.granularity=level")
         if isinstance(layer, Skip) and set(layer.stash + layer.pop) - {name}:
@@ -127,14 +126,15 @@ def find_levels(layers: Sequence[nn.Module]) -> list[Level]:
         if stash is None:
             break
         names = layers[stash].stash
-        if len(names) != 1 or stash + 1 >= stop or not _is_down(_body(layers[stash + 1])):
+        if len(names) != 1 or stash + 1 >= stop or not is_downsampling(body_of(layers[stash + 1])):
             raise ConfigError(
                 f"memory.granularity=strips: layer {stash} stashes {list(names)} but is not "
                 "followed by a downsampling layer; use memory.granularity=level")
         name = names[0]
         pop = next(j for j in range(stash + 1, stop)
                    if isinstance(layers[j], Skip) and name in layers[j].pop)
-        up = max((j for j in range(stash + 2, pop) if _is_up(_body(layers[j]))), default=None)
+        up = max((j for j in range(stash + 2, pop) if is_upsampling(body_of(layers[j]))),
+                 default=None)
         if up is None:
             raise ConfigError(f"memory.granularity=strips: no upsampling before skip {name!r} "
                               "is popped; use memory.granularity=level")
@@ -142,7 +142,7 @@ def find_levels(layers: Sequence[nn.Module]) -> list[Level]:
         _check_part(enc, name, f"the encoder of level {len(levels)}", up_first=False)
         _check_part(top, name, f"the decoder of level {len(levels)}", up_first=True)
         r_enc = _radius(enc, f"level {len(levels)}")
-        r_down = _down_radius(_body(layers[stash + 1]), name)
+        r_down = _down_radius(body_of(layers[stash + 1]), name)
         levels.append(Level(start, stash, up, stop, name, even(r_enc + r_down),
                             even(r_enc + _radius(top, f"level {len(levels)}"))))
         start, stop = stash + 2, up

@@ -38,15 +38,19 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.models.layers import Skip, check_layers, run_layers
+from seg_at_scale.models.layers import (
+    Skip,
+    body_of,
+    check_layers,
+    is_downsampling,
+    is_upsampling,
+    run_layers,
+)
 
 __all__ = ["GRANULARITIES", "Segment", "cut_segments", "run_segments"]
 
 GRANULARITIES = ("level", "block", "layers")
 
-_DOWN = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
-         nn.PixelUnshuffle)
-_UP = (nn.ConvTranspose2d, nn.Upsample, nn.PixelShuffle)
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 Move = Callable[[Tensor], Tensor]
@@ -103,31 +107,14 @@ def cut_segments(layers: Sequence[nn.Module], granularity: str, *, every: int = 
     return [_with_skips(layers, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
 
 
-def _body(layer: nn.Module) -> nn.Module:
-    return layer.body if isinstance(layer, Skip) else layer
-
-
-def _is_down(m: nn.Module) -> bool:
-    if isinstance(m, _DOWN):
-        return True
-    return isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d) and any(
-        s > 1 for s in m.stride)
-
-
-def _is_up(m: nn.Module) -> bool:
-    if isinstance(m, _UP):
-        return True
-    return any(isinstance(c, _UP) for c in m.modules())
-
-
 def _level_starts(layers: Sequence[nn.Module]) -> list[int]:
     """New segment after each downsampling layer and at each upsampling layer."""
     starts = []
     for i, layer in enumerate(layers):
-        body = _body(layer)
-        if _is_up(body):
+        body = body_of(layer)
+        if is_upsampling(body):
             starts.append(i)
-        elif _is_down(body):
+        elif is_downsampling(body):
             starts.append(i + 1)
     return starts
 
@@ -145,7 +132,7 @@ def _block_starts(layers: Sequence[nn.Module], owner: nn.Module) -> list[int]:
             block_of.setdefault(id(mod), block)
     starts, current = [], None
     for i, layer in enumerate(layers):
-        body = _body(layer)
+        body = body_of(layer)
         block = block_of.get(id(body))
         has_params = next(body.parameters(), None) is not None
         if block is not None and block != current and (has_params or current is None):
@@ -188,7 +175,7 @@ def _segment_fn(layers: Sequence[nn.Module], seg: Segment,
     def run(x: Tensor, *needed: Tensor) -> tuple[Tensor, ...]:
         if to_device is not None:
             x, needed = to_device(x), tuple(to_device(t) for t in needed)
-        if getattr(_body(layers[seg.start]), "inplace", False):
+        if getattr(body_of(layers[seg.start]), "inplace", False):
             x = x.clone()  # the segment input is kept for recomputation: do not overwrite it
         stashed = dict(zip(seg.needs, needed))
         y = _run_plain(layers[seg.start : seg.stop], x, stashed)

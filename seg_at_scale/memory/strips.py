@@ -58,8 +58,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.levels import Box, Level, check_block_size, even, find_levels, spans
-from seg_at_scale.memory.segments import _body
-from seg_at_scale.models.layers import run_layers
+from seg_at_scale.models.layers import body_of, run_layers
 
 __all__ = ["Level", "find_levels", "run_strips", "DEFAULT_ROWS", "DEFAULT_COLS"]
 
@@ -89,7 +88,7 @@ class _LevelRun:
         self.enc = list(layers[lv.start : lv.stash + 1])
         self.down = layers[lv.down]
         self.top = list(layers[lv.up : lv.stop])
-        if getattr(_body(self.top[0]), "inplace", False):
+        if getattr(body_of(self.top[0]), "inplace", False):
             raise ConfigError("memory.granularity=strips: the upsampling works in place; "
                               "use memory.granularity=level")
         self.lv, self.rows, self.cols = lv, rows, cols
@@ -102,7 +101,7 @@ class _LevelRun:
 
     def _skip(self, x: Tensor) -> Tensor:
         stash: dict[str, Tensor] = {}
-        if getattr(_body(self.enc[0]), "inplace", False):
+        if getattr(body_of(self.enc[0]), "inplace", False):
             x = x.clone()  # a window is a view of the level's kept input: never overwrite it
         run_layers(self.enc, x, stash)
         return stash[self.lv.name]

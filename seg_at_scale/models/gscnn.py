@@ -292,6 +292,15 @@ class GSCNN(nn.Module):
         finally:
             pool.fixed = before
 
+    @property
+    def has_image_pool(self) -> bool:
+        """Whether the ASPP averages over the whole input (image-level pooling)."""
+        return self.aspp.pool is not None
+
+    def pooled_features(self, x: Tensor) -> Tensor:
+        """The features ``[B, C, h, w]`` (at ``downsampling_factor``) the image pooling averages."""
+        return self.backbone(x)[-1]
+
     def pooled_width(self) -> int:
         """Channels of the features that the image-level pooling averages."""
         return self.size.widths[3]

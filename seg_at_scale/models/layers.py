@@ -26,7 +26,13 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Skip", "Merge", "run_layers", "skip_names", "check_layers"]
+__all__ = ["Skip", "Merge", "run_layers", "skip_names", "check_layers", "body_of",
+           "is_downsampling", "is_upsampling", "DOWNSAMPLING", "UPSAMPLING"]
+
+#: Layers that shrink (grow) the resolution, whatever their parameters.
+DOWNSAMPLING = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
+                nn.PixelUnshuffle)
+UPSAMPLING = (nn.ConvTranspose2d, nn.Upsample, nn.PixelShuffle)
 
 
 class Skip(nn.Module):
@@ -123,3 +129,21 @@ def check_layers(layers: Sequence[nn.Module]) -> None:
             live.add(n)
     if live:
         raise ValueError(f"skips stashed but never popped: {sorted(live)}")
+
+
+def body_of(layer: nn.Module) -> nn.Module:
+    """The module a flat layer runs (a :class:`Skip`'s body, else the layer itself)."""
+    return layer.body if isinstance(layer, Skip) else layer
+
+
+def is_downsampling(m: nn.Module) -> bool:
+    """Whether ``m`` lowers the resolution (pooling, or a strided convolution)."""
+    if isinstance(m, DOWNSAMPLING):
+        return True
+    return isinstance(m, nn.Conv2d) and not isinstance(m, nn.ConvTranspose2d) and any(
+        s > 1 for s in m.stride)
+
+
+def is_upsampling(m: nn.Module) -> bool:
+    """Whether ``m`` (or a module inside it) raises the resolution."""
+    return isinstance(m, UPSAMPLING) or any(isinstance(c, UPSAMPLING) for c in m.modules())

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 __all__ = [
     "Footprint",
     "Window",
@@ -39,9 +41,15 @@ __all__ = [
     "make_grid",
     "split_axis",
     "random_core",
+    "cover",
+    "Fill",
+    "fill_of",
+    "source_indices",
+    "inside",
 ]
 
 Padding = Literal["valid", "same"]
+Fill = Literal["reflect", "constant"]
 
 
 class TilingError(ValueError):
@@ -180,7 +188,8 @@ class TileGrid:
 
 
 def split_axis(length: int, fp: Footprint, *, parts: int | None = None,
-               tile: int | None = None, name: str = "axis") -> list[tuple[int, int, int, int]]:
+               tile: int | None = None, name: str = "axis", uniform: bool = False,
+               ) -> list[tuple[int, int, int, int]]:
     """Split one axis into aligned tiles.
 
     Args:
@@ -189,6 +198,9 @@ def split_axis(length: int, fp: Footprint, *, parts: int | None = None,
         parts: number of tiles (the seed's ``q``), or
         tile: maximal input window length (tile size including halo).
         name: axis name for error messages.
+        uniform: every core but the last has the same length (a multiple of ``align``), so
+            cores line up with the chunks of a regular chunk grid (the prediction store);
+            the number of tiles may then be smaller than ``parts``.
 
     Returns:
         ``(core_lo, core_hi, read_lo, read_hi)`` per tile, image coordinates; cores
@@ -219,27 +231,120 @@ def split_axis(length: int, fp: Footprint, *, parts: int | None = None,
         raise TilingError(
             f"q={parts} cannot tile {name} of {length} pixels: tile origins must be "
             f"multiples of {a}, which allows at most q={max(blocks, 1)}; use a smaller q")
-    cuts = [a * (k * blocks // parts) for k in range(parts)] + [out_len]
+    if uniform:
+        step = -(-blocks // parts)  # aligned blocks per core
+        cuts = [a * step * k for k in range(-(-blocks // step))] + [out_len]
+    else:
+        cuts = [a * (k * blocks // parts) for k in range(parts)] + [out_len]
     out = []
     for lo, hi in zip(cuts[:-1], cuts[1:]):
-        if fp.padding == "same":
-            out.append((lo, min(hi, length), max(lo - ctx, 0), min(hi + ctx, out_len)))
-        else:
-            size = fp.output_length(hi - lo)  # round the computed output up to a valid size
-            out.append((lo, min(hi, length), lo - ctx, lo + size + ctx))
+        read_lo, read_hi, _ = cover_axis(lo, hi, length, fp)
+        out.append((lo, min(hi, length), read_lo, read_hi))
     return out
 
 
+def cover_axis(lo: int, hi: int, length: int, fp: Footprint) -> tuple[int, int, int]:
+    """The exact input span for output pixels ``[lo, hi)`` of an axis of ``length`` pixels.
+
+    The span starts on the pooling grid and reaches ``context`` pixels past the wanted
+    outputs on every side that is not the extended image's edge, so the model computes
+    those outputs exactly as on the whole image (DESIGN.md point 1).
+
+    Returns:
+        ``(read_lo, read_hi, offset)``: the input span in image coordinates and where
+        ``lo`` sits in the model's output for that span.
+
+    >>> cover_axis(37, 50, 100, Footprint(halo=5, align=4))
+    (28, 60, 9)
+    >>> cover_axis(37, 50, 100, Footprint(halo=5, align=4, padding="valid", out_residue=1))
+    (31, 58, 1)
+    """
+    a, ctx = fp.align, fp.context
+    start = lo // a * a
+    if fp.padding == "same":
+        read_lo = max(start - ctx, 0)
+        read_hi = min(-(-hi // a) * a + ctx, fp.output_length(length))
+        return read_lo, read_hi, lo - read_lo
+    size = fp.output_length(hi - start)  # round the computed output up to a valid size
+    return start - ctx, start + size + ctx, lo - start
+
+
+def cover(region: Window, height: int, width: int, fp: Footprint) -> Tile:
+    """A tile whose core is ``region`` (any window inside an ``height x width`` image).
+
+    Grid tiles are covers of their cores; so are the transformed tiles of exact
+    test-time augmentation, whose cores are not on the grid of the transformed image.
+
+    >>> cover(Window(37, 5, 13, 20), 100, 80, Footprint(halo=5, align=4)).read
+    Window(row=28, col=0, height=32, width=36)
+    """
+    r0, r1, dr = cover_axis(region.row, region.row_end, height, fp)
+    c0, c1, dc = cover_axis(region.col, region.col_end, width, fp)
+    return Tile((0, 0), region, Window(r0, c0, r1 - r0, c1 - c0),
+                Window(dr, dc, region.height, region.width))
+
+
+def fill_of(fp: Footprint) -> Fill:
+    """What a model sees outside the image: the rule every tile reader follows.
+
+    ``valid`` models read the image's reflection (as the untiled reference extends the
+    image); ``same`` models read zeros *of the normalised input*, which is what their own
+    zero padding gives the untiled network. Readers of raw files must therefore set those
+    pixels to zero after normalising, never before.
+    """
+    return "reflect" if fp.padding == "valid" else "constant"
+
+
+def source_indices(start: int, length: int, size: int, fill: Fill | Footprint) -> np.ndarray:
+    """Source index of each position of ``[start, start + length)`` on an axis of ``size``.
+
+    ``reflect`` follows ``numpy.pad(mode="reflect")`` (the edge is not repeated, and the
+    pattern repeats with period ``2 * (size - 1)`` for windows reaching further out);
+    ``constant`` marks positions outside the axis with ``-1`` (they read zeros).
+
+    >>> source_indices(-2, 6, 3, "reflect").tolist()
+    [2, 1, 0, 1, 2, 1]
+    >>> source_indices(-2, 7, 4, "constant").tolist()
+    [-1, -1, 0, 1, 2, 3, -1]
+    """
+    if isinstance(fill, Footprint):
+        fill = fill_of(fill)
+    idx = np.arange(start, start + length)
+    if fill == "constant":
+        return np.where((idx >= 0) & (idx < size), idx, -1)
+    if size == 1:
+        return np.zeros_like(idx)
+    period = 2 * (size - 1)
+    idx = np.mod(idx, period)
+    return np.where(idx < size, idx, period - idx)
+
+
+def inside(window: Window, height: int, width: int) -> tuple[slice, slice]:
+    """The part of ``window`` inside the image, as slices of the window's own pixels.
+
+    >>> inside(Window(-3, 5, 10, 10), 4, 12)
+    (slice(3, 7, None), slice(0, 7, None))
+    """
+    r0, c0 = max(0, -window.row), max(0, -window.col)
+    r1 = max(r0, min(window.height, height - window.row))
+    c1 = max(c0, min(window.width, width - window.col))
+    return slice(r0, r1), slice(c0, c1)
+
+
 def make_grid(height: int, width: int, fp: Footprint, *, q: int | tuple[int, int] | None = None,
-              tile_size: int | tuple[int, int] | None = None) -> TileGrid:
+              tile_size: int | tuple[int, int] | None = None, uniform: bool = False
+              ) -> TileGrid:
     """Cover an image with aligned halo tiles.
 
     Args:
         height: image height in pixels.
         width: image width in pixels.
         fp: the model's footprint (see :func:`seg_at_scale.tiling.footprint`).
-        q: tiles per side (int or ``(rows, cols)``), as in the seed's q x q grid.
-        tile_size: maximal input window (core + halo), int or ``(h, w)``. Give q or this.
+        q: tiles per side (int or ``(rows, cols)``), as in the seed's q x q grid. When
+            both ``q`` and ``tile_size`` are given, ``q`` wins (the one place this rule
+            is decided: every caller passes both as configured).
+        tile_size: maximal input window (core + halo), int or ``(h, w)``.
+        uniform: equal cores (but the last) along each axis; see :func:`split_axis`.
 
     Returns:
         The grid; ``grid.efficiency`` is the seed's E.
@@ -247,18 +352,18 @@ def make_grid(height: int, width: int, fp: Footprint, *, q: int | tuple[int, int
     Raises:
         TilingError: naming q / tile_size, the value and a value that works.
     """
+    if q is not None:
+        tile_size = None
     qr, qc = (q, q) if not isinstance(q, tuple) else q
     tr, tc = (tile_size, tile_size) if not isinstance(tile_size, tuple) else tile_size
-    rows = split_axis(height, fp, parts=qr, tile=tr, name=f"height ({height})")
-    cols = split_axis(width, fp, parts=qc, tile=tc, name=f"width ({width})")
+    rows = split_axis(height, fp, parts=qr, tile=tr, name=f"height ({height})",
+                      uniform=uniform)
+    cols = split_axis(width, fp, parts=qc, tile=tc, name=f"width ({width})", uniform=uniform)
     tiles = []
-    for i, (r0, r1, rr0, rr1) in enumerate(rows):
-        for j, (c0, c1, rc0, rc1) in enumerate(cols):
-            core = Window(r0, c0, r1 - r0, c1 - c0)
-            read = Window(rr0, rc0, rr1 - rr0, rc1 - rc0)
-            off = (r0 - rr0, c0 - rc0) if fp.padding == "same" else (0, 0)
-            crop = Window(off[0], off[1], core.height, core.width)
-            tiles.append(Tile((i, j), core, read, crop))
+    for i, (r0, r1, _, _) in enumerate(rows):
+        for j, (c0, c1, _, _) in enumerate(cols):
+            t = cover(Window(r0, c0, r1 - r0, c1 - c0), height, width, fp)
+            tiles.append(Tile((i, j), t.core, t.read, t.crop))
     ext = _extended(height, width, fp)
     return TileGrid(height, width, fp, tuple(tiles), (len(rows), len(cols)), ext)
 

@@ -14,18 +14,26 @@ True
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
-from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, Window, make_grid
+from seg_at_scale.tiling.engine import TTA, TensorWindows, plan_batches, run_batches
+from seg_at_scale.tiling.geometry import (
+    Footprint,
+    Tile,
+    TileGrid,
+    Window,
+    fill_of,
+    make_grid,
+    source_indices,
+)
 from seg_at_scale.tiling.halo import footprint as model_footprint
 
 __all__ = [
-    "source_indices",
+    "iter_tile_outputs",
+    "predict_full_tta",
     "read_window",
     "extend",
     "predict_full",
@@ -35,32 +43,13 @@ __all__ = [
 ]
 
 
-def source_indices(start: int, length: int, size: int, fp: Footprint) -> np.ndarray:
-    """Source indices for ``[start, start + length)`` of an axis of ``size`` pixels.
-
-    Outside the image, ``valid`` models read the reflection (numpy's ``reflect``, repeated
-    if needed) and ``same`` models read zeros, marked by index ``-1``.
-
-    >>> source_indices(-2, 6, 3, Footprint(1, 1, "valid")).tolist()
-    [2, 1, 0, 1, 2, 1]
-    """
-    idx = np.arange(start, start + length)
-    if fp.padding == "same":
-        return np.where((idx >= 0) & (idx < size), idx, -1)
-    if size == 1:
-        return np.zeros_like(idx)
-    period = 2 * (size - 1)
-    idx = np.mod(idx, period)
-    return np.where(idx < size, idx, period - idx)
-
-
 def read_window(image: Tensor, window: Window, fp: Footprint) -> Tensor:
     """Crop ``[..., H, W]`` to ``window`` (image coordinates), extending as ``fp`` says."""
     h, w = image.shape[-2:]
     if window.row >= 0 and window.col >= 0 and window.row_end <= h and window.col_end <= w:
         return image[..., window.row : window.row_end, window.col : window.col_end]
-    rows = source_indices(window.row, window.height, h, fp)
-    cols = source_indices(window.col, window.width, w, fp)
+    rows = source_indices(window.row, window.height, h, fill_of(fp))
+    cols = source_indices(window.col, window.width, w, fill_of(fp))
     r, c = torch.from_numpy(rows.clip(0)), torch.from_numpy(cols.clip(0))
     out = image.index_select(-2, r.to(image.device)).index_select(-1, c.to(image.device))
     if fp.padding == "same":
@@ -94,7 +83,7 @@ def predict_full(model: nn.Module, image: Tensor, fp: Footprint | None = None) -
 def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] | None = None,
                   tile_size: int | tuple[int, int] | None = None, fp: Footprint | None = None,
                   autocast: torch.dtype | None = None, out_dtype: torch.dtype = torch.float32,
-                  ) -> Tensor:
+                  tta: str | None = None) -> Tensor:
     """Tiled logits for ``image [B, C, H, W]`` (or ``[C, H, W]``), exactly the untiled ones.
 
     Args:
@@ -106,18 +95,20 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
         autocast: run tiles under ``torch.autocast`` with this dtype (e.g. ``torch.bfloat16``),
             the fast path; ``None`` keeps full precision (the exact reference).
         out_dtype: dtype of the returned logits.
+        tta: ``"flips"`` or ``"d4"``: the mean softmax over those transforms of the image
+            (each predicted exactly), instead of logits.
 
     Returns:
-        Logits ``[B, K, H, W]`` (``[K, H, W]`` for an unbatched input).
+        Logits (or TTA probabilities) ``[B, K, H, W]`` (``[K, H, W]`` for an unbatched input).
     """
     squeeze = image.dim() == 3
     image = image.unsqueeze(0) if squeeze else image
     fp = fp or model_footprint(model)
-    grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q,
-                     tile_size=tile_size if q is None else None)
+    grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q, tile_size=tile_size)
     device = next(model.parameters()).device
     out: Tensor | None = None
-    for tile, y in iter_tile_outputs(model, image, grid, device=device, autocast=autocast):
+    for tile, y in iter_tile_outputs(model, image, grid, device=device, autocast=autocast,
+                                     tta=tta):
         if out is None:
             out = torch.empty(image.shape[0], y.shape[1], *image.shape[-2:], dtype=out_dtype)
         out[..., tile.core.row : tile.core.row_end, tile.core.col : tile.core.col_end] = y.to(
@@ -127,19 +118,25 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
 
 
 def iter_tile_outputs(model: nn.Module, image: Tensor, grid: TileGrid, *,
-                      device: torch.device | str = "cpu",
-                      autocast: torch.dtype | None = None) -> Iterator[tuple[Tile, Tensor]]:
-    """Yield ``(tile, core logits)`` for every tile of ``grid`` (no gradient)."""
-    fp = grid.footprint
-    dev = torch.device(device)
-    ctx = (torch.autocast(dev.type, dtype=autocast) if autocast is not None
-           else contextlib.nullcontext())
-    with torch.no_grad(), ctx:
-        for tile in grid:
-            x = read_window(image, tile.read, fp).to(dev, non_blocking=True)
-            y = model(x)
-            yield tile, y[..., tile.crop.row : tile.crop.row_end,
-                          tile.crop.col : tile.crop.col_end]
+                      device: torch.device | str = "cpu", autocast: torch.dtype | None = None,
+                      tta: str | None = None) -> Iterator[tuple[Tile, Tensor]]:
+    """Yield ``(tile, core output [B, K, h, w])`` for every tile of ``grid`` (no gradient)."""
+    source = TensorWindows(image, grid.footprint)
+    for res in run_batches(model, source, plan_batches(grid.tiles, 1), height=grid.height,
+                           width=grid.width, fp=grid.footprint, device=torch.device(device),
+                           autocast=autocast, tta=tta):
+        yield from zip(res.batch.tiles, res.outputs, strict=True)
+
+
+@torch.no_grad()
+def predict_full_tta(model: nn.Module, image: Tensor, tta: str,
+                     fp: Footprint | None = None) -> Tensor:
+    """Untiled reference of test-time augmentation: mean softmax of the transformed images."""
+    fp = fp or model_footprint(model)
+    views = TTA[tta]
+    total = sum(g.invert(torch.softmax(predict_full(model, g.apply(image), fp), 1))
+                for g in views)
+    return total / len(views)  # type: ignore[operator]
 
 
 PixelLoss = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -172,8 +169,7 @@ def tiled_backward(model: nn.Module, image: Tensor, target: Tensor, loss: PixelL
         The whole-image loss (detached scalar; this shard's part of it).
     """
     fp = fp or model_footprint(model)
-    grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q,
-                     tile_size=tile_size if q is None else None)
+    grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q, tile_size=tile_size)
     with torch.no_grad():
         total_weight = _total_weight(loss, target)
     total = torch.zeros((), dtype=torch.float64)
@@ -183,7 +179,7 @@ def tiled_backward(model: nn.Module, image: Tensor, target: Tensor, loss: PixelL
         t = target[..., tile.core.row : tile.core.row_end, tile.core.col : tile.core.col_end]
         s, _ = loss(y, t)
         (s / total_weight.to(s.device)).backward()
-        total += s.detach().double()
+        total += s.detach().double().cpu()  # the total lives on the host, s on the device
     return (total / total_weight).float()
 
 

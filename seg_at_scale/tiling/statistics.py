@@ -14,8 +14,9 @@ by tile first, summing only each tile's *core* pixels, then running the tiles wi
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -24,10 +25,36 @@ from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
 from seg_at_scale.tiling.halo import footprint
 from seg_at_scale.tiling.predict import PixelLoss, predict_tiled, read_window, tiled_backward
 
-if TYPE_CHECKING:
-    from seg_at_scale.models.gscnn import GSCNN
 
-__all__ = ["whole_image_batch_norm", "uses_image_pool", "image_pool_mean", "image_pool_mean_of",
+@runtime_checkable
+class ImagePooled(Protocol):
+    """A network that averages features over its whole input (Gated-SCNN's image pooling).
+
+    Tiling needs only this: the features the pooling averages, their downsampling factor,
+    and a way to run the network with the average fixed. Models implement it; this module
+    knows no model.
+    """
+
+    downsampling_factor: int
+    has_image_pool: bool
+
+    def pooled_features(self, x: Tensor) -> Tensor:
+        """Features ``[B, C, h, w]`` the image-level pooling averages."""
+        ...
+
+    def fixed_image_pool(self, pooled: Tensor | None
+                         ) -> contextlib.AbstractContextManager[None]:
+        """Within the block, the pooling uses ``pooled [B, C, 1, 1]`` instead of the mean."""
+        ...
+
+    def footprint(self) -> Footprint:
+        """Halo and alignment with the pooling held constant."""
+        ...
+
+
+
+__all__ = ["ImagePooled", "whole_image_batch_norm", "uses_image_pool", "image_pool_mean",
+           "image_pool_mean_of", "image_pool_sum_of", "feature_count",
            "predict_tiled_two_pass", "tiled_backward_two_pass"]
 
 
@@ -67,8 +94,7 @@ def whole_image_batch_norm(model: nn.Module, images: Sequence[Tensor], *,
         stats = _CoreStats()
         hook = bn.register_forward_pre_hook(stats)
         for image in images:
-            grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q,
-                             tile_size=tile_size if q is None else None)
+            grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q, tile_size=tile_size)
             for tile in grid:  # core in tile coordinates; the last ones reach the extension
                 ext, rd = grid.extended, tile.read
                 r1 = ext.row_end if tile.core.row_end == grid.height else tile.core.row_end
@@ -118,59 +144,73 @@ def _tile_inputs(image: Tensor, grid: TileGrid) -> Iterator[tuple[Tile, Tensor]]
         yield tile, read_window(image, tile.read, grid.footprint)
 
 
-def _core_feature_sums(model: GSCNN, tile_inputs: Iterable[tuple[Tile, Tensor]]
+def _core_feature_sums(model: ImagePooled, tile_inputs: Iterable[tuple[Tile, Tensor]]
                        ) -> Iterator[Tensor]:
     """Per tile: the last backbone features summed over the core ``[B, C, 1, 1]``."""
     device = next(model.parameters()).device
     for tile, x in tile_inputs:
         rows, cols = _feature_core(tile, model.downsampling_factor)
-        yield model.backbone(x.to(device))[-1][..., rows, cols].sum(dim=(2, 3), keepdim=True)
+        yield model.pooled_features(x.to(device))[..., rows, cols].sum(dim=(2, 3), keepdim=True)
 
 
-def _feature_count(model: GSCNN, grid: TileGrid) -> int:
+def feature_count(model: ImagePooled, grid: TileGrid) -> int:
+    """Feature pixels the image pooling averages over (the extended image's)."""
     s = model.downsampling_factor
     return (grid.extended.height // s) * (grid.extended.width // s)
 
 
 def uses_image_pool(model: nn.Module) -> bool:
-    """Whether ``model`` averages features over its whole input (Gated-SCNN's image pooling)."""
-    pool = getattr(getattr(model, "aspp", None), "pool", None)
-    return pool is not None and hasattr(model, "fixed_image_pool")
+    """Whether ``model`` averages features over its whole input (:class:`ImagePooled`)."""
+    return isinstance(model, ImagePooled) and bool(model.has_image_pool)
 
 
 @torch.no_grad()
-def image_pool_mean(model: GSCNN, image: Tensor, grid: TileGrid) -> Tensor:
+def image_pool_mean(model: ImagePooled, image: Tensor, grid: TileGrid) -> Tensor:
     """Pass 1: the whole image's mean of the pooled features ``[B, C, 1, 1]``, tile by tile.
 
-    Equals ``model.backbone(extend(image))[-1].mean((2, 3))`` up to summation order
+    Equals ``model.pooled_features(extend(image)).mean((2, 3))`` up to summation order
     (accumulated in float64).
     """
     return image_pool_mean_of(model, _tile_inputs(image, grid), grid)
 
 
 @torch.no_grad()
-def image_pool_mean_of(model: GSCNN, tile_inputs: Iterable[tuple[Tile, Tensor]],
+def image_pool_mean_of(model: ImagePooled, tile_inputs: Iterable[tuple[Tile, Tensor]],
                        grid: TileGrid) -> Tensor:
     """:func:`image_pool_mean` from ``(tile, input window)`` pairs covering ``grid``.
 
-    For inputs that are not one tensor in memory: :func:`seg_at_scale.inference.predict_raster`
+    For inputs that are not one tensor in memory: :func:`seg_at_scale.prediction.predict_raster`
     streams the windows from the raster file.
     """
+    total, dtype = image_pool_sum_of(model, tile_inputs)
+    return (total / feature_count(model, grid)).to(dtype)
+
+
+@torch.no_grad()
+def image_pool_sum_of(model: ImagePooled, tile_inputs: Iterable[tuple[Tile, Tensor]]
+                      ) -> tuple[Tensor, torch.dtype]:
+    """Sum (float64) of the tiles' core features and the features' dtype.
+
+    Processes that each see part of the tiles all-reduce these sums, then divide by
+    :func:`feature_count`: the same mean as one process, in any split.
+    """
     total: Tensor | None = None
+    dtype = torch.float32
     for s in _core_feature_sums(model, tile_inputs):
         total = s.double() if total is None else total + s.double()
         dtype = s.dtype
-    assert total is not None
-    return (total / _feature_count(model, grid)).to(dtype)
+    if total is None:
+        raise ValueError("image_pool_sum_of needs at least one tile")
+    return total, dtype
 
 
-def _grid(model: GSCNN, image: Tensor, q: int | tuple[int, int] | None,
+def _grid(model: ImagePooled, image: Tensor, q: int | tuple[int, int] | None,
           tile_size: int | tuple[int, int] | None, fp: Footprint | None) -> TileGrid:
     return make_grid(image.shape[-2], image.shape[-1], fp or model.footprint(), q=q,
-                     tile_size=tile_size if q is None else None)
+                     tile_size=tile_size)
 
 
-def predict_tiled_two_pass(model: GSCNN, image: Tensor, *,
+def predict_tiled_two_pass(model: ImagePooled, image: Tensor, *,
                            q: int | tuple[int, int] | None = None,
                            tile_size: int | tuple[int, int] | None = None,
                            fp: Footprint | None = None,
@@ -197,7 +237,7 @@ def predict_tiled_two_pass(model: GSCNN, image: Tensor, *,
                              autocast=autocast, out_dtype=out_dtype)
 
 
-def tiled_backward_two_pass(model: GSCNN, image: Tensor, target: Tensor, loss: PixelLoss, *,
+def tiled_backward_two_pass(model: ImagePooled, image: Tensor, target: Tensor, loss: PixelLoss, *,
                             q: int | tuple[int, int] | None = None,
                             tile_size: int | tuple[int, int] | None = None,
                             fp: Footprint | None = None) -> Tensor:
@@ -221,7 +261,7 @@ def tiled_backward_two_pass(model: GSCNN, image: Tensor, target: Tensor, loss: P
         value = tiled_backward(model, image, target, loss, q=q, tile_size=tile_size,
                                fp=grid.footprint)
     if p.grad is not None:
-        g = p.grad / _feature_count(model, grid)
+        g = p.grad / feature_count(model, grid)
         for s in _core_feature_sums(model, _tile_inputs(image, grid)):
             (s * g).sum().backward()
     return value

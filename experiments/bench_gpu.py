@@ -1,0 +1,289 @@
+"""The GPU figures: one script, one JSON (``experiments/results/bench_gpu*.json``).
+
+    python experiments/bench_gpu.py                          # a CUDA device, full sizes
+    python experiments/bench_gpu.py --sections largest_tile,offload_cost
+    python experiments/bench_gpu.py --device cpu --quick     # harness check, < 1 min
+
+Sections (each catches its own exception and records its text, so a GPU run gives every
+figure it can; an out-of-memory step is a figure, ``fits: false``):
+
+* ``matmul_peak``: best ``a @ b`` TFLOP/s in fp32 (TF32 off), TF32 and bf16;
+* ``unet_forward``: the U-Net forward (``conf/model_size`` small, medium, large) in TFLOP/s
+  and as a fraction of the matching matmul peak, eager and ``torch.compile``;
+* ``prediction``: the streaming predictor (``predict_raster``, bf16 + channels_last, on a
+  generated TIFF) vs the bare model on device-resident tiles: the gap is I/O and copies;
+* ``train_step``: the exact whole-image step on 4096^2 and 8192^2, tiled vs untiled;
+* ``largest_tile``: the largest trainable tile per memory mode within 90 % of the
+  device's memory (``find_largest_tile``), time per pixel vs ``none``;
+* ``offload_cost``: offload vs none at one tile, and the pinned host link's GB/s;
+* ``ibm_gscnn``: Gated-SCNN (wide) on 800^2 crops, batch 16, per memory mode;
+* ``pipeline``: fairscale Pipe with one stage vs the plain model (torchgpipe: 0.858x), and
+  the planner's predicted step vs the measured one for 1 and 2 stages on the device.
+
+Without a CUDA device and without ``--quick`` it says so and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from common import machine, save
+from gpu_common import (
+    Sizes,
+    attempt,
+    fresh,
+    precision,
+    run_section,
+    sizes_for,
+    timed,
+    unet_from_conf,
+)
+from gpu_training import ibm_gscnn, largest_tile, offload_cost, train_step
+from torch.utils.flop_counter import FlopCounterMode
+
+from seg_at_scale.inference import Normalizer, predict_raster
+from seg_at_scale.io import write_raster
+from seg_at_scale.memory import GIB
+from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, close_pipe
+from seg_at_scale.parallel.planner import balance_by, predict
+from seg_at_scale.parallel.profile import profile_layers
+from seg_at_scale.tiling import make_grid
+
+TIMES = ("total_s", "model_s", "read_s", "write_s", "finalize_s")  # PredictionStats fields
+SEEDS = {"torchgpipe_pipeline_1_vs_plain": 0.858, "ibm_offload_overhead_nvlink": 0.30,
+         "ibm_offload_overhead_pcie": 1.06}
+
+
+def precisions(dev: torch.device) -> tuple[str, ...]:
+    return ("fp32", "tf32", "bf16") if dev.type == "cuda" else ("fp32", "bf16")
+
+
+def matmul_peak(dev: torch.device, sz: Sizes) -> dict[str, Any]:
+    """Best square matmul TFLOP/s per precision (TF32: CUDA only)."""
+    n = sz.matmul
+    out: dict[str, Any] = {"n": n, "unit": "TFLOP/s", "tf32": None}
+    for name in precisions(dev):
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+        with precision("tf32" if name == "tf32" else "fp32", dev):
+            times = timed(lambda a=a, b=b: a @ b, dev, max(3, sz.repeats), warmup=2)
+        out[name] = round(2 * n**3 / min(times) / 1e12, 4)
+    return out
+
+
+def forward_flops(net: torch.nn.Module, x: torch.Tensor) -> int:
+    """FLOPs of one forward pass (2 per multiply-add), counted by ``FlopCounterMode``."""
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        net(x)
+    return int(counter.get_total_flops())
+
+
+def unet_forward(dev: torch.device, sz: Sizes, peaks: dict[str, Any],
+                 backend: str) -> dict[str, Any]:
+    """Forward TFLOP/s of each U-Net size, eager and compiled, vs the matmul peak."""
+    side, batch = sz.unet_side, sz.unet_batch
+    out: dict[str, Any] = {"side": side, "batch": batch, "compile_backend": backend,
+                           "models": {}}
+    for size in sz.unet_sizes:
+        base = fresh(unet_from_conf(size), dev).eval()
+        x = torch.randn(batch, 4, side, side, device=dev)
+        flops = forward_flops(base, x)
+        row: dict[str, Any] = {"gflop_per_mpix": round(flops / (batch * side * side) / 1e3, 2),
+                               "params_M": round(sum(p.numel() for p in base.parameters())
+                                                 / 1e6, 2)}
+        for prec in precisions(dev):
+            cl = prec == "bf16"  # the fast path: bf16 autocast + channels_last
+            net = fresh(base, dev).to(memory_format=torch.channels_last) if cl else base
+            xx = x.contiguous(memory_format=torch.channels_last) if cl else x
+            for kind in ("eager", "compiled"):
+                if kind == "compiled":  # a clean cache: 3 sizes x layouts would pass the
+                    torch.compiler.reset()  # recompile limit and fall back to eager silently
+                fn = net if kind == "eager" else torch.compile(net, backend=backend)
+                row[f"{prec}_{kind}"] = attempt(
+                    lambda fn=fn, xx=xx, prec=prec, flops=flops: _forward_figures(
+                        fn, xx, prec, flops, peaks.get(prec), dev, sz.repeats))
+        out["models"][size] = row
+        print(f"   {size}: " + ", ".join(f"{k} {v.get('tflops')}" for k, v in row.items()
+                                         if isinstance(v, dict)) + " TFLOP/s", flush=True)
+    return out
+
+
+def _forward_figures(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, prec: str, flops: int,
+                     peak: float | None, dev: torch.device, repeats: int) -> dict[str, Any]:
+    """Time one forward configuration; its first call (compilation) is timed apart."""
+    with torch.inference_mode(), precision(prec, dev):
+        first = timed(lambda: fn(x), dev, 1, warmup=0)[0]
+        best = min(timed(lambda: fn(x), dev, repeats, warmup=1))
+    tflops = flops / best / 1e12
+    return {"s": round(best, 5), "mpix_per_s": round(x.shape[0] * x.shape[-2] * x.shape[-1]
+                                                     / 1e6 / best, 3),
+            "tflops": round(tflops, 4), "first_call_s": round(first, 2),
+            "fraction_of_peak": round(tflops / peak, 4) if peak else None}
+
+
+def prediction(dev: torch.device, sz: Sizes) -> dict[str, Any]:
+    """Streaming file -> file vs the bare model on device-resident tiles (same grid)."""
+    net = fresh(unet_from_conf("small"), dev).eval().to(memory_format=torch.channels_last)
+    side, tile = sz.raster_side, sz.raster_tile
+    grid = make_grid(side, side, net.footprint(), tile_size=tile)
+    out: dict[str, Any] = {"model": "small", "side": side, "tile": tile, "tiles": len(grid),
+                           "E": round(grid.efficiency, 4), "path": "bf16 + channels_last",
+                           "input": "4-band uint8 TIFF, 256^2 zlib tiles (write_raster)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        rng = np.random.default_rng(0)
+        image = write_raster(Path(tmp) / "scene.tif",
+                             rng.integers(0, 255, (4, side, side), dtype=np.uint8))
+        runs = []
+        for k in range(2):  # the first run plans the kernels
+            stats = predict_raster(net, image, Path(tmp) / f"mask{k}.tif", tile_size=tile,
+                                   normalizer=Normalizer(), autocast=torch.bfloat16,
+                                   channels_last=True, overwrite=True)
+            runs.append(stats)
+    best = max(runs, key=lambda s: s.mpix_per_s)
+    out["streaming"] = {"mpix_per_s": round(best.mpix_per_s, 3),
+                        **{k: round(getattr(best, k), 3) for k in TIMES if hasattr(best, k)}}
+    batched = 1 if dev.type != "cuda" else max(1, min(16, (16 << 20) // (tile * tile)))
+    for batch in sorted({1, batched}):  # the predictor batches ~16 Mpix of input on a GPU
+        out[f"bare_batch{batch}"] = attempt(lambda batch=batch: {
+            "mpix_per_s": _bare_model(net, grid, dev, batch, sz.repeats)})
+    bare = max(v.get("mpix_per_s", 0) for k, v in out.items() if k.startswith("bare"))
+    out["streaming_vs_bare"] = round(out["streaming"]["mpix_per_s"] / bare, 4) if bare else None
+    return out
+
+
+def _bare_model(net: torch.nn.Module, grid: Any, dev: torch.device, batch: int,
+                repeats: int) -> float:
+    """Output Mpix/s of the model alone on the grid's tiles, inputs already on the device."""
+    shapes = Counter((t.read.height, t.read.width) for t in grid.tiles)
+    inputs = {s: torch.randn(batch, 4, *s, device=dev).contiguous(
+        memory_format=torch.channels_last) for s in shapes}
+
+    def run() -> None:
+        for s, n in shapes.items():
+            for k in range(0, n, batch):
+                net(inputs[s][: min(batch, n - k)]).argmax(1)
+
+    with torch.inference_mode(), torch.autocast(dev.type, dtype=torch.bfloat16):
+        best = min(timed(run, dev, max(1, repeats), warmup=1))
+    return round(grid.height * grid.width / 1e6 / best, 3)
+
+
+def pipeline(dev: torch.device, sz: Sizes) -> dict[str, Any]:
+    """Pipe with one stage vs the plain model; planner predicted vs measured (k = 1, 2)."""
+    net = fresh(unet_from_conf("small"), dev)
+    n, m, b, t = len(net.pipeline_layers()), sz.pipe_chunks, sz.pipe_batch, sz.pipe_tile
+    x = torch.randn(b, 4, t, t, device=dev)
+    reps = max(2, sz.repeats)
+
+    def step_s(fn: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        return min(timed(lambda: fn(x).float().pow(2).mean().backward(), dev, reps))
+
+    plain = step_s(net)
+    out: dict[str, Any] = {"model": "small", "batch": b, "tile": t, "layers": n,
+                           "plain_step_s": round(plain, 4), "pipeline_1": {}, "planner": {}}
+    def piped(cfg: PipelineConfig) -> float:
+        pipe = build_pipe(net, cfg)
+        try:
+            return step_s(pipe)
+        finally:
+            close_pipe(pipe)
+
+    def one_stage(chunks: int, ck: str) -> dict[str, Any]:
+        s = piped(PipelineConfig([n], [str(dev)], chunks, ck))
+        return {"step_s": round(s, 4), "speed_vs_plain": round(plain / s, 4)}
+
+    for chunks, ck in ((1, "never"), (m, "never"), (m, "except_last")):
+        out["pipeline_1"][f"m{chunks}_{ck}"] = attempt(lambda c=chunks, k=ck: one_stage(c, k))
+    costs = profile_layers(net.pipeline_layers(), x[: b // m], repeats=reps)
+
+    def planned(k: int) -> dict[str, Any]:
+        bal = balance_by(costs, k, "time")
+        pred = predict(costs, bal, [str(dev)] * k, m, "except_last", b, profiled_batch=b // m)
+        s = piped(PipelineConfig(bal, [str(dev)] * k, m, "except_last"))
+        return {"balance": bal, "predicted_s": round(pred.step_s, 4), "measured_s": round(s, 4),
+                "ratio": round(pred.step_s / s, 4)}
+
+    for k in (1, 2):
+        out["planner"][f"k{k}"] = attempt(lambda k=k: planned(k))
+    out["goals"] = {"pipeline_1 speed_vs_plain": "> 0.858 (torchgpipe)",
+                    "planner ratio": "within 20 %"}
+    return out
+
+
+def header(dev: torch.device) -> dict[str, Any]:
+    """The device table: name and memory, torch / CUDA / cuDNN versions, TF32 defaults."""
+    h: dict[str, Any] = {"type": dev.type, "torch": torch.__version__,
+                         "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+                         "tf32_default": {"matmul": torch.backends.cuda.matmul.allow_tf32,
+                                          "cudnn": torch.backends.cudnn.allow_tf32},
+                         "loadavg_start": list(os.getloadavg())}
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        h.update(name=p.name, memory_gib=round(p.total_memory / GIB, 2),
+                 capability=f"{p.major}.{p.minor}", multiprocessors=p.multi_processor_count,
+                 count=torch.cuda.device_count())
+    else:
+        h.update(name=machine()["cpu"],
+                 threads=torch.get_num_threads())
+    return h
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="auto", help="auto | cuda | cuda:<i> | cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    ap.add_argument("--sections", default=None, help="comma-separated subset")
+    ap.add_argument("--compile-backend", default=None,
+                    help="torch.compile backend (default inductor; aot_eager with --quick on "
+                         "a CPU, where inductor compiles C++ for ~20 s per model)")
+    ap.add_argument("--budget-gib", type=float, default=None, help="largest_tile budget")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/)")
+    args = ap.parse_args()
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(auto if args.device == "auto" else args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type != "cuda" and not args.quick:
+        print("bench_gpu: no CUDA device here; the GPU figures need one. "
+              "`--device cpu --quick` checks the harness on this CPU.")
+        return
+    threads = args.threads or (1 if dev.type == "cpu" else None)  # shared cores: no spinning
+    if threads:
+        torch.set_num_threads(threads)
+    sz = sizes_for(args.quick, budget_gib=args.budget_gib)
+    backend = args.compile_backend or ("aot_eager" if args.quick and dev.type == "cpu"
+                                       else "inductor")
+    t0, head = time.perf_counter(), header(dev)
+    todo: dict[str, Callable[[], dict[str, Any]]] = {
+        "matmul_peak": lambda: matmul_peak(dev, sz),
+        "unet_forward": lambda: unet_forward(dev, sz, sections.get("matmul_peak", {}), backend),
+        "prediction": lambda: prediction(dev, sz),
+        "train_step": lambda: train_step(dev, sz),
+        "largest_tile": lambda: largest_tile(dev, sz),
+        "offload_cost": lambda: offload_cost(dev, sz),
+        "ibm_gscnn": lambda: ibm_gscnn(dev, sz),
+        "pipeline": lambda: pipeline(dev, sz)}
+    chosen = args.sections.split(",") if args.sections else list(todo)
+    sections: dict[str, Any] = {}
+    for name in chosen:
+        sections[name] = run_section(name, todo[name], dev)
+    head["loadavg_end"] = list(os.getloadavg())
+    name = "bench_gpu" + ("_cpu" if dev.type == "cpu" else "") + ("_quick" if args.quick else "")
+    save(name, {"device": head, "quick": args.quick, "sizes": asdict(sz), "seeds": SEEDS,
+                "wall_s": round(time.perf_counter() - t0, 1), "sections": sections},
+         path=args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Helpers for the prediction tests: a run folder with random weights, a georeferenced
+image, and ``seg-predict`` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from seg_at_scale.io import example_geotags, write_raster
+from seg_at_scale.models import UNet
+
+CLASSES = ["background", "vegetation", "water", "road", "building"]
+NORM = {"scale": 1 / 255, "mean": [0.5], "std": [0.25]}
+
+
+def make_model(padding: str = "same", levels: int = 3, width: int = 8, seed: int = 0) -> UNet:
+    torch.manual_seed(seed)
+    model = UNet(4, 5, levels=levels, base_width=width, padding=padding).eval()
+    head = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)][-1]
+    with torch.no_grad():  # an untrained net predicts one class: spread the logits
+        head.weight.mul_(30.0)
+        head.bias.zero_()
+    return model
+
+
+def make_run(folder: Path, model: UNet) -> Path:
+    """A run folder as seg-train leaves it: run_config.yaml and checkpoints/last.ckpt."""
+    (folder / "checkpoints").mkdir(parents=True, exist_ok=True)
+    cfg = {"model": {"_target_": "seg_at_scale.models.UNet", "in_channels": 4,
+                     "num_classes": 5, "levels": model.levels,
+                     "base_width": model.base_width, "padding": model.padding},
+           "data": {"num_classes": 5, "class_names": CLASSES, "ignore_index": 255,
+                    "nodata": None, **NORM},
+           "tiling": {"halo": "auto"}}
+    (folder / "run_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"state_dict": state}, folder / "checkpoints" / "last.ckpt")
+    return folder
+
+
+def make_image(path: Path, height: int = 517, width: int = 743, seed: int = 1) -> Path:
+    """A 4-band uint8 GeoTIFF with structure (smooth fields + noise), not a round size."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    base = [np.sin(yy / (17 + 5 * b)) * np.cos(xx / (23 + 3 * b)) for b in range(4)]
+    img = np.stack(base) * 90 + 128 + rng.normal(0, 20, (4, height, width))
+    return write_raster(path, img.clip(0, 255).astype(np.uint8), tile=(64, 64),
+                        geotags=example_geotags(origin=(500000.0, 4500000.0), pixel_size=10.0))
+
+
+def predict_cmd(run: Path, image: Path, output: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "seg_at_scale.cli.predict", f"run={run}", f"image={image}",
+            f"output={output}", f"hydra.run.dir={output.parent / 'hydra'}", "progress=false",
+            *overrides]
+
+
+def env() -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CI": "true",
+            "OMP_NUM_THREADS": "1", "HOME": os.environ.get("HOME", "/tmp")}
+
+
+def seg_predict(run: Path, image: Path, output: Path, *overrides: str,
+                timeout: int = 300, check: bool = True) -> dict | subprocess.CompletedProcess:
+    out = subprocess.run(predict_cmd(run, image, output, *overrides), capture_output=True,
+                         text=True, env=env(), timeout=timeout)
+    if not check:
+        return out
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def chunks_written(store: Path) -> int:
+    folder = store / "labels" / "c"
+    return sum(1 for p in folder.rglob("*") if p.is_file() and not p.name.endswith(".partial")
+               and "." not in p.name) if folder.exists() else 0
+
+
+def leftovers(folder: Path, name: str) -> list[str]:
+    """Temporary files of ``name`` left in ``folder`` (the lock and store excluded)."""
+    return sorted(p.name for p in folder.iterdir()
+                  if p.name.startswith(f".{name}.") and p.name.endswith(".tmp"))

@@ -1,0 +1,282 @@
+"""Prediction at scale: the file path is exact, outputs are identical under any number of
+processes and after a kill, the COG is valid, TTA is exact, bad input is refused first."""
+
+from __future__ import annotations
+
+import json
+import resource
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from prediction_helpers import (
+    CLASSES,
+    NORM,
+    chunks_written,
+    env,
+    leftovers,
+    make_image,
+    make_model,
+    make_run,
+    predict_cmd,
+    seg_predict,
+)
+
+from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.errors import ConfigError, OutputExistsError
+from seg_at_scale.io import read_raster
+from seg_at_scale.prediction import predict_raster
+from seg_at_scale.tiling import predict_full, predict_full_tta, predict_tiled
+
+NORMALIZER = Normalizer(NORM["scale"], tuple(NORM["mean"]), tuple(NORM["std"]))
+
+
+def _reference(model, image, tta=None):
+    x = torch.from_numpy(NORMALIZER(read_raster(image)))[None]
+    with torch.no_grad():
+        if tta:
+            return predict_full_tta(model, x, tta)[0]
+        return torch.softmax(predict_full(model, x), 1)[0]
+
+
+@pytest.mark.parametrize("padding", ["same", "valid"])
+def test_file_prediction_equals_untiled_forward(tmp_path, padding, one_torch_thread):
+    """517 x 743 (not a multiple of the alignment 8), mean 0.5 / std 0.25: every pixel,
+    borders included, equals the untiled network on the normalised image. (Zero-filling
+    raw pixels before normalising, as the file path did, changed ~0.4 % of the labels.)"""
+    model = make_model(padding, levels=4, width=4)
+    image = make_image(tmp_path / "a.tif")
+    stats = predict_raster(model, image, tmp_path / "a.zarr", tile_size=120,
+                           normalizer=NORMALIZER, probabilities="float16", progress=False)
+    ref = _reference(model, image)
+    store = zarr.open_group(tmp_path / "a.zarr", mode="r")
+    assert stats.tiles > 20 and store.attrs["complete"]
+    np.testing.assert_array_equal(store["labels"][:], ref.argmax(0).numpy())
+    np.testing.assert_allclose(store["probabilities"][:].astype(np.float32), ref.numpy(),
+                               atol=1e-3)
+    assert sum(stats.class_pixels) == 517 * 743
+
+
+@pytest.mark.parametrize("tta", ["flips", "d4"])
+@pytest.mark.parametrize("padding", ["same", "valid"])
+def test_tta_equals_tta_of_the_untiled_image(padding, tta, one_torch_thread):
+    model = make_model(padding, levels=3, width=4)
+    x = torch.randn(1, 4, 83, 61)
+    tiled = predict_tiled(model, x, tile_size=64, tta=tta)
+    full = predict_full_tta(model, x, tta)
+    assert (tiled - full).abs().max() < 1e-6
+    assert not torch.allclose(full, torch.softmax(predict_full(model, x), 1), atol=1e-3)
+
+
+def test_file_tta_equals_untiled_tta(tmp_path, one_torch_thread):
+    model = make_model("same", levels=3, width=4)
+    image = make_image(tmp_path / "a.tif", 141, 97)
+    predict_raster(model, image, tmp_path / "a.zarr", tile_size=64, normalizer=NORMALIZER,
+                   probabilities="float16", tta="d4", progress=False)
+    ref = _reference(model, image, tta="d4")
+    got = zarr.open_group(tmp_path / "a.zarr", mode="r")["probabilities"][:]
+    np.testing.assert_allclose(got.astype(np.float32), ref.numpy(), atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def cli_case(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    run = make_run(tmp / "run", make_model("same", levels=3, width=8))
+    return run, make_image(tmp / "scene.tif")
+
+
+def _arrays(store):
+    g = zarr.open_group(store, mode="r")
+    return g["labels"][:], g["probabilities"][:]
+
+
+def test_processes_give_byte_identical_zarr_and_cog(cli_case, tmp_path):
+    """processes = 1, 2, 3: the same labels and probabilities, and the same COG bytes; the
+    COG passes GDAL's COG rules and carries the input's georeferencing."""
+    import rasterio
+    from rio_cogeo.cogeo import cog_validate
+
+    run, image = cli_case
+    outs = {}
+    for n in (1, 2, 3):
+        out = tmp_path / f"p{n}" / "mask.tif"
+        res = seg_predict(run, image, out, f"processes={n}", "tile_size=160",
+                          "probabilities=uint8", "keep_store=true")
+        assert res["processes"] == n and res["tiles"] >= 12
+        outs[n] = out
+    labels, probs = _arrays(outs[1].with_name(".mask.tif.zarr"))
+    assert len(np.unique(labels)) > 1
+    for n in (2, 3):
+        other = _arrays(outs[n].with_name(".mask.tif.zarr"))
+        np.testing.assert_array_equal(other[0], labels)
+        np.testing.assert_array_equal(other[1], probs)
+        assert outs[n].read_bytes() == outs[1].read_bytes()
+        prob_tif = outs[n].with_name("mask_probabilities.tif")
+        assert prob_tif.read_bytes() == outs[1].with_name("mask_probabilities.tif").read_bytes()
+    valid, errors, _ = cog_validate(str(outs[1]))
+    assert valid, errors
+    with rasterio.open(image) as src, rasterio.open(outs[1]) as cog:
+        assert (cog.width, cog.height, cog.crs, cog.transform) == (
+            src.width, src.height, src.crs, src.transform)
+        assert cog.overviews(1) == [2] and cog.nodata == 255 and cog.profile["tiled"]
+        assert cog.colormap(1)[1][:3] != cog.colormap(1)[2][:3]
+        np.testing.assert_array_equal(cog.read(1), labels)
+    with rasterio.open(outs[1].with_name("mask_probabilities.tif")) as p:
+        assert p.count == 5 and p.descriptions == tuple(CLASSES)
+        np.testing.assert_array_equal(p.read(), probs)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killed_prediction_resumes_to_the_uninterrupted_output(cli_case, tmp_path, sig):
+    run, image = cli_case
+    ref = tmp_path / "ref" / "mask.tif"
+    seg_predict(run, image, ref, "tile_size=64")
+    out = tmp_path / "killed" / "mask.tif"
+    out.parent.mkdir()
+    proc = subprocess.Popen(predict_cmd(run, image, out, "tile_size=64"), env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    store = out.with_name(".mask.tif.zarr")
+    deadline = time.time() + 120
+    while chunks_written(store) < 6 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    proc.wait(60)
+    assert proc.returncode != 0 and not out.exists()
+    done = chunks_written(store)
+    assert done >= 6
+    if sig == signal.SIGTERM:  # unwound: no temporary file left beside the output
+        assert leftovers(out.parent, out.name) == []
+    res = seg_predict(run, image, out, "tile_size=64")
+    assert res["tiles_resumed"] >= done - 1  # a chunk being renamed at the kill may count
+    assert res["tiles_computed"] == res["tiles"] - res["tiles_resumed"]
+    assert read_raster(out).tobytes() == read_raster(ref).tobytes()
+    assert out.read_bytes() == ref.read_bytes()
+
+
+def test_second_writer_is_refused_and_first_completes(cli_case, tmp_path):
+    run, image = cli_case
+    out = tmp_path / "mask.tif"
+    first = subprocess.Popen(predict_cmd(run, image, out, "tile_size=64"), env=env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    store = out.with_name(".mask.tif.zarr")
+    while chunks_written(store) < 1 and first.poll() is None:
+        time.sleep(0.01)
+    second = seg_predict(run, image, out, "tile_size=64", "overwrite=true", check=False)
+    assert second.returncode != 0
+    assert "being written by another run" in second.stderr and ".mask.tif.lock" in second.stderr
+    stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr[-2000:]
+    assert json.loads(stdout[stdout.index("{"):])["tiles_computed"] > 0
+    assert read_raster(out).shape == (1, 517, 743)
+
+
+def test_disk_full_leaves_nothing_under_the_final_name_and_reruns(cli_case, tmp_path):
+    run, image = cli_case
+    out = tmp_path / "mask.tif"
+
+    def limit() -> None:  # the COG's temporary plain TIFF (384 KB) cannot be written
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+
+    proc = subprocess.run(predict_cmd(run, image, out, "tile_size=160"), env=env(),
+                          capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    assert proc.returncode != 0 and not out.exists()
+    assert leftovers(tmp_path, out.name) == []
+    res = seg_predict(run, image, out, "tile_size=160")
+    assert res["tiles_computed"] == 0 and res["tiles_resumed"] == res["tiles"]
+    assert read_raster(out).shape == (1, 517, 743)
+
+
+def test_a_store_of_another_model_is_refused(tmp_path, one_torch_thread):
+    image = make_image(tmp_path / "a.tif", 97, 131)
+    out = tmp_path / "a.zarr"
+    first = make_model(seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        predict_raster(first, image, out, tile_size=64, progress=False,
+                       normalizer=_Interrupt(after=2))
+    before = sorted(p.name for p in out.rglob("*"))
+    with pytest.raises(OutputExistsError, match="differs in: model.*resume=false"):
+        predict_raster(make_model(seed=1), image, out, tile_size=64, progress=False)
+    assert sorted(p.name for p in out.rglob("*")) == before
+    predict_raster(make_model(seed=1), image, out, tile_size=64, progress=False,
+                   resume=False)
+    assert zarr.open_group(out, mode="r").attrs["complete"]
+
+
+class _Interrupt(Normalizer):
+    """A normaliser that interrupts the run after ``after`` windows (a user's Ctrl-C)."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "left", [after])
+
+    def __call__(self, x):
+        return super().__call__(x)
+
+    def rescale(self, x):
+        self.left[0] -= 1
+        if self.left[0] < 0:
+            raise KeyboardInterrupt
+        return super().rescale(x)
+
+
+@pytest.mark.parametrize(("output", "extra", "message"), [
+    ("mask.png", (), "extension '.png' names no format"),
+    ("scene.tif", ("overwrite=true",), "is the input image"),
+    ("mask.tif", ("mask={image}",), None),
+    ("mask.tif", ("processes=0",), "processes=0: give a whole number >= 1"),
+    ("mask.tif", ("processes=2", "q=1", "device=cpu"), "only 1 batches of tiles"),
+])
+def test_bad_prediction_input_is_refused_before_work(cli_case, tmp_path, output, extra,
+                                                     message):
+    run, image = cli_case
+    out = image if output == "scene.tif" else tmp_path / output
+    before = image.read_bytes()
+    if "mask={image}" in extra:  # a ground truth of another size
+        from seg_at_scale.io import write_raster
+        wrong = write_raster(tmp_path / "truth.tif", np.zeros((500, 743), np.uint8))
+        extra, message = (f"mask={wrong}",), "is 500x743 but image"
+    res = seg_predict(run, image, out, *extra, check=False)
+    assert res.returncode != 0 and message in res.stderr, res.stderr[-2000:]
+    assert image.read_bytes() == before
+    assert not (tmp_path / ".mask.tif.zarr").exists() and not (tmp_path / "mask.tif").exists()
+
+
+def test_output_kind_and_processes_errors_in_python(tmp_path):
+    image = make_image(tmp_path / "a.tif", 40, 40)
+    with pytest.raises(ConfigError, match="use .tif"):
+        predict_raster(make_model(), image, tmp_path / "a.jpg")
+
+
+def test_existing_preview_and_unwritable_folder_are_refused_before_work(cli_case, tmp_path):
+    run, image = cli_case
+    preview = tmp_path / "mask_preview.png"
+    preview.write_bytes(b"mine")
+    res = seg_predict(run, image, tmp_path / "mask.tif", check=False)
+    assert res.returncode != 0 and "preview" in res.stderr and "overwrite=true" in res.stderr
+    assert preview.read_bytes() == b"mine" and not (tmp_path / "mask.tif").exists()
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("a file, not a folder")
+    res = seg_predict(run, image, blocker / "mask.tif", "preview=false",
+                      f"hydra.run.dir={tmp_path / 'h'}", check=False)
+    assert res.returncode != 0 and "cannot create its folder" in res.stderr
+
+
+def test_slurm_prediction_launcher_takes_processes_and_nodes():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    import seg_at_scale
+
+    conf = str(Path(seg_at_scale.__file__).parent / "conf")
+    with initialize_config_dir(conf, version_base="1.3"):
+        cfg = compose("predict", overrides=["hydra/launcher=slurm_predict", "processes=4",
+                                            "nodes=3", "run=r", "image=i.tif", "output=o.zarr"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (3, 4, 4)
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.max_num_timeout > 0
