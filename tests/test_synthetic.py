@@ -171,7 +171,7 @@ def test_make_dataset_creates_reuses_and_guards(tmp_path):
     assert again == m
     assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == mtimes  # nothing rewritten
 
-    with pytest.raises(InputError, match=r"seed=4 but seed=5.*overwrite=True"):
+    with pytest.raises(InputError, match=r"seed: 4 there, 5 asked.*overwrite=true"):
         make_dataset(root, splits=splits, height=67, width=93, seed=5)
     with pytest.raises(InputError, match="width"):
         make_dataset(root, splits=splits, height=67, width=94, seed=4)

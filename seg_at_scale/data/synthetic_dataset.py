@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from seg_at_scale.data import manifest
 from seg_at_scale.data.synthetic import (
     CLASSES,
     GENERATOR_VERSION,
@@ -197,10 +198,10 @@ def make_dataset(root: str | os.PathLike[str], *, splits: Mapping[str, int] = DE
         OutputExistsError: a scene file exists without a manifest and ``overwrite`` is false.
     """
     want = _plan(Path(root), splits, height, width, seed)
-    old = _existing(want, overwrite)
-    same = old is not None and old.parameters == want.parameters
-    if old is not None and not same and not overwrite:
-        raise InputError(_differs(want, old))
+    # the one rule (data/manifest.py); missing files of a matching dataset are made below
+    same = manifest.reuse(want.root, "synthetic", want.parameters, overwrite=overwrite,
+                          files=[])
+    old = None if same else _existing(want, overwrite=True)  # its stale files go below
     written = 0
     for split, pairs in want.files.items():
         for k, pair in enumerate(pairs):
@@ -229,12 +230,3 @@ def _existing(want: DatasetManifest, overwrite: bool) -> DatasetManifest | None:
         if overwrite:
             return None
         raise
-
-
-def _differs(want: DatasetManifest, old: DatasetManifest) -> str:
-    """Name the first differing parameter, both values and the fix."""
-    key = next(k for k in sorted(set(want.parameters) | set(old.parameters))
-               if want.parameters.get(k) != old.parameters.get(k))
-    return (f"'{want.root}' holds a synthetic dataset made with {key}="
-            f"{old.parameters.get(key)!r} but {key}={want.parameters.get(key)!r} was asked; "
-            f"delete '{want.root}' or pass overwrite=True to regenerate it")
