@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from seg_at_scale.data.samplers import ShardedImageSampler
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import UNet
 from seg_at_scale.models.layers import check_layers, run_layers
@@ -19,7 +20,6 @@ from seg_at_scale.parallel.launch import spawn
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe
 from seg_at_scale.parallel.planner import bubble_fraction, partition, plan, predict
 from seg_at_scale.parallel.profile import LayerCost, profile_layers
-from seg_at_scale.parallel.sampling import ShardedImageSampler
 from seg_at_scale.parallel.strategy import all_reduce_gradients
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import tiled_backward

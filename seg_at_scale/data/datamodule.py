@@ -18,17 +18,17 @@ import pytorch_lightning as pl
 from torch.utils.data import DataLoader
 
 from seg_at_scale.data.normalize import Normalizer
-from seg_at_scale.data.scenes import Scene, find_scenes, validate_scene
-from seg_at_scale.data.tiles import (
+from seg_at_scale.data.samplers import (
     EpochSampler,
-    GridTiles,
     ImageGroupedSampler,
-    RandomTiles,
-    pad_collate,
+    ShardedImageSampler,
+    ShardedTiles,
+    padded_slots,
 )
+from seg_at_scale.data.scenes import Scene, find_scenes, validate_scene
+from seg_at_scale.data.tiles import GridTiles, RandomTiles, pad_collate
 from seg_at_scale.data.transforms import build_augment
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.parallel.sampling import ShardedImageSampler, ShardedTiles, padded_slots
 from seg_at_scale.tiling import Footprint
 
 __all__ = ["TileDataModule"]

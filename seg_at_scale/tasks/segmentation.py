@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassJaccardIndex
 
-from seg_at_scale.parallel.sampling import is_pad
+from seg_at_scale.data.samplers import is_pad
 from seg_at_scale.parallel.strategy import all_reduce_gradients, world_size
 from seg_at_scale.tasks.losses import CrossEntropy
 
