@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,12 @@ from seg_at_scale.memory import (
     pipe_checkpoint_mode,
 )
 from seg_at_scale.parallel.pipe import PipelineConfig
-from seg_at_scale.parallel.setup import pipeline_strategy, resolve_pipeline, setup_pipeline
+from seg_at_scale.parallel.setup import (
+    pipeline_group,
+    pipeline_strategy,
+    resolve_pipeline,
+    setup_pipeline,
+)
 from seg_at_scale.tasks.interrupt import (
     SaveOnStop,
     SIGTERMException,
@@ -175,18 +181,20 @@ def resolve_run_pipeline(cfg: DictConfig, model: Any, dm: TileDataModule,
     available inside Pipe's worker threads.
     """
     group = cfg.get("pipeline")
-    if group is None or group.get("mode", "none") == "none":
+    if group is None:
         return None
-    p = dict(OmegaConf.to_container(group, resolve=True))  # type: ignore[arg-type]
+    g = pipeline_group(OmegaConf.to_container(group, resolve=True))  # type: ignore[arg-type]
+    if g.mode == "none":
+        return None
     if memory.mode in ("offload", "checkpoint_offload"):
-        raise ConfigError(f"memory={memory.mode} with pipeline={p['mode']}: saved tensors "
+        raise ConfigError(f"memory={memory.mode} with pipeline={g.mode}: saved tensors "
                           "cannot be offloaded inside Pipe's stage threads; use "
                           "memory=checkpoint (Pipe recomputation) or pipeline=none")
     if memory.mode == "checkpoint":
-        p["checkpoint"] = pipe_checkpoint_mode(memory)
+        g = replace(g, checkpoint=pipe_checkpoint_mode(memory))
     ds = dm.train_dataloader().dataset
     tile_shape = tuple(ds[0]["image"].shape)
-    return resolve_pipeline(p, model, tile_shape, train_batch_size(cfg))
+    return resolve_pipeline(g, model, tile_shape, train_batch_size(cfg))
 
 
 def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
