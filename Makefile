@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,bench,parallel]"
+	$(PY) -m pip install -q -e ".[dev,test,bench,parallel]"
 	touch $(STAMP)
 
 install: $(STAMP)

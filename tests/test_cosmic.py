@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from source_fixtures import tiny_event, write_larcv
 
 from seg_at_scale.data.cosmic import (
     IMAGE_GROUP,
@@ -37,46 +38,6 @@ from seg_at_scale.tiling import Footprint
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT.parent / "shared" / "data" / "cosmic_tagging_light.h5"
 CONF = str(ROOT / "seg_at_scale" / "conf")
-
-# ----- tiny larcv3 files in the real layout ------------------------------------------------
-
-META = np.dtype([("valid", "u1"), ("projection_id", "<u8"), ("image_sizes", "<f8", (2,)),
-                 ("number_of_voxels", "<u8", (2,)), ("origin", "<f8", (2,))])
-EXT = np.dtype([("first", "<u8"), ("N", "<u4")])
-VEXT = np.dtype([("first", "<u8"), ("N", "<u4"), ("ID", "<u4")])
-VOX = np.dtype([("id", "<u8"), ("value", "<f4")])
-
-
-def write_larcv(path: Path, events: list[tuple[np.ndarray, np.ndarray]]) -> Path:
-    """Sparse larcv3 groups for events ``(image [P, n1, n0], labels [P, n1, n0])``."""
-    with h5py.File(path, "w") as f:
-        for group, which in ((IMAGE_GROUP, 0), (LABEL_GROUP, 1)):
-            ext, metas, vext, vox = [], [], [], []
-            for ev in events:
-                planes = ev[which]
-                ext.append((len(metas), len(planes)))
-                for p, plane in enumerate(planes):
-                    n1, n0 = plane.shape
-                    i1, i0 = np.nonzero(ev[0][p])  # voxels where there is charge
-                    ids = np.sort(i0.astype(np.uint64) * n1 + i1)
-                    vals = plane.T.reshape(-1)[ids.astype(np.int64)]
-                    vext.append((sum(len(v) for v in vox), len(ids), p))
-                    vox.append(np.array(list(zip(ids, vals)), VOX))
-                    metas.append((1, p, (n0, n1), (n0, n1), (0, 0)))
-            g = f.create_group(group)
-            g["extents"] = np.array(ext, EXT)
-            g["image_meta"] = np.array(metas, META)
-            g["voxel_extents"] = np.array(vext, VEXT)
-            g["voxels"] = np.concatenate(vox) if vox else np.zeros(0, VOX)
-    return path
-
-
-def tiny_event(seed: int, shape=(3, 6, 10)) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    image = np.where(rng.random(shape) < 0.4, rng.uniform(5, 50, shape), 0).astype(np.float32)
-    labels = np.where(image > 0, rng.integers(0, 3, shape), 0).astype(np.uint8)
-    return image, labels
-
 
 def test_reader_decodes_tiny_files_written_in_the_real_layout(tmp_path):
     events = [tiny_event(0), tiny_event(1, (3, 8, 4))]

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.data.samplers import ImageGroupedSampler
 from seg_at_scale.data.scenes import Scene, find_scenes, validate_scene
-from seg_at_scale.data.tiles import GridTiles, ImageGroupedSampler, RandomTiles, pad_collate
+from seg_at_scale.data.tiles import GridTiles, RandomTiles, pad_collate
 from seg_at_scale.errors import InputError
 from seg_at_scale.io import write_raster
 from seg_at_scale.models import UNet

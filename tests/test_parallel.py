@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from seg_at_scale.data.samplers import ShardedImageSampler
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import UNet
 from seg_at_scale.models.layers import check_layers, run_layers
@@ -19,7 +20,6 @@ from seg_at_scale.parallel.launch import spawn
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe
 from seg_at_scale.parallel.planner import bubble_fraction, partition, plan, predict
 from seg_at_scale.parallel.profile import LayerCost, profile_layers
-from seg_at_scale.parallel.sampling import ShardedImageSampler
 from seg_at_scale.parallel.strategy import all_reduce_gradients
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import tiled_backward
@@ -242,3 +242,19 @@ def test_auto_pipeline_plans_under_a_cap_from_a_measured_profile() -> None:
     assert 4 % cfg.chunks == 0 and cfg.source["predicted_peak_gb"] <= 0.05
     with pytest.raises(ConfigError, match="fits 1e-06 GB per device"):
         resolve_pipeline({**p, "memory_cap_gb": 1e-6}, net, (4, 64, 72), batch_size=4)
+
+
+def test_pipeline_group_is_validated_once_with_the_key_named() -> None:
+    from seg_at_scale.parallel.setup import pipeline_group, resolve_pipeline
+
+    with pytest.raises(ConfigError, match="pipeline.chunk is not a pipeline key"):
+        pipeline_group({"mode": "manual", "chunk": 2})
+    with pytest.raises(ConfigError, match="pipeline.mode='gpipe'"):
+        pipeline_group({"mode": "gpipe"})
+    net = UNet(4, 5, levels=3, convs_per_level=2, base_width=8, padding="same")
+    layers = len(net.pipeline_layers())
+    g = {"mode": "manual", "balance": [layers - 4, 4], "devices": ["cpu", "cpu"]}
+    with pytest.raises(ConfigError, match="pipeline=manual needs pipeline.chunks"):
+        resolve_pipeline(g, net, (4, 64, 72), batch_size=4)  # no default written in code
+    cfg = resolve_pipeline({**g, "chunks": 2, "checkpoint": "never"}, net, (4, 64, 72), 4)
+    assert cfg is not None and (cfg.chunks, cfg.checkpoint) == (2, "never")

@@ -81,6 +81,15 @@ def test_two_process_ddp_training_equals_one_process(tmp_path: Path) -> None:
     assert two["val/miou"] == pytest.approx(one["val/miou"], abs=1e-4)
 
 
+def test_ddp_validation_grid_with_fewer_tiles_than_ranks(tmp_path: Path) -> None:
+    """q = 1: one validation tile for 2 ranks; rank 1 takes a pad slot instead of failing
+    with "DataLoader within local rank has zero length" and a gloo error."""
+    summary = train(tmp_path, "run", "tiling=grid", "tiling.q=1", "trainer=ddp",
+                    "trainer.devices=2", "trainer.max_epochs=1", "predict_after_fit=false")
+    assert summary["computed"]["grid"] == [1, 1]
+    assert 0.0 <= summary["val/miou"] <= 1.0
+
+
 def test_whole_image_prediction_through_a_pipe() -> None:
     torch.manual_seed(0)
     net = UNet(3, 4, levels=3, convs_per_level=2, base_width=4, padding="valid").eval()

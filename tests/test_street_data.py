@@ -17,6 +17,7 @@ import pytorch_lightning as pl
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from source_fixtures import CS_EXPECTED, write_cityscapes, write_taco
 
 from seg_at_scale.cli.common import model_footprint
 from seg_at_scale.cli.train import build_data
@@ -34,58 +35,9 @@ from seg_at_scale.io import read_raster
 
 CONF = str(Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf")
 
-# label id -> train id, by hand from the Cityscapes label table (ids 0, 4 are ignored)
-CS_EXPECTED = {0: 255, 4: 255, 7: 0, 8: 1, 11: 2, 21: 8, 23: 10, 24: 11, 26: 13, 33: 18}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def write_cityscapes(root: Path, split: str, city: str, n: int, seed: int = 0,
-                     size: tuple[int, int] = (44, 60)) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Tiny Cityscapes tree: ``leftImg8bit/<split>/<city>/*`` + ``gtFine/.../*_labelIds.png``."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for k in range(n):
-        stem = f"{city}_{k:06d}_000019"
-        rgb = rng.integers(0, 255, (3, *size), dtype=np.uint8)
-        ids = rng.choice(list(CS_EXPECTED), size=size).astype(np.uint8)
-        img_dir, lbl_dir = root / "leftImg8bit" / split / city, root / "gtFine" / split / city
-        img_dir.mkdir(parents=True, exist_ok=True)
-        lbl_dir.mkdir(parents=True, exist_ok=True)
-        cv2.imwrite(str(img_dir / f"{stem}_leftImg8bit.png"), rgb.transpose(1, 2, 0)[..., ::-1])
-        cv2.imwrite(str(lbl_dir / f"{stem}_gtFine_labelIds.png"), ids)
-        out[stem] = (rgb, ids)
-    return out
-
-
-def write_taco(root: Path) -> None:
-    """Tiny TACO folder: two PNG photos and a COCO ``annotations.json`` with polygons."""
-    rng = np.random.default_rng(1)
-    (root / "batch_1").mkdir(parents=True)
-    for k in (1, 2):
-        img = rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)
-        cv2.imwrite(str(root / "batch_1" / f"{k:06d}.png"), img)
-    rect = [4, 4, 40, 4, 40, 30, 4, 30]
-    doc = {
-        "images": [{"id": 1, "file_name": "batch_1/000001.png", "width": 64, "height": 48},
-                   {"id": 2, "file_name": "batch_1/000002.png", "width": 64, "height": 48}],
-        "categories": [{"id": 7, "name": "Plastic bottle", "supercategory": "Bottle"},
-                       {"id": 0, "name": "Bottle cap", "supercategory": "Bottle cap"},
-                       {"id": 5, "name": "Glass bottle", "supercategory": "Bottle"}],
-        "annotations": [
-            {"id": 1, "image_id": 1, "category_id": 0, "area": 36.0, "iscrowd": 0,
-             "segmentation": [[10, 10, 16, 10, 16, 16, 10, 16]]},
-            {"id": 2, "image_id": 1, "category_id": 5, "area": 936.0, "iscrowd": 0,
-             "segmentation": [rect]},
-            {"id": 3, "image_id": 2, "category_id": 7, "area": 300.0, "iscrowd": 0,
-             "segmentation": [[30, 5, 60, 5, 60, 15, 30, 15], [2, 30, 12, 30, 12, 40]]},
-        ],
-    }
-    (root / "annotations.json").write_text(json.dumps(doc))
-
-
-# ----- synthetic streets ----------------------------------------------------------------
 
 
 def test_street_scenes_are_seeded_and_written_with_their_canny_band(tmp_path):
@@ -103,7 +55,7 @@ def test_street_scenes_are_seeded_and_written_with_their_canny_band(tmp_path):
     stamp = (tmp_path / "s" / "train" / "street_0_image.tif").stat().st_mtime_ns
     make_street_dataset(tmp_path / "s", splits, 120, 200, seed=0)  # reused, not rewritten
     assert (tmp_path / "s" / "train" / "street_0_image.tif").stat().st_mtime_ns == stamp
-    with pytest.raises(InputError, match="seed=0 but seed=1 was asked"):
+    with pytest.raises(InputError, match="seed: 0 there, 1 asked"):
         make_street_dataset(tmp_path / "s", splits, 120, 200, seed=1)
 
 

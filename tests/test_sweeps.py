@@ -52,7 +52,7 @@ def _train_cmd(*overrides: str) -> list[str]:
 
 
 @pytest.mark.parametrize("module", ["sweeps.space", "sweeps.study", "sweeps.launcher",
-                                    "tasks.class_weights", "cli.filelock"])
+                                    "tasks.class_weights"])
 def test_docstring_examples(module):
     result = doctest.testmod(importlib.import_module(f"seg_at_scale.{module}"))
     assert result.attempted > 0 and result.failed == 0

@@ -171,7 +171,7 @@ def test_make_dataset_creates_reuses_and_guards(tmp_path):
     assert again == m
     assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == mtimes  # nothing rewritten
 
-    with pytest.raises(InputError, match=r"seed=4 but seed=5.*overwrite=True"):
+    with pytest.raises(InputError, match=r"seed: 4 there, 5 asked.*overwrite=true"):
         make_dataset(root, splits=splits, height=67, width=93, seed=5)
     with pytest.raises(InputError, match="width"):
         make_dataset(root, splits=splits, height=67, width=94, seed=4)
@@ -200,8 +200,11 @@ def test_cli_single_and_dataset(tmp_path, capsys):
     assert str(img) in out and "Mpix/s" in out
     image, labels = SceneGenerator(9, 97, 131).render(Window(0, 0, 97, 131))
     assert np.array_equal(read(img), image) and np.array_equal(read(mask), labels[None])
-    assert main(args) == 2  # exists, no --overwrite
-    assert "overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(args)  # exists, no --overwrite
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("seg-synth: error: ") and "overwrite" in err and "Traceback" not in err
     assert main(args + ["--overwrite"]) == 0
     ds = tmp_path / "ds"
     assert main(["--out", str(ds), "--height", "40", "--width", "44", "--train", "1",

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -12,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from seg_at_scale.data.normalize import Normalizer
-from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.errors import ConfigError, InputError, SegAtScaleError
 from seg_at_scale.io import (
     RasterReader,
     check_output_path,
@@ -25,12 +29,63 @@ from seg_at_scale.prediction import PredictionStats, output_kind, predict_raster
 from seg_at_scale.tiling import Footprint, footprint
 
 __all__ = ["model_footprint", "normalizer_of", "predict_scene", "preview_path", "format_iou",
-           "save_run_config",
-           "RUN_CONFIG"]
+           "save_run_config", "RUN_CONFIG", "reports_errors", "class_names_of", "USER_ERROR_EXIT"]
 
 log = logging.getLogger(__name__)
 
 RUN_CONFIG = "run_config.yaml"  # resolved config + computed values, saved with every run
+USER_ERROR_EXIT = 2  # exit status of a refused input or config (as argparse's usage errors)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def reports_errors(prog: str) -> Callable[[F], F]:
+    """Decorate an entry point: the project's own errors print as one line, exit status 2.
+
+    A :class:`~seg_at_scale.errors.SegAtScaleError` already names the file or key, the value
+    and the fix; the 30-60 lines of Hydra and library frames above it only bury it.
+    ``HYDRA_FULL_ERROR=1`` lets it through with its whole traceback. Put it *under*
+    ``@hydra.main`` (Hydra unwraps ``__wrapped__`` to name the job)::
+
+        @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+        @reports_errors("seg-train")
+        def main(cfg: DictConfig) -> None: ...
+
+    Args:
+        prog: the command's name, printed before the message.
+    """
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except SegAtScaleError as exc:
+                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(USER_ERROR_EXIT) from None
+
+        return run  # type: ignore[return-value]
+
+    return decorate
+
+
+def class_names_of(data: DictConfig) -> list[str]:
+    """``data.class_names``, or ``class_0 .. class_{K-1}`` when it is null.
+
+    Raises:
+        ConfigError: a list whose length is not ``data.num_classes``.
+    """
+    k = int(data.num_classes)
+    names = data.get("class_names")
+    if names is None:
+        return [f"class_{i}" for i in range(k)]
+    names = [str(n) for n in names]
+    if len(names) != k:
+        raise ConfigError(f"data.class_names has {len(names)} names but data.num_classes={k}; "
+                          "give one name per class, or data.class_names=null for class_0, "
+                          "class_1, ...")
+    return names
 
 
 def model_footprint(model: nn.Module, halo: Any) -> Footprint:
@@ -143,5 +198,6 @@ def save_run_config(cfg: DictConfig, out_dir: Path, computed: dict[str, Any]) ->
     assert isinstance(doc, dict)
     doc["computed"] = computed
     path = out_dir / RUN_CONFIG
+    out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(OmegaConf.to_yaml(OmegaConf.create(doc)))
     return path

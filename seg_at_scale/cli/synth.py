@@ -17,9 +17,9 @@ import sys
 import time
 from collections.abc import Sequence
 
+from seg_at_scale.cli.common import reports_errors
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.data.synthetic_dataset import make_dataset, write_scene
-from seg_at_scale.errors import SegAtScaleError
 
 __all__ = ["build_parser", "main"]
 
@@ -66,6 +66,7 @@ def _run(args: argparse.Namespace) -> None:
           "(image + mask, rendered and written; a reused dataset is not rewritten)")
 
 
+@reports_errors("seg-synth")
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``seg-synth``.
 
@@ -73,17 +74,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments without the program name; None reads ``sys.argv``.
 
     Returns:
-        0 on success, 2 for a usage or input error (message on stderr).
+        0 on success.
+
+    Raises:
+        SystemExit: status 2 for a usage or input error (the message alone on stderr).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     if bool(args.single) == bool(args.out):
         parser.error("give exactly one of --out DIR (a dataset) or --single IMAGE MASK")
-    try:
-        _run(args)
-    except (SegAtScaleError, ValueError) as exc:
-        print(f"seg-synth: error: {exc}", file=sys.stderr)
-        return 2
+    _run(args)
     return 0
 
 

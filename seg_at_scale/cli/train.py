@@ -9,13 +9,17 @@ Run it::
     seg-train -m hparams_search=lr_sweep
 
 An interrupted run resumes from its last checkpoint: rerun the same command with
-``hydra.run.dir=<the run's folder>``.
+``hydra.run.dir=<the run's folder>``. SIGTERM and Ctrl+C stop training with a checkpoint
+saved; a run folder is never rewritten with another config (:mod:`seg_at_scale.cli.runs`);
+every split's files are checked before the first step (:mod:`seg_at_scale.data.preflight`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +28,27 @@ import psutil
 import pytorch_lightning as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_method, instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
 from seg_at_scale.cli.common import (
+    class_names_of,
     format_iou,
     model_footprint,
     normalizer_of,
     predict_scene,
-    save_run_config,
+    reports_errors,
 )
-from seg_at_scale.cli.filelock import exclusive
+from seg_at_scale.cli.data_setup import (
+    build_data,
+    check_grids,
+    checked_groups,
+    make_synthetic,
+    resolve_normalization,
+    run_preflight,
+)
 from seg_at_scale.cli.resolvers import register_resolvers
+from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
@@ -50,35 +63,23 @@ from seg_at_scale.memory import (
     pipe_checkpoint_mode,
 )
 from seg_at_scale.parallel.pipe import PipelineConfig
-from seg_at_scale.parallel.setup import pipeline_strategy, resolve_pipeline, setup_pipeline
+from seg_at_scale.parallel.setup import (
+    pipeline_group,
+    pipeline_strategy,
+    resolve_pipeline,
+    setup_pipeline,
+)
+from seg_at_scale.tasks.interrupt import (
+    SaveOnStop,
+    SIGTERMException,
+    newest_checkpoint,
+    slurm_plugins,
+)
 from seg_at_scale.tiling import make_grid
 
 log = logging.getLogger("seg_at_scale.train")
-DEFAULT_GENERATOR = "seg_at_scale.data.synthetic_dataset.make_dataset"
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
 register_resolvers()  # ${seg.class_weights:...} (data.class_weight_power)
-
-
-def build_data(cfg: DictConfig, fp: Any) -> TileDataModule:
-    """Make the synthetic scenes if asked, and the DataModule."""
-    d, t = cfg.data, cfg.tiling
-    if d.synthetic.enabled:
-        # data.synthetic.generator: a function (root, splits, height, width, seed) writing
-        # <root>/<split>/<name>_image.tif + _mask.tif; the satellite scenes by default.
-        maker = get_method(d.synthetic.get("generator") or DEFAULT_GENERATOR)
-        root = Path(d.root)
-        with exclusive(root.parent / f".{root.name}.lock"):  # parallel trials start together
-            # data.synthetic.options: extra keyword arguments of that generator (optional)
-            maker(d.root, splits=dict(d.synthetic.splits), height=d.synthetic.height,
-                  width=d.synthetic.width, seed=d.synthetic.seed,
-                  **dict(d.synthetic.get("options") or {}))
-    return TileDataModule(
-        d.root, fp, d.num_classes, mode=t.mode, q=t.q, tile_size=t.tile_size,
-        core_size=t.core_size or 128, samples_per_epoch=t.samples_per_epoch or 0,
-        batch_size=t.batch_size, num_workers=d.num_workers, scale=d.scale, mean=d.mean,
-        std=d.std, class_weights=d.class_weights, ignore_index=d.ignore_index,
-        nodata=d.nodata, augment=dict(t.augment) if t.augment else None, seed=cfg.seed,
-        mask_bands=d.get("mask_bands", 1))
 
 
 def computed_values(dm: TileDataModule, fp: Any, cfg: DictConfig) -> dict[str, Any]:
@@ -93,12 +94,12 @@ def computed_values(dm: TileDataModule, fp: Any, cfg: DictConfig) -> dict[str, A
 
 
 def resolve_ckpt(cfg: DictConfig, out_dir: Path) -> str | None:
-    """Checkpoint to resume from: ``auto`` = the run folder's last.ckpt when present."""
+    """Checkpoint to resume from: ``auto`` = the run folder's newest (last.ckpt, hpc_ckpt)."""
     if cfg.ckpt_path in (None, "none"):
         return None
     if cfg.ckpt_path == "auto":
-        last = out_dir / "checkpoints" / "last.ckpt"
-        return str(last) if last.exists() else None
+        newest = newest_checkpoint(out_dir)
+        return str(newest) if newest else None
     return str(cfg.ckpt_path)
 
 
@@ -119,26 +120,25 @@ def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_di
             if hasattr(lg, "log_image") and "preview" in res:
                 lg.log_image(key=f"test/{scene.name}", images=[res["preview"]])
             lg.log_metrics({"test/miou": res["miou"]})
-        log.info("test scene %s:\n%s", scene.name, format_iou(res, list(cfg.data.class_names)))
+        log.info("test scene %s:\n%s", scene.name, format_iou(res, class_names_of(cfg.data)))
     return results
 
 
-def check_memory(cfg: DictConfig) -> MemoryConfig:
+def check_memory(cfg: DictConfig, run: RunFolder | None = None) -> MemoryConfig:
     """The memory mode of ``cfg.memory``; refuses a precision this machine cannot run."""
-    with open_dict(cfg):
-        cfg.trainer.precision = check_precision(cfg.trainer.precision,
-                                                cfg.trainer.get("accelerator", "auto"))
+    (run or RunFolder.detached()).fill(cfg, "trainer.precision", lambda: check_precision(
+        cfg.trainer.precision, cfg.trainer.get("accelerator", "auto")))
     group = cfg.get("memory")
     return memory_config(OmegaConf.to_container(group, resolve=True)  # type: ignore[arg-type]
                          if group is not None else None)
 
 
 def resolve_auto_tile(cfg: DictConfig, model: Any, fp: Any, dm: TileDataModule,
-                      memory: MemoryConfig) -> None:
+                      memory: MemoryConfig, run: RunFolder | None = None) -> None:
     """``tiling.tile_size=auto``: measure the largest tile within ``memory.budget_gb``.
 
     Sets ``tiling.tile_size`` (and the random mode's ``core_size``) in ``cfg`` and ``dm``;
-    the saved run config holds the measured value.
+    the saved run config holds the measured value (a resumed run takes it from there).
     """
     t, m = cfg.tiling, cfg.memory
     if t.tile_size != "auto":
@@ -159,10 +159,10 @@ def resolve_auto_tile(cfg: DictConfig, model: Any, fp: Any, dm: TileDataModule,
         device="cuda" if cuda else "cpu", rel_tol=m.get("rel_tol", 0.05),
         max_probes=m.get("max_probes", 8),
         host_rss=None if cuda else psutil.Process().memory_info().rss)
-    with open_dict(cfg):
-        cfg.tiling.tile_size = keys["tile_size"]
-        if t.mode == "random":
-            cfg.tiling.core_size = keys["core_size"]
+    run = run or RunFolder.detached()
+    run.fill(cfg, "tiling.tile_size", lambda: keys["tile_size"])
+    if t.mode == "random":
+        run.fill(cfg, "tiling.core_size", lambda: keys["core_size"])
     dm.tile_size, dm.core_size = keys["tile_size"], cfg.tiling.core_size or dm.core_size
     log.info("tiling.tile_size=auto: %s", search.summary())
 
@@ -181,67 +181,102 @@ def resolve_run_pipeline(cfg: DictConfig, model: Any, dm: TileDataModule,
     available inside Pipe's worker threads.
     """
     group = cfg.get("pipeline")
-    if group is None or group.get("mode", "none") == "none":
+    if group is None:
         return None
-    p = dict(OmegaConf.to_container(group, resolve=True))  # type: ignore[arg-type]
+    g = pipeline_group(OmegaConf.to_container(group, resolve=True))  # type: ignore[arg-type]
+    if g.mode == "none":
+        return None
     if memory.mode in ("offload", "checkpoint_offload"):
-        raise ConfigError(f"memory={memory.mode} with pipeline={p['mode']}: saved tensors "
+        raise ConfigError(f"memory={memory.mode} with pipeline={g.mode}: saved tensors "
                           "cannot be offloaded inside Pipe's stage threads; use "
                           "memory=checkpoint (Pipe recomputation) or pipeline=none")
     if memory.mode == "checkpoint":
-        p["checkpoint"] = pipe_checkpoint_mode(memory)
+        g = replace(g, checkpoint=pipe_checkpoint_mode(memory))
     ds = dm.train_dataloader().dataset
     tile_shape = tuple(ds[0]["image"].shape)
-    return resolve_pipeline(p, model, tile_shape, train_batch_size(cfg))
+    return resolve_pipeline(g, model, tile_shape, train_batch_size(cfg))
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
-def main(cfg: DictConfig) -> float | None:
-    """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
+def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
+                                                   TileDataModule, dict[str, Any]]:
+    """Everything before the first training step; every check runs here.
+
+    Returns:
+        ``(model, footprint, memory mode, DataModule, computed values)``.
+    """
+    data, _ = checked_groups(cfg)  # data / tiling keys: type, range, unknown keys
     pl.seed_everything(cfg.seed, workers=True)
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
     model = instantiate(cfg.model)
     fp = model_footprint(model, cfg.tiling.halo)
-    memory = check_memory(cfg)  # memory mode + precision, before any work (issue 4)
-    dm = build_data(cfg, fp)
-    resolve_auto_tile(cfg, model, fp, dm, memory)  # tiling.tile_size=auto
-    computed = computed_values(dm, fp, cfg)
+    memory = check_memory(cfg, run)  # memory mode + precision
+    make_synthetic(data)
+    report = run_preflight(data, run, bool(cfg.predict_after_fit))  # every split's files
+    computed: dict[str, Any] = {}
+    resolve_normalization(cfg, run, report, computed)  # data.scale/mean/std=auto
+    dm = build_data(cfg, fp, report)
+    resolve_auto_tile(cfg, model, fp, dm, memory, run)  # tiling.tile_size=auto
+    check_grids(cfg, fp, report)
+    computed.update(computed_values(dm, fp, cfg))
+    computed["preflight_s"] = round(report.seconds, 3)
+    return model, fp, memory, dm, computed
+
+
+def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConfig,
+        dm: TileDataModule, computed: dict[str, Any]) -> tuple[pl.Trainer, Any, list[Any]]:
+    """Build the task, callbacks, loggers and trainer; fit (resuming when asked)."""
     pipeline = resolve_run_pipeline(cfg, model, dm, memory)  # pipeline=manual|auto
     if pipeline is not None:
         computed["pipeline"] = pipeline.as_dict()
-    save_run_config(cfg, out_dir, computed)
+    run.save(cfg, computed)
     log.info("halo %d (context %d, align %d, %s padding), E = %.3f on the validation grid %s",
              fp.halo, fp.context, fp.align, fp.padding, computed["efficiency"],
              computed["grid"])
     task = instantiate(cfg.task, model=model if pipeline else apply_memory_mode(model, memory))
     setup_pipeline(task, pipeline, batch_size=train_batch_size(cfg))
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [MemoryReport(memory.label)]
+    stop = SaveOnStop(run.path / "checkpoints")
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [
+        MemoryReport(memory.label), stop]
     loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
     for lg in loggers:
         lg.log_hyperparams({"computed": computed})
+    slurm = cfg.get("slurm") or {}
+    plugins = slurm_plugins(bool(slurm.get("auto_requeue", True)),
+                            str(slurm.get("requeue_signal", "SIGUSR1")))
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks,
-                                      logger=loggers or False,
+                                      logger=loggers or False, plugins=plugins or None,
                                       **pipeline_strategy(cfg.trainer, pipeline))
-    trainer.fit(task, datamodule=dm, ckpt_path=resolve_ckpt(cfg, out_dir))
+    try:
+        trainer.fit(task, datamodule=dm, ckpt_path=resolve_ckpt(cfg, run.path))
+    except SIGTERMException:  # checkpoint saved by SaveOnStop; exit as the signal asks
+        raise SystemExit(128 + (stop.signal or signal.SIGTERM)) from None
+    return trainer, task, loggers
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+@reports_errors("seg-train")
+def main(cfg: DictConfig) -> float | None:
+    """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
+    run = RunFolder.open(Path(HydraConfig.get().runtime.output_dir), cfg)  # before any write
+    model, fp, memory, dm, computed = prepare(cfg, run)
+    trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed)
     if not trainer.is_global_zero:  # sample parallelism: rank 0 predicts and reports
         return None
     metric = trainer.callback_metrics.get("val/miou")
-    summary: dict[str, Any] = {"run": str(out_dir), "val/miou": float(metric)
+    summary: dict[str, Any] = {"run": str(run.path), "val/miou": float(metric)
                                if metric is not None else None, "computed": computed}
     best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
     if best:
         task.load_state_dict(_state_dict(best))
         summary["checkpoint"] = best
     if cfg.predict_after_fit:
-        summary["test"] = predict_test(cfg, task, dm, fp, out_dir, loggers)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary["test"] = predict_test(cfg, task, dm, fp, run.path, loggers)
+    (run.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return summary["val/miou"]
 
 
 def _state_dict(path: str) -> dict[str, Any]:
-    import torch
-
     return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
 
 

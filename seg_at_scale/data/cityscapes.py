@@ -15,7 +15,6 @@ Cityscapes ``val``.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +23,7 @@ import cv2
 import numpy as np
 from cityscapesscripts.helpers.labels import labels as CS_LABELS
 
+from seg_at_scale.data import manifest
 from seg_at_scale.data.streets import fit_scene, read_rgb, write_street_scene
 from seg_at_scale.errors import ConfigError, InputError
 
@@ -88,12 +88,8 @@ def convert_cityscapes(source: str | os.PathLike[str], root: str | os.PathLike[s
     params = {"dataset": "cityscapes", "source": str(Path(source).resolve()),
               "splits": {k: int(v) for k, v in splits.items()}, "height": height,
               "width": width, "classes": list(CITYSCAPES_CLASSES)}
-    manifest = root / "manifest.json"
-    if manifest.exists() and json.loads(manifest.read_text()) == params:
+    if manifest.reuse(root, "cityscapes", params, overwrite=overwrite):
         return root
-    if manifest.exists() and not overwrite:
-        raise InputError(f"'{root}' holds a conversion with other parameters; delete it or "
-                         "pass overwrite=True")
     for split, count in params["splits"].items():  # type: ignore[union-attr]
         if split not in SOURCE_SPLIT:
             raise ConfigError(f"data.synthetic.splits has {split!r}; use train, val, test")
@@ -101,7 +97,7 @@ def convert_cityscapes(source: str | os.PathLike[str], root: str | os.PathLike[s
         for stem, img, lbl in pairs[: count or None]:
             rgb, mask = fit_scene(*read_pair(img, lbl), height, width)
             write_street_scene(root / split, stem, rgb, mask, overwrite=True)
-    manifest.write_text(json.dumps(params, indent=2) + "\n")
+    manifest.save(root, "cityscapes", params)
     return root
 
 

@@ -23,7 +23,6 @@ priority neutrino (2) > cosmic (1) > background (0).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from seg_at_scale.data import manifest
 from seg_at_scale.errors import InputError
 
 __all__ = ["CosmicEvent", "read_cosmic_h5", "count_events", "densify", "downsample_event",
@@ -248,26 +248,18 @@ def _write_event(folder: Path, name: str, event: CosmicEvent) -> None:
 
 def _reuse(root: Path, params: dict[str, Any], names: dict[str, list[str]],
            overwrite: bool) -> bool:
-    """True when ``root/manifest.json`` records ``params`` and every file exists."""
-    manifest = root / "manifest.json"
-    if not manifest.exists():
-        return False
-    old = json.loads(manifest.read_text()).get("parameters")
-    if old != params:
-        if not overwrite:
-            diff = sorted(k for k in set(old or {}) | set(params)
-                          if (old or {}).get(k) != params.get(k))
-            raise InputError(f"'{root}' holds a cosmic dataset made with other parameters "
-                             f"({', '.join(diff)}); choose another data.root or delete it")
-        return False
-    return all((root / s / f"{n}{suffix}").exists() for s, ns in names.items() for n in ns
-               for suffix in ("_image.tif", "_mask.tif"))
+    """The one reuse rule (data/manifest.py) over the events' image and mask files."""
+    return manifest.reuse(root, str(params["generator"]), params, overwrite=overwrite,
+                          files=_files(root, names))
+
+
+def _files(root: Path, names: dict[str, list[str]]) -> list[Path]:
+    return [root / s / f"{n}{suffix}" for s, ns in names.items() for n in ns
+            for suffix in ("_image.tif", "_mask.tif")]
 
 
 def _save_manifest(root: Path, params: dict[str, Any], names: dict[str, list[str]]) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "manifest.json").write_text(json.dumps(
-        {"parameters": params, "scenes": names}, indent=2) + "\n")
+    manifest.save(root, str(params["generator"]), params, _files(root, names), scenes=names)
 
 
 def make_cosmic_dataset(root: str | os.PathLike[str], splits: Mapping[str, int],

@@ -10,25 +10,25 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader
 
 from seg_at_scale.data.normalize import Normalizer
-from seg_at_scale.data.scenes import Scene, find_scenes, validate_scene
-from seg_at_scale.data.tiles import (
+from seg_at_scale.data.samplers import (
     EpochSampler,
-    GridTiles,
     ImageGroupedSampler,
-    RandomTiles,
-    pad_collate,
+    ShardedImageSampler,
+    ShardedTiles,
+    padded_slots,
 )
+from seg_at_scale.data.scenes import Scene, find_scenes, validate_scene
+from seg_at_scale.data.tiles import GridTiles, RandomTiles, pad_collate
 from seg_at_scale.data.transforms import build_augment
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.parallel.sampling import ShardedImageSampler, ShardedTiles, shard_indices
 from seg_at_scale.tiling import Footprint
 
 __all__ = ["TileDataModule"]
@@ -57,6 +57,9 @@ class TileDataModule(pl.LightningDataModule):
         augment: keyword arguments of :func:`build_augment` (random mode), or None.
         seed: sampling and augmentation seed.
         mask_bands: label bands per mask (1; or one per plane, e.g. 3 detector planes).
+        scenes: scenes already validated per split (:func:`~seg_at_scale.data.preflight.
+            preflight`), so their files are not read again; other splits are validated when
+            first used.
     """
 
     def __init__(self, root: str, footprint: Footprint, num_classes: int, *,
@@ -66,7 +69,8 @@ class TileDataModule(pl.LightningDataModule):
                  mean: Sequence[float] = (0.0,), std: Sequence[float] = (1.0,),
                  class_weights: Sequence[float] | None = None, ignore_index: int = 255,
                  nodata: float | None = None, augment: dict[str, Any] | None = None,
-                 seed: int = 0, mask_bands: int = 1) -> None:
+                 seed: int = 0, mask_bands: int = 1,
+                 scenes: Mapping[str, list[Scene]] | None = None) -> None:
         super().__init__()
         if mode not in ("grid", "random"):
             raise ConfigError(f"tiling.mode={mode!r}: use 'grid' (exact whole-image gradient) "
@@ -79,7 +83,7 @@ class TileDataModule(pl.LightningDataModule):
         self.ignore_index, self.nodata, self.seed = ignore_index, nodata, seed
         self.augment = augment
         self.mask_bands = mask_bands
-        self.scenes: dict[str, list[Scene]] = {}
+        self.scenes: dict[str, list[Scene]] = dict(scenes or {})
 
     def scenes_of(self, split: str) -> list[Scene]:
         """Validated scenes of a split (cached)."""
@@ -127,10 +131,13 @@ class TileDataModule(pl.LightningDataModule):
         return int(trainer.global_rank), int(trainer.world_size)
 
     def val_dataloader(self) -> DataLoader:
-        ds: Dataset = self._grid("val")
+        ds = self._grid("val")
         rank, world = self._rank_world()
-        if world > 1:  # every tile once over all ranks; metrics are synced at epoch end
-            ds = Subset(ds, shard_indices(len(ds), rank, world))
+        if world > 1:  # every tile once over all ranks, pad slots where a rank has fewer
+            return DataLoader(ShardedTiles(ds), batch_size=1,
+                              sampler=padded_slots(len(ds), rank, world),
+                              num_workers=self.num_workers,
+                              persistent_workers=self.num_workers > 0)
         return DataLoader(ds, batch_size=1, shuffle=False,
                           num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)

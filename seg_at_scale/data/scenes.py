@@ -22,7 +22,8 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Window
 
-__all__ = ["Scene", "find_scenes", "validate_scene", "class_histogram"]
+__all__ = ["Scene", "find_scenes", "validate_scene", "class_histogram", "check_mask_header",
+           "label_counts", "check_labels", "stream_rows"]
 
 IMAGE_SUFFIX, MASK_SUFFIX = "_image.tif", "_mask.tif"
 
@@ -64,13 +65,8 @@ def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> li
     return scenes
 
 
-def class_histogram(mask: RasterReader, num_classes: int, ignore_index: int,
-                    band_rows: int = 1024, mask_bands: int = 1) -> list[int]:
-    """Pixels per class over the whole mask, read in row bands; checks label values.
-
-    ``mask_bands > 1``: one label band per image plane (e.g. detector wire planes); the
-    histogram counts all bands.
-    """
+def check_mask_header(mask: RasterReader, mask_bands: int = 1) -> None:
+    """Refuse a mask with the wrong band count or float samples (from its header)."""
     if mask.bands != mask_bands:
         if mask_bands == 1:
             raise InputError(f"mask '{mask.path}' has {mask.bands} bands; masks are "
@@ -82,21 +78,74 @@ def class_histogram(mask: RasterReader, num_classes: int, ignore_index: int,
     if np.issubdtype(mask.dtype, np.floating):
         raise InputError(f"mask '{mask.path}' has float samples ({mask.dtype}); store class "
                          "ids as an integer type (uint8 for up to 255 classes)")
-    counts = np.zeros(max(num_classes, ignore_index + 1), np.int64)
-    for r0 in range(0, mask.height, band_rows):
-        h = min(band_rows, mask.height - r0)
-        labels = mask.read(Window(r0, 0, h, mask.width))
-        bad = (labels >= num_classes) & (labels != ignore_index)
-        if bad.any():
-            b, r, c = np.argwhere(bad)[0]
-            labels = labels[b]
-            raise InputError(
-                f"mask '{mask.path}' has label {int(labels[r, c])} at row {r0 + r}, col {c}, "
-                f"but data.num_classes={num_classes} (valid labels 0..{num_classes - 1}, "
-                f"{ignore_index} = ignore); fix the mask or raise data.num_classes")
-        counts += np.bincount(labels.ravel().astype(np.int64), minlength=counts.size)[
-            : counts.size]
-    return [int(v) for v in counts[:num_classes]]
+
+
+def stream_rows(reader: RasterReader, rows: int = 1024, budget: int = 1 << 29) -> int:
+    """Rows per band for a pass over a whole file: whole compressed strips if they fit.
+
+    A compressed strip is decoded whole by every band that touches it, so bands follow the
+    strips (up to ``budget`` bytes); tiles and memory-mapped strips take ``rows``.
+    """
+    if reader.layout.contiguous is not None:
+        return rows  # memory-mapped: any rows cost the same
+    seg_rows = reader.layout.seg[0]
+    if seg_rows <= rows:
+        return rows // seg_rows * seg_rows  # whole segments per band
+    row_bytes = reader.width * reader.bands * reader.dtype.itemsize
+    return seg_rows if seg_rows * row_bytes <= budget else rows
+
+
+def label_counts(mask: RasterReader, band_rows: int | None = None) -> dict[int, int]:
+    """Pixels per label value over all bands of a mask, read in row bands."""
+    step = band_rows or stream_rows(mask)
+    counts = np.zeros(0, np.int64)
+    for r0 in range(0, mask.height, step):
+        labels = mask.read(Window(r0, 0, min(step, mask.height - r0), mask.width))
+        if labels.size and labels.min() < 0:
+            raise InputError(f"mask '{mask.path}' has negative label {int(labels.min())}; "
+                             "labels are class ids >= 0")
+        more = np.bincount(labels.ravel().astype(np.int64))
+        if more.size > counts.size:
+            counts = np.pad(counts, (0, more.size - counts.size))
+        counts[: more.size] += more
+    return {int(v): int(n) for v, n in enumerate(counts) if n}
+
+
+def check_labels(mask: RasterReader, counts: dict[int, int], num_classes: int,
+                 ignore_index: int) -> list[int]:
+    """Pixels per class ``0..num_classes-1``; refuses labels outside them (not ignore)."""
+    bad = sorted(v for v in counts if v >= num_classes and v != ignore_index)
+    if bad:
+        value = bad[0]
+        r, c = _first_pixel(mask, value)
+        raise InputError(
+            f"mask '{mask.path}' has label {value} at row {r}, col {c}, but "
+            f"data.num_classes={num_classes} (valid labels 0..{num_classes - 1}, "
+            f"{ignore_index} = ignore; {counts[value]} pixels carry it); fix the mask or raise "
+            "data.num_classes")
+    return [counts.get(k, 0) for k in range(num_classes)]
+
+
+def _first_pixel(mask: RasterReader, value: int) -> tuple[int, int]:
+    """Row and column of the first pixel holding ``value`` (any band)."""
+    step = stream_rows(mask)
+    for r0 in range(0, mask.height, step):
+        hits = np.argwhere(mask.read(Window(r0, 0, min(step, mask.height - r0),
+                                            mask.width)) == value)
+        if hits.size:
+            return r0 + int(hits[0][1]), int(hits[0][2])
+    return -1, -1
+
+
+def class_histogram(mask: RasterReader, num_classes: int, ignore_index: int,
+                    band_rows: int | None = None, mask_bands: int = 1) -> list[int]:
+    """Pixels per class over the whole mask, read in row bands; checks label values.
+
+    ``mask_bands > 1``: one label band per image plane (e.g. detector wire planes); the
+    histogram counts all bands.
+    """
+    check_mask_header(mask, mask_bands)
+    return check_labels(mask, label_counts(mask, band_rows), num_classes, ignore_index)
 
 
 def validate_scene(scene: Scene, num_classes: int, ignore_index: int = 255,

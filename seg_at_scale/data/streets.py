@@ -15,7 +15,6 @@ their shape and position), trees, cars and thin poles. Deterministic from the se
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from seg_at_scale.data import manifest
 from seg_at_scale.errors import InputError
 from seg_at_scale.io import check_output_path, write_raster
 
@@ -209,21 +209,16 @@ def make_street_dataset(root: str | os.PathLike[str], splits: Mapping[str, int],
               "height": int(height), "width": int(width),
               "splits": {str(k): int(v) for k, v in splits.items()},
               "classes": list(STREET_CLASSES)}
-    manifest = root / "manifest.json"
-    if manifest.exists():
-        old = json.loads(manifest.read_text())
-        if old == params:
-            return root
-        if not overwrite:
-            key = next(k for k in params if old.get(k) != params[k])
-            raise InputError(f"'{root}' holds street scenes made with {key}={old.get(key)!r} "
-                             f"but {key}={params[key]!r} was asked; delete '{root}' or pass "
-                             "overwrite=True")
-    for split, count in params["splits"].items():  # type: ignore[union-attr]
+    counts: dict[str, int] = params["splits"]  # type: ignore[assignment]
+    files = [root / s / f"street_{k}_{kind}.tif" for s, n in counts.items()
+             for k in range(n) for kind in ("image", "mask")]
+    if manifest.reuse(root, "streets", params, overwrite=overwrite, files=files):
+        return root
+    for split, count in counts.items():
         for k in range(count):
             rgb, mask = render_street(height, width, _scene_seed(seed, split, k))
             write_street_scene(root / split, f"street_{k}", rgb, mask, overwrite=True)
-    manifest.write_text(json.dumps(params, indent=2) + "\n")
+    manifest.save(root, "streets", params, files)
     return root
 
 

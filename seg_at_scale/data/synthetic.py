@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from seg_at_scale.errors import ConfigError
 from seg_at_scale.tiling.geometry import Window
 
 __all__ = [
@@ -221,12 +222,12 @@ class SceneGenerator:
     def __init__(self, seed: int, height: int, width: int, *, bands: int = 4,
                  dtype: Any = np.uint8) -> None:
         if not 1 <= bands <= _COLOURS.shape[1]:
-            raise ValueError(f"bands={bands} is not supported; use 1 to {_COLOURS.shape[1]}")
+            raise ConfigError(f"bands={bands} is not supported; use 1 to {_COLOURS.shape[1]}")
         self.dtype = np.dtype(dtype)
         if self.dtype not in _DTYPE_SCALE:
-            raise ValueError(f"dtype={self.dtype} is not supported; use uint8, uint16 or float32")
+            raise ConfigError(f"dtype={self.dtype} is not supported; use uint8, uint16 or float32")
         if height < 1 or width < 1:
-            raise ValueError(f"scene size {height}x{width} must be positive")
+            raise ConfigError(f"scene size {height}x{width} must be positive")
         self.seed, self.height, self.width, self.bands = int(seed), height, width, bands
         self._key = int(_hash(self.seed, 0x5EED))
 

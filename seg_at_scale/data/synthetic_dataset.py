@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from seg_at_scale.data import manifest
 from seg_at_scale.data.synthetic import (
     CLASSES,
     GENERATOR_VERSION,
@@ -26,7 +27,7 @@ from seg_at_scale.data.synthetic import (
     SceneGenerator,
     _hash,  # the generator's coordinate hash also derives per-scene seeds
 )
-from seg_at_scale.errors import InputError
+from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import check_output_path, example_geotags, write_raster_bands
 from seg_at_scale.tiling.geometry import Window
 
@@ -68,7 +69,7 @@ def write_scene(image_path: str | os.PathLike[str], mask_path: str | os.PathLike
         OutputExistsError: an output exists and ``overwrite`` is false (nothing is written).
     """
     if band_rows < 1:
-        raise ValueError(f"band_rows={band_rows} must be >= 1")
+        raise ConfigError(f"band_rows={band_rows} must be >= 1")
     image_path = check_output_path(image_path, overwrite, key="image_path")
     mask_path = check_output_path(mask_path, overwrite, key="mask_path")
     windows = [Window(r, 0, min(band_rows, gen.height - r), gen.width)
@@ -161,7 +162,7 @@ def _plan(root: Path, splits: Mapping[str, int], height: int, width: int,
     """Describe the dataset ``make_dataset`` is asked for, before writing anything."""
     for name, count in splits.items():
         if not name or "/" in name or "\\" in name or count < 0:
-            raise ValueError(f"split {name!r}: {count} scenes; use a plain folder name and a "
+            raise ConfigError(f"split {name!r}: {count} scenes; use a plain folder name and a "
                              "count >= 0")
     params = {"generator_version": GENERATOR_VERSION, "seed": int(seed), "height": int(height),
               "width": int(width), "splits": {s: int(n) for s, n in splits.items()}}
@@ -197,10 +198,10 @@ def make_dataset(root: str | os.PathLike[str], *, splits: Mapping[str, int] = DE
         OutputExistsError: a scene file exists without a manifest and ``overwrite`` is false.
     """
     want = _plan(Path(root), splits, height, width, seed)
-    old = _existing(want, overwrite)
-    same = old is not None and old.parameters == want.parameters
-    if old is not None and not same and not overwrite:
-        raise InputError(_differs(want, old))
+    # the one rule (data/manifest.py); missing files of a matching dataset are made below
+    same = manifest.reuse(want.root, "synthetic", want.parameters, overwrite=overwrite,
+                          files=[])
+    old = None if same else _existing(want, overwrite=True)  # its stale files go below
     written = 0
     for split, pairs in want.files.items():
         for k, pair in enumerate(pairs):
@@ -229,12 +230,3 @@ def _existing(want: DatasetManifest, overwrite: bool) -> DatasetManifest | None:
         if overwrite:
             return None
         raise
-
-
-def _differs(want: DatasetManifest, old: DatasetManifest) -> str:
-    """Name the first differing parameter, both values and the fix."""
-    key = next(k for k in sorted(set(want.parameters) | set(old.parameters))
-               if want.parameters.get(k) != old.parameters.get(k))
-    return (f"'{want.root}' holds a synthetic dataset made with {key}="
-            f"{old.parameters.get(key)!r} but {key}={want.parameters.get(key)!r} was asked; "
-            f"delete '{want.root}' or pass overwrite=True to regenerate it")

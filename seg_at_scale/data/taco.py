@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from pycocotools import mask as coco_mask
 
+from seg_at_scale.data import manifest
 from seg_at_scale.data.streets import fit_scene, read_rgb, write_street_scene
 from seg_at_scale.errors import ConfigError, InputError
 
@@ -100,7 +101,8 @@ def rasterise(index: TacoIndex, image: dict[str, Any]) -> np.ndarray:
 
 def convert_taco(source: str | os.PathLike[str], root: str | os.PathLike[str],
                  splits: Mapping[str, int], *, classes: str = "category", seed: int = 0,
-                 height: int | None = None, width: int | None = None) -> Path:
+                 height: int | None = None, width: int | None = None,
+                 overwrite: bool = False) -> Path:
     """Write TACO scenes under ``root`` (reused when ``root/manifest.json`` matches).
 
     Args:
@@ -111,14 +113,14 @@ def convert_taco(source: str | os.PathLike[str], root: str | os.PathLike[str],
         seed: shuffle seed.
         height: scale images down (aspect kept) to fit this height; None keeps them.
         width: and this width.
+        overwrite: rebuild a folder converted with other parameters (else refused).
     """
     root = Path(root)
     index = load_taco(source, classes)
     params = {"dataset": "taco", "source": str(Path(source).resolve()), "classes": classes,
               "seed": int(seed), "splits": {k: int(v) for k, v in splits.items()},
               "height": height, "width": width, "class_names": list(index.class_names)}
-    manifest = root / "manifest.json"
-    if manifest.exists() and json.loads(manifest.read_text()) == params:
+    if manifest.reuse(root, "taco", params, overwrite=overwrite):
         return root
     need = sum(params["splits"].values())  # type: ignore[union-attr]
     if need > len(index.images):
@@ -135,7 +137,7 @@ def convert_taco(source: str | os.PathLike[str], root: str | os.PathLike[str],
             name = f"taco_{int(info['id']):06d}"
             write_street_scene(root / split, name, rgb, mask, overwrite=True)
         start += count
-    manifest.write_text(json.dumps(params, indent=2) + "\n")
+    manifest.save(root, "taco", params)
     return root
 
 

@@ -6,19 +6,20 @@ ignore index), so the loss is computed on core pixels only. ``norm`` is the loss
 normaliser: for whole-image grid training it is the *whole image's* pixel weight, so the
 tile gradients of one image add up to the whole-image gradient (DESIGN.md point 2).
 
-Samplers are separate from datasets (as in torchgeo): :class:`GridTiles` enumerates every
-tile of every scene, and :class:`ImageGroupedSampler` keeps one image's tiles together
-(shuffling images, not tiles) so the optimiser can step once per image.
+Samplers are separate from datasets (as in torchgeo) and live in
+:mod:`seg_at_scale.data.samplers`: :class:`GridTiles` enumerates every tile of every scene,
+and the samplers keep one image's tiles together (shuffling images, not tiles) so the
+optimiser can step once per image.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.scenes import Scene
@@ -28,8 +29,7 @@ from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Footprint, Tile, make_grid, random_core
 from seg_at_scale.tiling.geometry import fill_of
 
-__all__ = ["GridTiles", "RandomTiles", "EpochSampler", "ImageGroupedSampler", "TileSample",
-           "pad_collate"]
+__all__ = ["GridTiles", "RandomTiles", "TileSample", "pad_collate"]
 
 TileSample = dict[str, Any]
 Transform = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
@@ -170,48 +170,6 @@ class RandomTiles(_SceneTiles):
         norm = (w * (t != self.ignore_index)).sum().double()
         return {"image": torch.from_numpy(x), "target": t, "norm": norm,
                 "last": torch.tensor(True), "scene": k}
-
-
-class EpochSampler(Sampler[int]):
-    """Indices ``epoch * n ... epoch * n + n - 1`` (Lightning calls ``set_epoch``).
-
-    With ``world > 1`` ranks, rank ``r`` takes every ``world``-th of them from ``r``: the
-    ranks together draw the same tiles as one process would.
-    """
-
-    def __init__(self, n: int, rank: int = 0, world: int = 1) -> None:
-        self.n, self.epoch, self.rank, self.world = n, 0, rank, world
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.epoch * self.n + self.rank, (self.epoch + 1) * self.n,
-                          self.world))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.n, self.world))
-
-
-class ImageGroupedSampler(Sampler[int]):
-    """Shuffle images, keep each image's tiles together and in order."""
-
-    def __init__(self, groups: Sequence[Sequence[int]], shuffle: bool = True,
-                 seed: int = 0) -> None:
-        self.groups, self.shuffle, self.seed, self.epoch = groups, shuffle, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        order = np.arange(len(self.groups))
-        if self.shuffle:
-            order = np.random.default_rng((self.seed, self.epoch)).permutation(order)
-        for g in order:
-            yield from self.groups[g]
-
-    def __len__(self) -> int:
-        return sum(len(g) for g in self.groups)
 
 
 def pad_collate(samples: list[TileSample], ignore_index: int = 255) -> TileSample:

@@ -4,7 +4,13 @@
 bytes with one seek + read each and hands them to ``tifffile``'s per-page segment decoder,
 so every compression, predictor and layout ``tifffile`` understands works, and nothing
 else is read. (We do not go through the zarr store: zarr 3 runs an asyncio thread, which
-does not survive ``os.fork`` in data-loader workers.)
+does not survive ``os.fork`` in data-loader workers.) Uncompressed striped files are
+memory-mapped instead, so a window of a single-strip file reads its own rows only; a
+compressed file whose segments are far larger than the windows read from it is decoded
+whole, segment by segment, again and again: it gets one warning saying how to convert it.
+
+GDAL's internal mask (the per-dataset mask IFD of COGs and JPEG files) is read like the
+image: :meth:`RasterReader.read_mask`.
 
 >>> with RasterReader("scene.tif") as r:  # doctest: +SKIP
 ...     patch = r.read(Window(-92, -92, 572, 572), fill="reflect")  # [C, 572, 572]
@@ -14,6 +20,7 @@ The writers live in :mod:`seg_at_scale.io.writer` and are re-exported here.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -24,6 +31,7 @@ import tifffile
 
 from seg_at_scale.errors import InputError
 from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags
+from seg_at_scale.io.segments import PageLayout, mask_page
 from seg_at_scale.io.writer import check_output_path, write_raster, write_raster_bands
 from seg_at_scale.tiling.geometry import Fill, Window, source_indices
 
@@ -35,6 +43,13 @@ __all__ = [
     "check_output_path",
 ]
 
+
+log = logging.getLogger(__name__)
+
+# A compressed read that decodes this many times the window's pixels (and at least
+# WASTE_MIN_PIXELS) means the file's segments are far larger than the windows read.
+WASTE_RATIO, WASTE_MIN_PIXELS = 16, 1 << 22
+_warned: set[Path] = set()  # files warned about (once per process)
 
 
 def _open_binary(path: Path) -> BinaryIO:
@@ -48,10 +63,11 @@ def _cannot_read(path: Path, reason: object) -> InputError:
 
 
 class RasterReader:
-    """Windowed reader of a TIFF / BigTIFF / GeoTIFF (page 0 only).
+    """Windowed reader of a TIFF / BigTIFF / GeoTIFF (page 0 only, plus GDAL's mask).
 
     Tiled or striped, any compression ``tifffile`` decodes, 1..N bands interleaved (YXS)
-    or planar (SYX), any dtype. A window is decoded from the segments it touches only.
+    or planar (SYX), any dtype. A window is decoded from the segments it touches only, or
+    indexed from a memory map for uncompressed striped files.
 
     Picklable and fork-safe: pickling keeps only ``path`` and ``nodata``; the file is
     reopened in the new process, and also after ``os.fork`` (the pid is checked on read).
@@ -65,7 +81,9 @@ class RasterReader:
         dtype: sample dtype as stored.
         nodata: the ``nodata`` argument, else the GDAL_NODATA tag, else None.
         geotags: GeoTIFF tags of page 0 (empty if it has none).
-        bytes_read: bytes of tile / strip data read so far (for I/O accounting).
+        has_mask: the file has a GDAL internal mask (:meth:`read_mask`).
+        layout: where page 0's pixels are (segment shape, compression, memory-mappable).
+        bytes_read: bytes of tile / strip data read (or copied from the map) so far.
 
     """
 
@@ -76,6 +94,8 @@ class RasterReader:
     dtype: np.dtype
     nodata: float | None
     geotags: GeoTags
+    has_mask: bool
+    layout: PageLayout
     bytes_read: int
 
     def __init__(self, path: str | os.PathLike[str], *, nodata: float | None = None) -> None:
@@ -83,6 +103,7 @@ class RasterReader:
         self._nodata_arg = nodata
         self._fh: BinaryIO | None = None
         self._tif: tifffile.TiffFile | None = None
+        self._maps: dict[bool, np.memmap] = {}  # image / mask, mapped lazily
         self._pid = -1
         self._lock = threading.Lock()
         self.bytes_read = 0
@@ -104,11 +125,7 @@ class RasterReader:
         self.geotags = GeoTags.from_page(page)
         nodata = self._nodata_arg
         self.nodata = nodata if nodata is not None else self._nodata_tag(page)
-        self._planar = self.bands > 1 and int(page.planarconfig) == 2
-        if page.is_tiled:
-            self._seg = (int(page.tilelength), int(page.tilewidth))
-        else:
-            self._seg = (min(int(page.rowsperstrip) or self.height, self.height), self.width)
+        self.has_mask = self._mask is not None
         self._check_layout(page)
 
     # -- opening -----------------------------------------------------------------------
@@ -122,14 +139,15 @@ class RasterReader:
             page = self._tif.pages.first
             if not isinstance(page, tifffile.TiffPage):
                 raise ValueError("page 0 is not an image page")
+            # cache what reading needs, so no tifffile call touches the file after this
+            self.layout = PageLayout.of(page, self._tif.byteorder)
+            self._decode, self._jpegtables = page.decode, page.jpegtables
+            mask = mask_page(self._tif, self.layout.height, self.layout.width)
+            self._mask = None if mask is None else (PageLayout.of(mask, self._tif.byteorder),
+                                                   mask.decode, mask.jpegtables)
         except (OSError, ValueError, tifffile.TiffFileError, IndexError, KeyError) as exc:
             self._close_handles()
             raise _cannot_read(self.path, exc) from exc
-        # cache what reading needs, so no tifffile call touches the file after this
-        self._offsets = tuple(int(o) for o in page.dataoffsets)
-        self._counts = tuple(int(n) for n in page.databytecounts)
-        self._decode = page.decode
-        self._jpegtables = page.jpegtables
         self._pid = os.getpid()
         self._lock = threading.Lock()
         return page
@@ -149,7 +167,9 @@ class RasterReader:
         """Refuse volumes and truncated files up front, with a clear message."""
         if int(page.imagedepth) != 1:
             raise _cannot_read(self.path, f"it is a 3-D volume (depth {page.imagedepth})")
-        ends = [o + n for o, n in zip(self._offsets, self._counts, strict=True) if o and n]
+        layouts = [self.layout] + ([self._mask[0]] if self._mask else [])
+        ends = [o + n for lay in layouts
+                for o, n in zip(lay.offsets, lay.counts, strict=True) if o and n]
         size = self.path.stat().st_size
         if ends and max(ends) > size:
             raise InputError(f"'{self.path}' is truncated: its data ends at byte {max(ends)} "
@@ -160,6 +180,7 @@ class RasterReader:
         if self._tif is None or self._pid != os.getpid():
             # after a fork the handles share the parent's file offset: drop, never seek them
             self._fh = self._tif = None
+            self._maps = {}
             self._open()
 
     def _close_handles(self) -> None:
@@ -168,12 +189,14 @@ class RasterReader:
         if self._fh is not None:
             self._fh.close()
         self._tif = self._fh = None
+        self._maps = {}
 
     def close(self) -> None:
         """Close the file (it is reopened if the reader is used again)."""
         if self._pid == os.getpid():
             self._close_handles()
         self._tif = self._fh = None
+        self._maps = {}
 
     def __enter__(self) -> RasterReader:
         return self
@@ -222,52 +245,83 @@ class RasterReader:
                 segment cannot be decoded.
 
         """
+        return self._read_window(window, fill, mask=False)
+
+    def read_mask(self, window: Window, *, fill: Fill | None = None) -> np.ndarray | None:
+        """GDAL's internal mask over a window: ``[h, w]`` bool, False where no-data.
+
+        Pixels where the mask is 0 are no-data, like pixels equal to :attr:`nodata`.
+        Outside the image ``fill="reflect"`` mirrors the mask like the image, and
+        ``"constant"`` (zero padding, not no-data) gives True.
+
+        Returns:
+            The mask, or None when the file has none (:attr:`has_mask`).
+        """
+        if self._mask is None:
+            return None
+        return self._read_window(window, fill, mask=True)[0] != 0
+
+    def _read_window(self, window: Window, fill: Fill | None, mask: bool) -> np.ndarray:
         if window.height < 1 or window.width < 1:
             raise InputError(f"cannot read {window} from '{self.path}': the window is empty")
         inside = (window.row >= 0 and window.col >= 0 and window.row_end <= self.height
                   and window.col_end <= self.width)
         if inside:
-            return self._read_box(window.row, window.row_end, window.col, window.col_end)
+            return self._read_box(window.row, window.row_end, window.col, window.col_end, mask)
         if fill not in ("reflect", "constant"):
             raise InputError(
                 f"{window} reaches outside '{self.path}' ({self.height}x{self.width} pixels); "
                 "read inside the image or pass fill='reflect' or fill='constant'")
         rows = source_indices(window.row, window.height, self.height, fill)
         cols = source_indices(window.col, window.width, self.width, fill)
-        out = np.zeros((self.bands, window.height, window.width), self.dtype)
+        bands, dtype = (1, np.dtype(np.uint8)) if mask else (self.bands, self.dtype)
+        out = np.full((bands, window.height, window.width), 1 if mask else 0, dtype)
         vr, vc = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)
         if vr.size == 0 or vc.size == 0:
             return out  # entirely outside, constant fill
         r0, r1 = int(rows[vr].min()), int(rows[vr].max()) + 1
         c0, c1 = int(cols[vc].min()), int(cols[vc].max()) + 1
-        box = self._read_box(r0, r1, c0, c1)
+        box = self._read_box(r0, r1, c0, c1, mask)
         out[:, vr[:, None], vc[None, :]] = box[:, (rows[vr] - r0)[:, None], (cols[vc] - c0)[None]]
         return out
 
-    def _segments(self, r0: int, r1: int, c0: int, c1: int) -> list[int]:
-        """List the indices (into offsets/bytecounts) of the segments overlapping the box."""
-        sh, sw = self._seg
-        n_r, n_c = -(-self.height // sh), -(-self.width // sw)
-        planes = range(self.bands) if self._planar else range(1)
-        return [p * n_r * n_c + i * n_c + j for p in planes
-                for i in range(r0 // sh, (r1 - 1) // sh + 1)
-                for j in range(c0 // sw, (c1 - 1) // sw + 1)]
-
-    def _read_box(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
-        """``[C, r1-r0, c1-c0]`` for a box inside the image, decoded segment by segment."""
+    def _read_box(self, r0: int, r1: int, c0: int, c1: int, mask: bool = False) -> np.ndarray:
+        """``[C, r1-r0, c1-c0]`` for a box inside the image (``mask``: the mask's box)."""
         self._ensure_open()
-        out = np.zeros((self.bands, r1 - r0, c1 - c0), self.dtype)
-        index = sorted(self._segments(r0, r1, c0, c1), key=lambda k: self._offsets[k])
+        if mask:
+            assert self._mask is not None
+            layout, decode, tables = self._mask
+        else:
+            layout, decode, tables = self.layout, self._decode, self._jpegtables
         try:
-            for k in index:
-                data = self._read_bytes(self._offsets[k], self._counts[k])
-                seg, (plane, _, y, x, _), _ = self._decode(data, k, jpegtables=self._jpegtables)
-                if seg is not None:
-                    self._place(out, seg, plane, y, x, r0, c0)
+            if layout.contiguous is not None:
+                if mask not in self._maps:
+                    self._maps[mask] = layout.memmap(self.path)
+                out = layout.map_box(self._maps[mask], r0, r1, c0, c1)
+                with self._lock:
+                    self.bytes_read += out.nbytes
+                return out
+            self._warn_if_wasteful(layout, r0, r1, c0, c1)
+            return layout.decode_box(self._read_bytes, decode, tables, r0, r1, c0, c1)
         except (ValueError, RuntimeError, OSError, tifffile.TiffFileError) as exc:
             raise InputError(f"cannot decode rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
                              f"{exc}. Re-copy or re-generate the file.") from exc
-        return out
+
+    def _warn_if_wasteful(self, layout: PageLayout, r0: int, r1: int, c0: int, c1: int) -> None:
+        """One warning per file when a window decodes far more pixels than it holds."""
+        decoded = layout.decoded_pixels(r0, r1, c0, c1)
+        if (self.path in _warned or not layout.compressed or decoded < WASTE_MIN_PIXELS
+                or decoded < WASTE_RATIO * (r1 - r0) * (c1 - c0)):
+            return
+        _warned.add(self.path)
+        kind = "tiles" if layout.tiled else "strips"
+        log.warning(
+            "'%s' stores %s %s of %dx%d pixels: reading a %dx%d window decodes %.0fx its "
+            "pixels, for every window. Convert it once to a tiled file, e.g. `gdal_translate "
+            "-co TILED=YES -co BLOCKXSIZE=512 -co BLOCKYSIZE=512 -co COMPRESS=DEFLATE in.tif "
+            "out.tif` (or store it uncompressed: striped raw files are memory-mapped)",
+            self.path, layout.compression.lower(), kind, *layout.seg, r1 - r0, c1 - c0,
+            decoded / ((r1 - r0) * (c1 - c0)))
 
     def _read_bytes(self, offset: int, count: int) -> bytes | None:
         if not offset or not count:
@@ -280,18 +334,6 @@ class RasterReader:
         if len(data) != count:
             raise OSError(f"short read at byte {offset}: {len(data)} of {count} bytes")
         return data
-
-    def _place(self, out: np.ndarray, seg: np.ndarray, plane: int, y: int, x: int,
-               r0: int, c0: int) -> None:
-        """Copy the overlap of a decoded segment ``[1, h, w, S]`` into ``out[C, h, w]``."""
-        seg = seg[0]
-        ys, ye = max(y, r0), min(y + seg.shape[0], r0 + out.shape[1])
-        xs, xe = max(x, c0), min(x + seg.shape[1], c0 + out.shape[2])
-        if ye <= ys or xe <= xs:
-            return
-        part = seg[ys - y:ye - y, xs - x:xe - x]  # [h, w, S]
-        target = out[plane:plane + 1] if self._planar else out
-        target[:, ys - r0:ye - r0, xs - c0:xe - c0] = np.moveaxis(part, -1, 0)
 
 
 def read_raster(path: str | os.PathLike[str], *, nodata: float | None = None) -> np.ndarray:

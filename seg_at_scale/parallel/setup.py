@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from seg_at_scale.parallel.planner import balance_by, plan
 from seg_at_scale.parallel.profile import profile_layers
 
 __all__ = ["resolve_pipeline", "setup_pipeline", "pipeline_strategy", "default_devices",
-           "MODES"]
+           "MODES", "PipelineGroup", "pipeline_group"]
 
 log = logging.getLogger(__name__)
 MODES = ("none", "manual", "auto")
@@ -36,19 +37,66 @@ def default_devices(stages: int) -> list[str]:
     return ["cpu"] * stages
 
 
-def resolve_pipeline(p: Mapping[str, Any], model: nn.Module, tile_shape: Sequence[int],
-                     batch_size: int) -> PipelineConfig | None:
+@dataclass(frozen=True)
+class PipelineGroup:
+    """The ``pipeline`` config group, validated (as :class:`~seg_at_scale.memory.MemoryConfig`).
+
+    The values come from ``conf/pipeline/*.yaml`` alone: a key a mode needs and the group
+    does not give is refused naming it, never filled from a default written here too.
+    ``None`` means "not given" (``devices``: one per stage, ``chunks`` under ``plan``: the
+    planner's choice).
+    """
+
+    mode: str
+    balance: tuple[int, ...] | None = None
+    devices: tuple[str, ...] | None = None
+    chunks: int | None = None
+    checkpoint: str | None = None
+    stages: int | None = None
+    balance_by: str | None = None
+    memory_cap_gb: float | None = None
+    repeats: int | None = None
+
+    def need(self, key: str) -> Any:
+        """The value of ``key``, refused with the key named when the group lacks it."""
+        value = getattr(self, key)
+        if value is None:
+            raise ConfigError(f"pipeline={self.mode} needs pipeline.{key} (see "
+                              f"conf/pipeline/{self.mode}.yaml)")
+        return value
+
+
+def pipeline_group(p: Mapping[str, Any] | PipelineGroup) -> PipelineGroup:
+    """Validate the ``pipeline`` group once: unknown keys and modes refused with the key."""
+    if isinstance(p, PipelineGroup):
+        return p
+    known = {f.name for f in fields(PipelineGroup)}
+    unknown = sorted(set(p) - known)
+    if unknown:
+        raise ConfigError(f"pipeline.{unknown[0]} is not a pipeline key: use one of "
+                          f"{', '.join(sorted(known))}")
+    mode = str(p.get("mode"))
+    if mode not in MODES:
+        raise ConfigError(f"pipeline.mode={mode!r}: use one of {list(MODES)}")
+    v = dict(p)
+    for key in ("balance", "devices"):
+        if v.get(key) is not None:
+            v[key] = tuple(v[key])
+    return PipelineGroup(**v)
+
+
+def resolve_pipeline(p: Mapping[str, Any] | PipelineGroup, model: nn.Module,
+                     tile_shape: Sequence[int], batch_size: int) -> PipelineConfig | None:
     """The Pipe configuration the ``pipeline`` group asks for (None for ``none``).
 
     Args:
-        p: the ``pipeline`` config (``mode`` and its keys).
+        p: the ``pipeline`` group (validated by :func:`pipeline_group` if a mapping).
         model: the network (offers ``pipeline_layers()``).
         tile_shape: ``[C, h, w]`` of one training tile (profiled by ``auto``).
         batch_size: samples per step (micro-batches split it).
     """
-    mode = str(p.get("mode", "none"))
-    if mode not in MODES:
-        raise ConfigError(f"pipeline.mode={mode!r}: use one of {list(MODES)}")
+    g = pipeline_group(p)
+    mode = g.mode
     if mode == "none":
         return None
     if not hasattr(model, "pipeline_layers"):
@@ -56,29 +104,28 @@ def resolve_pipeline(p: Mapping[str, Any], model: nn.Module, tile_shape: Sequenc
                           "(pipeline_layers); use pipeline=none")
     n_layers = len(model.pipeline_layers())
     if mode == "manual":
-        if p.get("balance") is None:
+        if g.balance is None:
             raise ConfigError(f"pipeline=manual needs pipeline.balance (layers per stage, "
                               f"summing to {n_layers}); or use pipeline=auto")
-        balance = [int(b) for b in p["balance"]]
-        devices = list(p.get("devices") or default_devices(len(balance)))
-        cfg = PipelineConfig(balance, devices, int(p.get("chunks", 1)),
-                             str(p.get("checkpoint", "except_last")), {"mode": "manual"})
+        balance = [int(b) for b in g.balance]
+        devices = list(g.devices or default_devices(len(balance)))
+        cfg = PipelineConfig(balance, devices, int(g.need("chunks")), str(g.need("checkpoint")),
+                             {"mode": "manual"})
         cfg.validate(n_layers, batch_size)
         return cfg
-    stages = int(p.get("stages", 2))
-    devices = list(p.get("devices") or default_devices(stages))
+    stages = int(g.need("stages"))
+    devices = list(g.devices or default_devices(stages))
     if len(devices) < stages:
         raise ConfigError(f"pipeline.stages={stages} but pipeline.devices={devices}; list one "
                           "device per stage")
     check_devices(devices)
-    by = str(p.get("balance_by", "time"))
+    by = str(g.need("balance_by"))
     sample = torch.randn(1, *tile_shape, device=torch.device(devices[0]))
     model.to(sample.device)
-    costs = profile_layers(model.pipeline_layers(), sample, repeats=int(p.get("repeats", 2)))
+    costs = profile_layers(model.pipeline_layers(), sample, repeats=int(g.need("repeats")))
     if by == "plan":
-        best = plan(costs, devices[:stages], batch_size,
-                    memory_cap_gb=p.get("memory_cap_gb"),
-                    chunks=[int(p["chunks"])] if p.get("chunks") else None)
+        best = plan(costs, devices[:stages], batch_size, memory_cap_gb=g.memory_cap_gb,
+                    chunks=[int(g.chunks)] if g.chunks else None)
         log.info("pipeline plan:\n%s", best.table())
         cfg = PipelineConfig(best.balance, best.devices, best.chunks, best.checkpoint,
                              {"mode": "auto", "balance_by": "plan",
@@ -86,9 +133,8 @@ def resolve_pipeline(p: Mapping[str, Any], model: nn.Module, tile_shape: Sequenc
                               "predicted_peak_gb": round(best.peak_bytes / 2**30, 3)})
     else:
         balance = balance_by(costs, stages, by)
-        cfg = PipelineConfig(balance, devices[:stages], int(p.get("chunks", 1)),
-                             str(p.get("checkpoint", "except_last")),
-                             {"mode": "auto", "balance_by": by})
+        cfg = PipelineConfig(balance, devices[:stages], int(g.need("chunks")),
+                             str(g.need("checkpoint")), {"mode": "auto", "balance_by": by})
     cfg.validate(n_layers, batch_size)
     return cfg
 

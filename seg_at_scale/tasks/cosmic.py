@@ -218,6 +218,8 @@ class CosmicTask(SegmentationTask):
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self.skip_pad(batch):
+            return
         logits = self(batch["image"])
         loss_sum, weight = self.loss(logits, batch["target"])
         norm = batch["norm"].sum() if "core" in batch else weight

@@ -252,6 +252,8 @@ class GSCNNTask(SegmentationTask):
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self.skip_pad(batch):
+            return
         seg, edge = self.forward_dual(batch["image"])
         target = batch["target"].to(seg.device)
         terms = self.loss.terms(seg, edge, target)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassJaccardIndex
 
+from seg_at_scale.data.samplers import is_pad
 from seg_at_scale.parallel.strategy import all_reduce_gradients, world_size
 from seg_at_scale.tasks.losses import CrossEntropy
 
@@ -108,7 +109,7 @@ class SegmentationTask(pl.LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = torch.zeros((), dtype=torch.float64)
-        if not ("pad" in batch and bool(batch["pad"].all())):  # pad: a rank's empty slot
+        if not is_pad(batch):  # pad: a rank's empty slot
             loss = self.tile_loss(batch)
             self.manual_backward(loss)
         self._image_loss = getattr(self, "_image_loss", 0.0) + float(loss.detach())
@@ -136,7 +137,20 @@ class SegmentationTask(pl.LightningModule):
 
     # ----- validation ------------------------------------------------------------------
 
+    def skip_pad(self, batch: dict[str, Tensor]) -> bool:
+        """True for a pad slot (a rank with fewer validation tiles than the others).
+
+        It logs a zero ``val/loss``, so every rank holds the same keys at the epoch-end sync.
+        """
+        if not is_pad(batch):
+            return False
+        self.log("val/loss", torch.zeros((), device=self.device), reduce_fx="sum",
+                 on_epoch=True, batch_size=1, sync_dist=True)
+        return True
+
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        if self.skip_pad(batch):
+            return
         logits = self(batch["image"])
         batch["target"] = batch["target"].to(logits.device)
         loss_sum, _ = self.loss(logits, batch["target"])

@@ -1,4 +1,10 @@
-"""Sample parallelism: the tiles of each image spread over the ranks.
+"""Every sampler of tiles: random-tile epochs, whole images, and images shared by ranks.
+
+Samplers yield indices (or slots) into the tile datasets of :mod:`seg_at_scale.data.tiles`;
+they never read pixels. One process is the one-rank case of the sharded sampler
+(:class:`ImageGroupedSampler`).
+
+Sample parallelism: the tiles of each image spread over the ranks.
 
 Every rank walks the same images in the same (seeded, per-epoch) order and takes the
 tiles ``rank, rank + world, ...`` of each image's grid (round-robin). Ranks must take part
@@ -21,7 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-__all__ = ["ShardedImageSampler", "ShardedTiles", "shard_indices"]
+__all__ = ["EpochSampler", "ImageGroupedSampler", "ShardedImageSampler", "ShardedTiles",
+           "shard_indices", "padded_slots", "is_pad"]
 
 PAD = -1
 
@@ -64,6 +71,50 @@ class ShardedImageSampler(Sampler[tuple[int, bool]]):
         return sum(-(-len(g) // self.world) for g in self.groups)
 
 
+class ImageGroupedSampler(Sampler[int]):
+    """One process's walk over whole images: shuffle images, keep each image's tiles in order.
+
+    The one-rank case of :class:`ShardedImageSampler` (one rule for the image order).
+
+    >>> list(ImageGroupedSampler([[0, 1], [2, 3, 4]], shuffle=False))
+    [0, 1, 2, 3, 4]
+    """
+
+    def __init__(self, groups: Sequence[Sequence[int]], shuffle: bool = True,
+                 seed: int = 0) -> None:
+        self.sharded = ShardedImageSampler(groups, 0, 1, shuffle=shuffle, seed=seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sharded.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i, _ in self.sharded)
+
+    def __len__(self) -> int:
+        return len(self.sharded)
+
+
+class EpochSampler(Sampler[int]):
+    """Indices ``epoch * n ... epoch * n + n - 1`` (Lightning calls ``set_epoch``).
+
+    With ``world > 1`` ranks, rank ``r`` takes every ``world``-th of them from ``r``: the
+    ranks together draw the same tiles as one process would.
+    """
+
+    def __init__(self, n: int, rank: int = 0, world: int = 1) -> None:
+        self.n, self.epoch, self.rank, self.world = n, 0, rank, world
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.epoch * self.n + self.rank, (self.epoch + 1) * self.n,
+                          self.world))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.world))
+
+
 class ShardedTiles(Dataset):
     """A grid dataset indexed by ``(index, last)`` slots; ``index = -1`` is a pad slot."""
 
@@ -85,5 +136,26 @@ class ShardedTiles(Dataset):
 
 
 def shard_indices(n: int, rank: int, world: int) -> list[int]:
-    """Round-robin share of ``range(n)`` (validation tiles, random-tile epochs)."""
+    """Round-robin share of ``range(n)`` (random-tile epochs)."""
     return list(range(rank, n, world))
+
+
+def padded_slots(n: int, rank: int, world: int) -> list[tuple[int, bool]]:
+    """This rank's ``(index, last)`` slots of ``range(n)``, padded to every rank's count.
+
+    Validation walks every tile once over all ranks; a rank with fewer tiles (``n`` not a
+    multiple of ``world``, or fewer tiles than ranks) gets pad slots, so every rank runs
+    the same number of steps and reaches the epoch-end metric sync (a rank without a single
+    batch would have no loop at all: "DataLoader within local rank has zero length").
+
+    >>> padded_slots(3, rank=1, world=4), padded_slots(3, rank=3, world=4)
+    ([(1, True)], [(-1, True)])
+    """
+    return ShardedImageSampler([list(range(n))], rank, world, shuffle=False).slots(
+        list(range(n)))
+
+
+def is_pad(batch: dict[str, Any]) -> bool:
+    """True for a batch of pad slots only (no tile: nothing to compute)."""
+    pad = batch.get("pad")
+    return pad is not None and bool(pad.all())

@@ -1,0 +1,142 @@
+"""The training entry point's data side: scenes made, checked and normalised before work.
+
+In order: the synthetic scenes are written if the data config asks for them, the
+``data`` and ``tiling`` groups are validated (:mod:`seg_at_scale.data.config`), every
+split's files pass the preflight (:mod:`seg_at_scale.data.preflight`), ``auto``
+normalisation is worked out from the training split (:mod:`seg_at_scale.data.band_stats`)
+and every grid the run will walk is checked against its scenes. Only then is the
+DataModule built, from the scenes the preflight validated.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+from hydra.utils import get_method
+from omegaconf import DictConfig, OmegaConf
+
+from seg_at_scale.cli.runs import RunFolder
+from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_sums
+from seg_at_scale.data.config import AUTO, DataConfig, TilingConfig, data_config, tiling_config
+from seg_at_scale.data.datamodule import TileDataModule
+from seg_at_scale.data.preflight import CACHE_NAME, FactCache, PreflightReport, preflight
+from seg_at_scale.errors import ConfigError
+from seg_at_scale.io import RasterReader
+from seg_at_scale.tiling import Footprint, make_grid
+from seg_at_scale.tiling.geometry import TilingError
+
+__all__ = ["checked_groups", "make_synthetic", "run_preflight", "resolve_normalization",
+           "build_data", "check_grids"]
+
+log = logging.getLogger("seg_at_scale.train")
+DEFAULT_GENERATOR = "seg_at_scale.data.synthetic_dataset.make_dataset"
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    out = OmegaConf.to_container(node, resolve=True)
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def checked_groups(cfg: DictConfig) -> tuple[DataConfig, TilingConfig]:
+    """The ``data`` and ``tiling`` groups, validated (key, value and fix on a bad one)."""
+    return data_config(_plain(cfg.data)), tiling_config(_plain(cfg.tiling))
+
+
+def make_synthetic(data: DataConfig) -> None:
+    """Write the synthetic scenes when ``data.synthetic.enabled`` (reused once written)."""
+    syn = data.synthetic or {}
+    if not syn.get("enabled"):
+        return
+    # data.synthetic.generator: a function (root, splits, height, width, seed) writing
+    # <root>/<split>/<name>_image.tif + _mask.tif; the satellite scenes by default.
+    maker = get_method(syn.get("generator") or DEFAULT_GENERATOR)
+    root = Path(data.root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    # parallel trials and DDP ranks start together: the first generates, the others wait
+    with FileLock(root.parent / f".{root.name}.lock"):
+        # data.synthetic.options: extra keyword arguments of that generator (optional)
+        maker(data.root, splits=dict(syn["splits"]), height=syn["height"], width=syn["width"],
+              seed=syn["seed"], **dict(syn.get("options") or {}))
+
+
+def run_preflight(data: DataConfig, run: RunFolder, predict_after_fit: bool) -> PreflightReport:
+    """Every split the run reads, checked from headers and (cached) pixel passes."""
+    splits = ["train", "val"] + (["test"] if predict_after_fit else [])
+    # a scale the user gave is checked against the dtype; one the run worked out is not
+    fixed = data.scale if "data.scale" not in run.filled and data.scale != AUTO else None
+    return preflight(data.root, splits, bands=data.bands, num_classes=data.num_classes,
+                     ignore_index=data.ignore_index, mask_bands=data.mask_bands,
+                     nodata=data.nodata, scale=fixed, cache=Path(data.root) / CACHE_NAME)
+
+
+def resolve_normalization(cfg: DictConfig, run: RunFolder, report: PreflightReport,
+                          computed: dict[str, Any]) -> None:
+    """``data.scale`` / ``mean`` / ``std`` = ``auto``: worked out once, saved in the run."""
+    d = cfg.data
+    if AUTO not in (d.scale, d.mean, d.std):
+        return
+
+    @functools.cache
+    def numbers() -> dict[str, Any]:
+        cache = FactCache(Path(d.root) / CACHE_NAME)
+        total: BandSums | None = None
+        for scene in report.scenes["train"]:
+            with RasterReader(scene.image, nodata=d.nodata) as r:
+                part = BandSums.from_json(cache.facts(scene.image, f"sample:{d.nodata}",
+                                                      lambda r=r: sample_sums(r).to_json()))
+            total = part if total is None else total + part
+        cache.save()
+        assert total is not None
+        return auto_normalization(report.dtype, total, d.scale, _plain_or(d.mean),
+                                  _plain_or(d.std))
+
+    for key in ("scale", "mean", "std"):
+        run.fill(cfg, f"data.{key}", lambda key=key: numbers()[key])
+    computed["normalization"] = {**numbers(), "dtype": str(report.dtype),
+                                 "from": f"{len(report.scenes['train'])} training scenes"}
+    log.info("data.scale/mean/std=auto for %s imagery: scale %.6g, mean %s, std %s",
+             report.dtype, numbers()["scale"], numbers()["mean"], numbers()["std"])
+
+
+def _plain_or(value: Any) -> Any:
+    return value if isinstance(value, str) else list(value)
+
+
+def build_data(cfg: DictConfig, fp: Footprint,
+               report: PreflightReport | None = None) -> TileDataModule:
+    """The DataModule over the preflight's validated scenes (numbers resolved).
+
+    Without a report (library use) the synthetic scenes are made here and each split is
+    validated when first read.
+    """
+    d, t = data_config(_plain(cfg.data)), tiling_config(_plain(cfg.tiling))
+    if report is None:
+        make_synthetic(d)
+    return TileDataModule(
+        d.root, fp, d.num_classes, mode=t.mode, q=t.q, tile_size=t.tile_size,  # type: ignore[arg-type]
+        core_size=t.core_size or 128, samples_per_epoch=t.samples_per_epoch or 0,
+        batch_size=t.batch_size, num_workers=d.num_workers, scale=float(d.scale),
+        mean=list(d.mean), std=list(d.std), class_weights=d.class_weights,
+        ignore_index=d.ignore_index, nodata=d.nodata,
+        augment=dict(t.augment) if t.augment else None, seed=cfg.seed,
+        mask_bands=d.mask_bands, scenes=report.scenes if report else None)
+
+
+def check_grids(cfg: DictConfig, fp: Footprint, report: PreflightReport) -> None:
+    """Every grid the run walks (validation; training in grid mode) fits its scenes."""
+    t = cfg.tiling
+    splits = ["val"] + (["train"] if t.mode == "grid" else [])
+    key = f"tiling.q={t.q}" if t.q else f"tiling.tile_size={t.tile_size}"
+    for split in splits:
+        for scene in report.scenes[split]:
+            h, w = report.shapes[scene.image]
+            try:
+                make_grid(h, w, fp, q=t.q, tile_size=None if t.q else t.tile_size)
+            except TilingError as exc:
+                raise ConfigError(f"{key} cannot tile {split} scene '{scene.image}' ({h}x{w}, "
+                                  f"halo {fp.halo}, alignment {fp.align}): {exc}") from exc

@@ -1,0 +1,107 @@
+"""The one rule for generated and converted dataset folders: reuse, refuse or rebuild.
+
+Every dataset builder (synthetic scenes, synthetic streets, synthetic cosmic events, the
+larcv3 / Cityscapes / TACO converters) records what it was asked for in
+``root/manifest.json`` and asks :func:`reuse` before writing anything:
+
+* same parameters (and every recorded file present): reuse, write nothing;
+* other parameters: refused naming each differing key (value on disk, value asked) and the
+  fix, unless ``overwrite`` (then rebuilt);
+* no manifest but scene files present (someone's own data): refused unless ``overwrite``.
+
+The manifest is written last (:func:`save`, atomically), so it only ever describes a
+complete folder.
+
+>>> import tempfile
+>>> root = Path(tempfile.mkdtemp())
+>>> reuse(root, "demo", {"seed": 1}, overwrite=False)
+False
+>>> _ = save(root, "demo", {"seed": 1})
+>>> reuse(root, "demo", {"seed": 1}, overwrite=False)
+True
+>>> reuse(root, "demo", {"seed": 2}, overwrite=False)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+seg_at_scale.errors.InputError: demo: ... other parameters (seed: 1 there, 2 asked); ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from seg_at_scale.errors import InputError, OutputExistsError
+
+__all__ = ["reuse", "save", "MANIFEST"]
+
+MANIFEST = "manifest.json"
+_SCENES = ("*/*_image.tif", "*/*_mask.tif")
+
+
+def _read(root: Path, source: str, overwrite: bool) -> dict[str, Any] | None:
+    path = root / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        if overwrite:
+            return None
+        raise InputError(f"{source}: cannot read '{path}' ({exc}); pass overwrite=true to "
+                         "rebuild the folder, or choose another data.root") from exc
+    return doc if isinstance(doc, dict) else {}
+
+
+def reuse(root: str | os.PathLike[str], source: str, params: Mapping[str, Any], *,
+          overwrite: bool, files: Sequence[Path] | None = None) -> bool:
+    """Whether ``root`` already holds the dataset ``params`` describe (see the module).
+
+    Args:
+        root: the dataset folder.
+        source: the source's name, for messages (``synthetic``, ``streets``, ...).
+        params: everything that determines the folder's contents (JSON values).
+        overwrite: rebuild instead of refusing.
+        files: files the folder must hold to be reused (default: what the manifest lists).
+
+    Raises:
+        InputError: another dataset is there and ``overwrite`` is false.
+        OutputExistsError: scene files without a manifest and ``overwrite`` is false.
+    """
+    root = Path(root)
+    want = json.loads(json.dumps(dict(params)))  # tuples -> lists, as stored
+    doc = _read(root, source, overwrite)
+    if doc is None:
+        found = [p for pattern in _SCENES for p in root.glob(pattern)]
+        if found and not overwrite:
+            raise OutputExistsError(
+                f"{source}: '{root}' holds scene files ({found[0].name}, ...) but no "
+                f"{MANIFEST}; pass overwrite=true to replace them, or choose another "
+                "data.root")
+        return False
+    old = doc.get("parameters", doc)  # older manifests stored the parameters bare
+    if old == want:
+        listed = files if files is not None else [root / f for f in doc.get("files", [])]
+        return all(Path(f).exists() for f in listed)
+    if overwrite:
+        return False
+    diff = sorted(k for k in set(old) | set(want) if old.get(k) != want.get(k))
+    shown = ", ".join(f"{k}: {old.get(k)!r} there, {want.get(k)!r} asked" for k in diff[:4])
+    raise InputError(f"{source}: '{root}' holds a dataset made with other parameters "
+                     f"({shown}); pass overwrite=true to rebuild it, or choose another "
+                     "data.root")
+
+
+def save(root: str | os.PathLike[str], source: str, params: Mapping[str, Any],
+         files: Sequence[Path] = (), **extra: Any) -> Path:
+    """Record a complete folder (atomically: temporary file, then rename)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    doc = {"source": source, "parameters": dict(params),
+           "files": sorted(str(Path(f).relative_to(root)) for f in files), **extra}
+    tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, root / MANIFEST)
+    return root / MANIFEST

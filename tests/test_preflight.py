@@ -1,0 +1,181 @@
+"""Preflight: every split's files checked before the first step, pixel facts cached; the
+data and tiling groups validated; normalisation worked out from the data."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from seg_at_scale.cli.common import class_names_of
+from seg_at_scale.cli.data_setup import check_grids
+from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_sums
+from seg_at_scale.data.config import data_config, tiling_config
+from seg_at_scale.data.preflight import CACHE_NAME, preflight
+from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.io import RasterReader, write_raster
+from seg_at_scale.models import UNet
+from seg_at_scale.tiling import footprint
+
+SHAPE = (4, 70, 90)
+
+
+def dataset(root: Path, scene_files, dtype=np.uint8, splits=("train", "val", "test")) -> Path:
+    for k, split in enumerate(splits):
+        scene_files(root / split, name=f"s{k}", shape=SHAPE, dtype=dtype, seed=k)
+    return root
+
+
+def check(root: Path, **kw):
+    args = {"bands": 4, "num_classes": 5, "scale": 1 / 255, "cache": root / CACHE_NAME}
+    return preflight(root, ["train", "val", "test"], **{**args, **kw})
+
+
+def test_nan_in_a_validation_image_is_refused_before_work(tmp_path, scene_files) -> None:
+    root = dataset(tmp_path, scene_files, dtype=np.float32)
+    image = np.random.default_rng(0).random(SHAPE).astype(np.float32)
+    image[2, 33, 40] = np.nan
+    write_raster(root / "val" / "s1_image.tif", image, tile=(32, 32), overwrite=True)
+    with pytest.raises(InputError, match=r"val/s1_image.tif' has NaN pixels \(first in row 33\)"
+                                         r" and no nodata value; set data.nodata=nan"):
+        check(root, scale=1.0)
+    report = check(root, scale=1.0, nodata=float("nan"))  # masked: accepted
+    assert report.dtype == np.float32
+
+
+def test_header_faults_are_named(tmp_path, scene_files) -> None:
+    root = dataset(tmp_path, scene_files)
+    with pytest.raises(InputError, match=r"s0_image.tif' has 4 bands but data.bands=3; set "
+                                         r"data.bands=4"):
+        check(root, bands=3)
+    with pytest.raises(ConfigError, match=r"data.scale=0.00392157 maps .*s0_image.tif' "
+                                          r"\(uint16, 0..65535\) to 0..257; .*data.scale=auto"):
+        check(dataset(tmp_path / "u16", scene_files, dtype=np.uint16))
+    test_image = root / "test" / "s2_image.tif"
+    test_image.write_bytes(test_image.read_bytes()[:-500])  # a cut copy
+    with pytest.raises(InputError, match=r"s2_image.tif' is truncated"):
+        check(root)
+
+
+def test_label_out_of_range_in_a_test_mask(tmp_path, scene_files) -> None:
+    root = dataset(tmp_path, scene_files)
+    labels = np.zeros(SHAPE[1:], np.uint8)
+    labels[60, 7] = 9
+    write_raster(root / "test" / "s2_mask.tif", labels, overwrite=True)
+    with pytest.raises(InputError, match=r"s2_mask.tif' has label 9 at row 60, col 7, but "
+                                         r"data.num_classes=5"):
+        check(root)
+
+
+def test_pixel_facts_are_cached_until_a_file_changes(tmp_path, scene_files) -> None:
+    root = dataset(tmp_path, scene_files)
+    first = check(root)
+    assert (first.checked, first.cached) == (3, 0) and (root / CACHE_NAME).exists()
+    counts = {s: [x.class_counts for x in v] for s, v in first.scenes.items()}
+    again = check(root)
+    assert (again.checked, again.cached) == (0, 3)
+    assert {s: [x.class_counts for x in v] for s, v in again.scenes.items()} == counts
+    labels = np.full(SHAPE[1:], 7, np.uint8)  # same size, new content: re-read, refused
+    write_raster(root / "val" / "s1_mask.tif", labels, overwrite=True)
+    with pytest.raises(InputError, match="label 7"):
+        check(root)
+
+
+def test_seg_train_stops_on_a_nan_before_training(tmp_path, scene_files) -> None:
+    root = dataset(tmp_path / "scenes", scene_files, dtype=np.float32)
+    image = np.ones(SHAPE, np.float32)
+    image[0, 5, 5] = np.nan
+    write_raster(root / "val" / "s1_image.tif", image, overwrite=True)
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "data=tiff", f"data.root={root}",
+           "data.bands=4", "data.num_classes=5", "logger=csv", "model_size=tiny",
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"seg-train: error: '{root / 'val' / 's1_image.tif'}' has NaN pixels")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run" / "run_config.yaml").exists()
+
+
+@pytest.mark.parametrize("values, fragment", [
+    ({"q": "abc"}, "tiling.q='abc': give the tiles per side as a whole number >= 1"),
+    ({"q": 0}, "tiling.q=0: give the tiles per side"),
+    ({"q": None, "tile_size": None}, "tiling.q and tiling.tile_size are both null"),
+    ({"tile_size": -5}, "tiling.tile_size=-5: give the largest input window"),
+    ({"batch_size": 2.5}, "tiling.batch_size=2.5"),
+    ({"qq": 2}, "tiling.qq is not a tiling key: use one of augment, batch_size"),
+])
+def test_tiling_values_are_refused_with_key_and_fix(values, fragment) -> None:
+    with pytest.raises(ConfigError) as err:
+        tiling_config({"mode": "grid", "q": 2, **values})
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("values, fragment", [
+    ({"bands": "four"}, "data.bands='four'"),
+    ({"mean": [0.5, 0.5]}, "data.mean has 2 values for data.bands=4"),
+    ({"std": [0.0]}, "data.std=0.0"),
+    ({"scale": "1/255"}, "data.scale='1/255': give a positive factor"),
+    ({"num_classes": 300}, "at most 254 classes"),
+    ({"class_weights": [1.0]}, "data.class_weights has 1 values but data.num_classes=5"),
+])
+def test_data_values_are_refused_with_key_and_fix(values, fragment) -> None:
+    with pytest.raises(ConfigError) as err:
+        data_config({"root": "x", "bands": 4, "num_classes": 5, **values})
+    assert fragment in str(err.value)
+
+
+def test_class_names_default_and_length() -> None:
+    assert class_names_of(OmegaConf.create({"num_classes": 3, "class_names": None})) == [
+        "class_0", "class_1", "class_2"]
+    with pytest.raises(ConfigError, match="data.class_names has 2 names but data.num_classes=3"):
+        class_names_of(OmegaConf.create({"num_classes": 3, "class_names": ["a", "b"]}))
+
+
+def test_a_grid_that_cannot_tile_a_scene_names_key_and_scene(tmp_path, scene_files) -> None:
+    report = check(dataset(tmp_path, scene_files))
+    fp = footprint(UNet(4, 5, levels=3, convs_per_level=2, base_width=4, padding="same"))
+    cfg = OmegaConf.create({"tiling": {"mode": "grid", "q": 40, "tile_size": None}})
+    with pytest.raises(ConfigError, match=r"tiling.q=40 cannot tile val scene .*s1_image.tif' "
+                                          r"\(70x90.*use a smaller q"):
+        check_grids(cfg, fp, report)
+
+
+def test_sample_statistics_leave_out_no_data(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    image = rng.normal(1000, 100, (2, 300, 300)).astype(np.uint16)
+    image[:, :100] = 9999  # no-data rows: must not count
+    path = write_raster(tmp_path / "a.tif", image, nodata=9999)
+    with RasterReader(path) as r:
+        sums = sample_sums(r)
+    mean, std = sums.mean_std()
+    np.testing.assert_allclose(mean, 1000, rtol=0.02)
+    np.testing.assert_allclose(std, 100, rtol=0.1)
+    auto = auto_normalization(np.dtype(np.uint16), sums, "auto", "auto", [1.0])
+    assert auto["scale"] == pytest.approx(1 / 1300, rel=0.03) and auto["std"] == [1.0]
+    assert auto_normalization(np.dtype(np.uint8), BandSums.of(image[:, 100:], None), "auto",
+                              [0.5], [0.25])["scale"] == 1 / 255
+
+
+def test_nan_under_gdal_internal_mask_is_no_data(tmp_path, scene_files) -> None:
+    pytest.importorskip("rasterio")
+    from test_reads import write_with_gdal_mask
+
+    root = dataset(tmp_path, scene_files, dtype=np.float32)
+    image = np.random.default_rng(0).random(SHAPE).astype(np.float32)
+    valid = np.ones(SHAPE[1:], bool)
+    valid[10:20, 30:50] = False
+    image[:, 12, 35] = np.nan  # only where the mask says no-data
+    write_with_gdal_mask(root / "val" / "s1_image.tif", image, valid, tiled=True,
+                         blockxsize=32, blockysize=32, compress="deflate")
+    assert check(root, scale=1.0).dtype == np.float32
+    image[:, 40, 35] = np.nan  # and now also outside it
+    (root / "val" / "s1_image.tif").unlink()
+    write_with_gdal_mask(root / "val" / "s1_image.tif", image, valid)
+    with pytest.raises(InputError, match=r"NaN pixels \(first in row 40\)"):
+        check(root, scale=1.0)

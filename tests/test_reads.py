@@ -1,0 +1,203 @@
+"""Reads that fit the file: memory-mapped strips, a warning for huge compressed segments,
+GDAL's internal mask (files written by GDAL itself, through rasterio)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+from io_helpers import CountingFile, make_array
+
+import seg_at_scale.io.raster as raster_mod
+from seg_at_scale.io import RasterReader
+from seg_at_scale.tiling import Window
+
+H, W = 2000, 300
+
+
+@pytest.mark.parametrize("planar", [False, True], ids=["interleaved", "planar"])
+def test_single_strip_uncompressed_reads_only_the_window(tmp_path: Path, planar: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    array = make_array((3, H, W), "uint16")
+    path = tmp_path / "strip.tif"
+    data = array if planar else np.moveaxis(array, 0, -1)
+    tifffile.imwrite(path, data, rowsperstrip=H, planarconfig="separate" if planar else "contig",
+                     photometric="rgb")
+    window = Window(1500, 40, 64, 100)
+    monkeypatch.setattr(raster_mod, "_open_binary", lambda p: CountingFile(p, "rb"))
+    CountingFile.count = 0
+    with RasterReader(path) as r:
+        assert r.layout.contiguous is not None and r.layout.seg == (H, W)
+        np.testing.assert_array_equal(r.read(window), array[(slice(None), *window.slices())])
+        # the window's own samples, not the 3.6 MB strip
+        assert r.bytes_read == 3 * 64 * 100 * 2
+    assert CountingFile.count < 20_000  # header and tags only
+
+
+def test_big_endian_striped_file_is_mapped_in_its_byte_order(tmp_path: Path) -> None:
+    array = make_array((2, 100, 70), "float32")
+    path = tmp_path / "be.tif"
+    tifffile.imwrite(path, np.moveaxis(array, 0, -1), byteorder=">", rowsperstrip=7,
+                     planarconfig="contig")
+    with RasterReader(path) as r:
+        assert r.layout.contiguous is not None
+        out = r.read(Window(-3, 60, 20, 20), fill="reflect")
+        assert out.dtype == np.float32 and out.dtype.isnative
+    padded = np.pad(array, ((0, 0), (3, 0), (0, 10)), mode="reflect")
+    np.testing.assert_array_equal(out, padded[:, 0:20, 60:80])
+
+
+def test_huge_compressed_strip_warns_once_with_the_fix(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    array = make_array((1, 4096, 1100), "uint8")
+    path = tmp_path / "one_strip.tif"
+    tifffile.imwrite(path, array[0], rowsperstrip=4096, compression="zlib")
+    raster_mod._warned.discard(path)
+    with caplog.at_level(logging.WARNING), RasterReader(path) as r:
+        assert r.layout.contiguous is None
+        for row in (0, 700, 2000):
+            np.testing.assert_array_equal(r.read(Window(row, 0, 100, 100))[0],
+                                          array[0, row:row + 100, :100])
+    warnings = [m for m in caplog.messages if "one_strip.tif" in m]
+    assert len(warnings) == 1
+    assert "gdal_translate -co TILED=YES" in warnings[0] and "4096x1100" in warnings[0]
+
+
+def test_tiled_file_read_in_tiles_does_not_warn(tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "tiled.tif"
+    tifffile.imwrite(path, make_array((2048, 2048), "uint8"), tile=(256, 256),
+                     compression="zlib")
+    with caplog.at_level(logging.WARNING), RasterReader(path) as r:
+        r.read(Window(0, 0, 512, 512))
+    assert not caplog.messages
+
+
+# ----- GDAL internal masks --------------------------------------------------------------
+
+rasterio = pytest.importorskip("rasterio")
+
+
+def write_with_gdal_mask(path: Path, image: np.ndarray, valid: np.ndarray,
+                         **options: object) -> Path:
+    """A GeoTIFF written by GDAL with an internal (per-dataset) mask band: 1-bit, deflate."""
+    from rasterio.transform import from_origin
+
+    c, h, w = image.shape
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True), rasterio.open(
+            path, "w", driver="GTiff", width=w, height=h, count=c, dtype=image.dtype.name,
+            crs="EPSG:32633", transform=from_origin(500000, 4000000, 10, 10),
+            **options) as ds:
+        ds.write(image)
+        ds.write_mask(np.where(valid, 255, 0).astype(np.uint8))
+    return path
+
+
+def write_cog(path: Path, image: np.ndarray, valid: np.ndarray) -> Path:
+    """A Cloud-Optimized GeoTIFF from rio-cogeo: overviews, each with its reduced mask."""
+    from rio_cogeo.cogeo import cog_translate
+    from rio_cogeo.profiles import cog_profiles
+
+    source = write_with_gdal_mask(path.with_suffix(".src.tif"), image, valid)
+    profile = {**cog_profiles.get("deflate"), "blockxsize": 64, "blockysize": 64}
+    cog_translate(source, path, profile, overview_level=2, quiet=True)
+    return path
+
+
+def write_8bit_mask(path: Path, image: np.ndarray, valid: np.ndarray) -> Path:
+    """The 8-bit form of the mask IFD (0 / 255), as other GDAL versions and tools write."""
+    tifffile.imwrite(path, np.moveaxis(image, 0, -1), photometric="rgb", tile=(64, 64),
+                     compression="zlib")
+    # tifffile writes only 1-bit MASK pages: tag NewSubfileType (254) = 4 by hand
+    tifffile.imwrite(path, np.where(valid, 255, 0).astype(np.uint8), append=True,
+                     photometric="minisblack", tile=(64, 64), compression="zlib",
+                     extratags=[(254, "I", 1, 4, True)])
+    return path
+
+
+WRITERS = {
+    "gdal-deflate": lambda p, i, v: write_with_gdal_mask(
+        p, i, v, tiled=True, blockxsize=64, blockysize=64, compress="deflate"),
+    "gdal-jpeg": lambda p, i, v: write_with_gdal_mask(
+        p, i, v, tiled=True, blockxsize=64, blockysize=64, compress="jpeg",
+        photometric="ycbcr"),
+    "gdal-raw-strips": write_with_gdal_mask,  # uncompressed strips: the image is mapped
+    "cog": write_cog,
+    "8-bit": write_8bit_mask,
+}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_internal_mask_is_read(tmp_path: Path, writer: str) -> None:
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 255, (3, 150, 130), dtype=np.uint8)
+    valid = np.ones((150, 130), bool)
+    valid[:40, :55] = False
+    valid[100:, 90:] = False
+    path = WRITERS[writer](tmp_path / "m.tif", image, valid)
+    with rasterio.open(path) as ds:  # GDAL's own reading of the mask
+        np.testing.assert_array_equal(ds.dataset_mask() > 0, valid)
+    with RasterReader(path) as r:
+        assert r.has_mask and r.bands == 3
+        np.testing.assert_array_equal(r.read_mask(Window(0, 0, 150, 130)), valid)
+        inner = Window(30, 50, 80, 60)
+        np.testing.assert_array_equal(r.read_mask(inner), valid[inner.slices()])
+        reflected = r.read_mask(Window(-10, -10, 30, 30), fill="reflect")
+        np.testing.assert_array_equal(reflected, np.pad(valid, 10, mode="reflect")[:30, :30])
+        assert r.read_mask(Window(-10, -10, 30, 30), fill="constant")[:10].all()
+        if writer != "gdal-jpeg":  # lossless (rio-cogeo zeroes the masked pixels)
+            keep = valid[inner.slices()]
+            np.testing.assert_array_equal(r.read(inner)[:, keep],
+                                          image[(slice(None), *inner.slices())][:, keep])
+        assert (r.layout.contiguous is not None) == (writer == "gdal-raw-strips")
+
+
+def test_file_without_mask_has_none(tmp_path: Path) -> None:
+    path = tmp_path / "plain.tif"
+    tifffile.imwrite(path, make_array((40, 30), "uint8"))
+    with RasterReader(path) as r:
+        assert not r.has_mask and r.read_mask(Window(0, 0, 5, 5)) is None
+
+
+def test_masked_pixels_are_no_data_where_prediction_and_training_read(tmp_path: Path) -> None:
+    from seg_at_scale.io.valid import read_valid
+
+    image = np.full((3, 80, 60), 7, np.uint8)
+    valid = np.ones((80, 60), bool)
+    valid[10:30, 5:25] = False
+    path = write_with_gdal_mask(tmp_path / "m.tif", image, valid, compress="deflate")
+    with RasterReader(path) as r:
+        _, invalid = read_valid(r, Window(-4, -4, 88, 68), "constant")
+    assert invalid is not None
+    np.testing.assert_array_equal(invalid[4:-4, 4:-4], ~valid)
+
+
+def test_masked_pixels_are_predicted_255_and_ignored_in_training(tmp_path: Path) -> None:
+    import torch
+    import zarr
+
+    from seg_at_scale.data.normalize import Normalizer
+    from seg_at_scale.data.scenes import Scene, validate_scene
+    from seg_at_scale.data.tiles import GridTiles
+    from seg_at_scale.io import write_raster
+    from seg_at_scale.models import UNet
+    from seg_at_scale.prediction import predict_raster
+
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 255, (4, 90, 70)).astype(np.uint8)
+    valid = np.ones((90, 70), bool)
+    valid[10:30, 5:25] = False
+    path = write_with_gdal_mask(tmp_path / "m_image.tif", image, valid, compress="deflate")
+    torch.manual_seed(0)
+    net = UNet(4, 3, levels=2, base_width=4).eval()
+    predict_raster(net, path, tmp_path / "m.zarr", tile_size=48, progress=False)
+    labels = zarr.open_group(tmp_path / "m.zarr", mode="r")["labels"][:]
+    assert (labels[~valid] == 255).all() and (labels[valid] < 3).all()
+    mask = write_raster(tmp_path / "m_mask.tif", np.ones((90, 70), np.uint8))
+    scene = validate_scene(Scene(path, mask), num_classes=3)
+    ds = GridTiles([scene], net.footprint(), Normalizer(), q=1)
+    target = ds[0]["target"].numpy()[:90, :70]
+    assert (target[~valid] == 255).all() and (target[valid] == 1).all()

@@ -1,0 +1,135 @@
+"""Run folders are append-only; your own TIFFs train and predict with no hand-set numbers;
+the project's errors arrive as one line. Through the real ``seg-train`` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from conftest import run_train
+from omegaconf import OmegaConf
+
+from seg_at_scale.cli.common import normalizer_of, reports_errors
+from seg_at_scale.cli.predict import load_run
+from seg_at_scale.cli.runs import RunFolder
+from seg_at_scale.errors import ConfigError
+from seg_at_scale.io import write_raster
+
+TINY = ["trainer=fast", "logger=csv", "model_size=tiny", "data.synthetic.height=157",
+        "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
+        "tiling.tile_size=96", "predict.tile_size=96"]
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def seg_train(tmp: Path, *overrides: str, env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", *overrides]
+    base = {"SEG_DATA_DIR": str(tmp / "data"), "PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"}
+    return subprocess.run(cmd, capture_output=True, text=True, env={**base, **(env or {})},
+                          timeout=300)
+
+
+def test_rerun_with_another_config_is_refused_and_changes_no_file(tmp_path: Path) -> None:
+    run_train(tmp_path, "run", *TINY, "predict_after_fit=false")
+    run = tmp_path / "run"
+    before = snapshot(run)
+    assert ".hydra/config.yaml" in before and "run_config.yaml" in before
+    out = seg_train(tmp_path, *TINY, "predict_after_fit=false", "model_size=small",
+                    f"hydra.run.dir={run}")
+    assert out.returncode == 2
+    message = out.stderr.strip()
+    assert message.startswith("seg-train: error: hydra.run.dir=") and "Traceback" not in message
+    assert "model.base_width: 8 in the run, 16 now" in message
+    assert "leave out hydra.run.dir" in message
+    assert snapshot(run) == before  # bytes and mtimes: nothing rewritten, nothing added
+    cfg, model, _ = load_run(run)  # seg-predict still loads the finished run
+    assert cfg.model.base_width == 8 and model.num_classes == 5
+
+
+def write_uint16_scenes(root: Path) -> None:
+    """Sentinel-like 4-band uint16 scenes (0..~6000) whose labels follow band 0."""
+    rng = np.random.default_rng(0)
+    for split, n in {"train": 2, "val": 1, "test": 1}.items():
+        (root / split).mkdir(parents=True)
+        for k in range(n):
+            image = rng.normal(2000, 600, (4, 120, 136)).clip(0, 6000).astype(np.uint16)
+            labels = np.digitize(image[0], [1500, 2000, 2500]).astype(np.uint8)
+            write_raster(root / split / f"s{k}_image.tif", image, tile=(64, 64))
+            write_raster(root / split / f"s{k}_mask.tif", labels, tile=(64, 64))
+
+
+def test_readme_own_tiffs_command_trains_predicts_and_saves_its_numbers(tmp_path: Path) -> None:
+    root = tmp_path / "scenes"
+    write_uint16_scenes(root)
+    summary = run_train(tmp_path, "run", "data=tiff", f"data.root={root}", "data.bands=4",
+                        "data.num_classes=4", "data.num_workers=0", "trainer=fast", "logger=csv",
+                        "model_size=tiny", "tiling.tile_size=96", "predict.tile_size=96")
+    assert 0.0 <= summary["test"][0]["miou"] <= 1.0  # no class names given: class_k
+    saved = yaml.safe_load((tmp_path / "run" / "run_config.yaml").read_text())
+    assert saved["data"]["class_names"] == ["class_0", "class_1", "class_2", "class_3"]
+    norm = saved["computed"]["normalization"]
+    assert norm["dtype"] == "uint16" and 1 / 4000 < norm["scale"] < 1 / 2000
+    assert all(0.3 < m < 0.9 for m in norm["mean"]) and all(0.05 < s < 0.3 for s in norm["std"])
+    assert saved["computed"]["filled"]["data.scale"] == "auto"
+    cfg, _, _ = load_run(tmp_path / "run")  # what seg-predict normalises with
+    n = normalizer_of(cfg.data)
+    assert (n.scale, list(n.mean), list(n.std)) == (norm["scale"], norm["mean"], norm["std"])
+    assert "test scene s0:\n  class_0" in summary["log"]
+
+
+def test_project_errors_print_alone_unless_hydra_full_error(monkeypatch, capsys) -> None:
+    @reports_errors("seg-x")
+    def fails() -> None:
+        raise ConfigError("tiling.q='abc': give a whole number")
+
+    with pytest.raises(SystemExit) as exit_:
+        fails()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "seg-x: error: tiling.q='abc': give a whole number\n"
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ConfigError):
+        fails()
+
+
+def test_bad_tiling_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    out = seg_train(tmp_path, *TINY, "tiling.q=abc", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "seg-train: error: tiling.q='abc': give the tiles per side as a whole number >= 1 (1 = "
+        "the whole image in one tile), or tiling.q=null with tiling.tile_size=<pixels>"]
+    full = seg_train(tmp_path, *TINY, "tiling.q=abc", f"hydra.run.dir={tmp_path / 'run'}",
+                     env={"HYDRA_FULL_ERROR": "1"})
+    assert full.returncode == 1 and "Traceback" in full.stderr and "ConfigError" in full.stderr
+
+
+def test_filled_values_are_reused_on_resume_and_their_requests_compared(tmp_path: Path) -> None:
+    def config(scale: object, epochs: int):  # type: ignore[no-untyped-def]
+        return OmegaConf.create({"data": {"scale": scale}, "task": {"scale": "${data.scale}"},
+                                 "trainer": {"max_epochs": epochs}})
+
+    cfg = config("auto", 1)
+    run = RunFolder.open(tmp_path, cfg)
+    assert not run.resuming and run.fill(cfg, "data.scale", lambda: 0.25) == 0.25
+    run.save(cfg, {"halo": 3})
+    saved = yaml.safe_load((tmp_path / "run_config.yaml").read_text())
+    assert saved["task"]["scale"] == 0.25 and saved["computed"]["filled"] == {"data.scale": "auto"}
+    assert yaml.safe_load((tmp_path / ".hydra" / "config.yaml").read_text())["data"] == {
+        "scale": "auto"}  # what was asked
+
+    again = config("auto", 5)  # more epochs: a resume, with the saved number
+    resumed = RunFolder.open(tmp_path, again)
+    assert resumed.resuming and again.task.scale == 0.25
+    assert resumed.fill(again, "data.scale", lambda: pytest.fail("worked out again")) == 0.25
+    resumed.save(again, {})
+    assert yaml.safe_load((tmp_path / "run_config.yaml").read_text()) == saved
+    assert (tmp_path / ".hydra" / "resume_1" / "config.yaml").exists()
+    with pytest.raises(ConfigError, match=r"data.scale: 'auto' in the run, 0.5 now"):
+        RunFolder.open(tmp_path, config(0.5, 1))

@@ -1,0 +1,123 @@
+"""Stopping training without losing it: Ctrl+C and SIGTERM save a checkpoint that a rerun
+resumes from; under SLURM the requeue signal saves Lightning's HPC checkpoint and requeues
+the job into the same run folder. Real signals to real ``seg-train`` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_train
+
+from seg_at_scale.tasks.interrupt import SaveOnStop, newest_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["trainer=fast", "logger=csv", "model_size=tiny", "data.synthetic.height=157",
+        "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
+        "tiling.tile_size=96", "predict_after_fit=false", "tiling.samples_per_epoch=16",
+        "tiling.batch_size=2", "trainer.limit_train_batches=4", "trainer.limit_val_batches=1"]
+
+
+def start(tmp: Path, *overrides: str, env: dict[str, str] | None = None,
+          run_dir: Path | None = None) -> subprocess.Popen:
+    """``seg-train`` running in the background (output in ``tmp/out.txt``)."""
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", *TINY, *overrides]
+    if run_dir is not None:
+        cmd.append(f"hydra.run.dir={run_dir}")
+    base = {"SEG_DATA_DIR": str(tmp / "data"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+            "WANDB_MODE": "offline"}
+    out = open(tmp / "out.txt", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp,
+                            env={**base, **(env or {})})
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Until ``path`` exists (training is past its first epoch); fails if the run ends."""
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, "training ended before the signal"
+        assert time.monotonic() < end, f"no {path} after {timeout} s"
+        time.sleep(0.2)
+    time.sleep(0.5)  # written completely, and into the next epoch
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_a_rerun_resumes_from_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = start(tmp_path, "trainer.max_epochs=1000", run_dir=run)
+    last = run / "checkpoints" / "last.ckpt"
+    wait_for(last, proc)
+    epoch_end = last.stat().st_mtime_ns
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 128 + signal.SIGINT
+    log = (tmp_path / "out.txt").read_text()
+    assert "stopped by SIGINT" in log and "Traceback" not in log
+    assert last.stat().st_mtime_ns > epoch_end  # saved by the stop, not the epoch's end
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+    again = run_train(tmp_path, "run", *TINY, f"trainer.max_epochs={saved['epoch'] + 2}")
+    assert f"Restoring states from the checkpoint path at {last}" in again["log"]
+    resumed = torch.load(last, map_location="cpu", weights_only=False)
+    assert resumed["global_step"] >= saved["global_step"] + 4  # it went on from there
+
+
+def fake_slurm(tmp: Path) -> dict[str, str]:
+    """The environment of SLURM job 4242, with a stand-in scontrol that records requeues."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp / 'requeued'}\n")
+    scontrol.chmod(0o755)
+    return {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "seg", "SLURM_JOB_ID": "4242",
+            "SLURM_NODELIST": "localhost", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+            "SLURM_NODEID": "0", "PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+
+def test_slurm_requeue_then_sigterm_then_the_requeued_job_resumes(tmp_path: Path) -> None:
+    slurm = fake_slurm(tmp_path)
+    proc = start(tmp_path, "trainer.max_epochs=1000", env=slurm)
+    run = tmp_path / "runs" / "same_tiny" / "4242"  # the job id names the run folder
+    last = run / "checkpoints" / "last.ckpt"
+    wait_for(last, proc)
+    proc.send_signal(signal.SIGUSR1)  # sbatch --signal=USR1@90: Lightning's requeue
+    end = time.monotonic() + 60
+    while not (tmp_path / "requeued").exists() and time.monotonic() < end:
+        time.sleep(0.2)
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
+    assert (run / "hpc_ckpt_1.ckpt").exists()
+    proc.send_signal(signal.SIGTERM)  # what SLURM sends the job it requeues
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    log = (tmp_path / "out.txt").read_text()
+    assert "stopped by SIGTERM" in log and "Traceback" not in log
+    assert newest_checkpoint(run) == last  # written after the HPC checkpoint
+    saved = torch.load(last, map_location="cpu", weights_only=False)
+
+    requeued = start(tmp_path, f"trainer.max_epochs={saved['epoch'] + 2}", env=slurm)
+    assert requeued.wait(timeout=300) == 0
+    log = (tmp_path / "out.txt").read_text()
+    assert f"Restoring states from the checkpoint path at {last}" in log
+    resumed = torch.load(last, map_location="cpu", weights_only=False)
+    assert resumed["global_step"] >= saved["global_step"] + 4  # it went on from there
+    os.utime(run / "hpc_ckpt_1.ckpt")
+    assert newest_checkpoint(run) == run / "hpc_ckpt_1.ckpt"  # the newer one wins
+
+
+def test_first_ctrl_c_stops_like_sigterm_the_second_at_once(monkeypatch) -> None:
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    stop = SaveOnStop("unused")
+    try:
+        stop.setup(None, None, "fit")  # type: ignore[arg-type]
+        os.kill(os.getpid(), signal.SIGINT)
+        assert calls == [signal.SIGTERM] and stop.signal == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.teardown(None, None, "fit")  # type: ignore[arg-type]
+        signal.signal(signal.SIGTERM, previous)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
