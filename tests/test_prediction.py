@@ -150,6 +150,8 @@ def test_killed_prediction_resumes_to_the_uninterrupted_output(cli_case, tmp_pat
     assert done >= 6
     if sig == signal.SIGTERM:  # unwound: no temporary file left beside the output
         assert leftovers(out.parent, out.name) == []
+        assert proc.returncode == 143
+        assert "run the same command again to resume" in proc.stderr.read().decode()
     res = seg_predict(run, image, out, "tile_size=64")
     assert res["tiles_resumed"] >= done - 1  # a chunk being renamed at the kill may count
     assert res["tiles_computed"] == res["tiles"] - res["tiles_resumed"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import run_train
+from cli_helpers import run_train
 from omegaconf import OmegaConf
 
 from seg_at_scale.cli.common import normalizer_of, reports_errors

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_train
+from cli_helpers import run_train
 
 from seg_at_scale.tasks.interrupt import SaveOnStop, newest_checkpoint
 

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from seg_at_scale.cli.common import (
     model_footprint,
     normalizer_of,
     predict_scene,
+    reports_errors,
 )
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.prediction import output_kind
@@ -151,19 +153,30 @@ def _launch(processes: int, nodes: int, device: torch.device) -> torch.device:
     return fabric.device
 
 
-def _terminate(signum: int, _: Any) -> None:
-    """Unwind on SIGTERM (what SLURM sends before a kill) as on Ctrl-C.
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (what SLURM sends before a kill): unwinds like Ctrl-C."""
 
-    Temporary files are removed, the store keeps every finished tile, a rerun resumes.
-    """
-    raise KeyboardInterrupt(f"signal {signum}")
+
+def _terminate(signum: int, _: Any) -> None:
+    raise Stopped(signum)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="predict")
+@reports_errors("seg-predict")
 def main(cfg: DictConfig) -> None:
-    """Console entry point ``seg-predict``."""
+    """Console entry point ``seg-predict``.
+
+    On SIGTERM or Ctrl-C the run unwinds: temporary files are removed, the store keeps every
+    finished tile, and the same command resumes (exit 143 / 130).
+    """
     signal.signal(signal.SIGTERM, _terminate)
-    res = run_prediction(cfg)
+    try:
+        res = run_prediction(cfg)
+    except KeyboardInterrupt as exc:
+        what = "SIGTERM" if isinstance(exc, Stopped) else "Ctrl-C"
+        print(f"seg-predict: stopped by {what}; the finished tiles are kept in the store: run "
+              "the same command again to resume", file=sys.stderr, flush=True)
+        raise SystemExit(143 if isinstance(exc, Stopped) else 130) from None
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(json.dumps(res, indent=2))
 

@@ -32,6 +32,8 @@ from typing import Literal
 
 import numpy as np
 
+from seg_at_scale.errors import ConfigError
+
 __all__ = [
     "Footprint",
     "Window",
@@ -52,7 +54,7 @@ Padding = Literal["valid", "same"]
 Fill = Literal["reflect", "constant"]
 
 
-class TilingError(ValueError):
+class TilingError(ConfigError):
     """The requested tiling cannot cover the image with this halo and alignment."""
 
 
