@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Footprint, make_grid
 from seg_at_scale.tiling.geometry import TilingError
 
-__all__ = ["checked_groups", "make_synthetic", "run_preflight", "resolve_normalization",
+__all__ = ["checked_groups", "make_synthetic", "synthesize", "run_preflight",
+           "resolve_normalization",
            "build_data", "check_grids"]
 
 log = logging.getLogger("seg_at_scale.train")
@@ -47,20 +49,30 @@ def checked_groups(cfg: DictConfig) -> tuple[DataConfig, TilingConfig]:
     return data_config(_plain(cfg.data)), tiling_config(_plain(cfg.tiling))
 
 
-def make_synthetic(data: DataConfig) -> None:
-    """Write the synthetic scenes when ``data.synthetic.enabled`` (reused once written)."""
-    syn = data.synthetic or {}
+def synthesize(cfg: DictConfig) -> None:
+    """:func:`make_synthetic` from the raw config (only ``data.root`` / ``data.synthetic``)."""
+    syn = cfg.data.get("synthetic")
+    make_synthetic(str(cfg.data.root), _plain(syn) if syn is not None else None)
+
+
+def make_synthetic(root: str, synthetic: Mapping[str, Any] | None) -> None:
+    """Write the synthetic scenes when ``data.synthetic.enabled`` (reused once written).
+
+    Runs first (before the ``data`` group is resolved whole): ``data.class_weights`` may be
+    computed from the training masks these scenes are.
+    """
+    syn = synthetic or {}
     if not syn.get("enabled"):
         return
     # data.synthetic.generator: a function (root, splits, height, width, seed) writing
     # <root>/<split>/<name>_image.tif + _mask.tif; the satellite scenes by default.
     maker = get_method(syn.get("generator") or DEFAULT_GENERATOR)
-    root = Path(data.root)
-    root.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(root)
+    folder.parent.mkdir(parents=True, exist_ok=True)
     # parallel trials and DDP ranks start together: the first generates, the others wait
-    with FileLock(root.parent / f".{root.name}.lock"):
+    with FileLock(folder.parent / f".{folder.name}.lock"):
         # data.synthetic.options: extra keyword arguments of that generator (optional)
-        maker(data.root, splits=dict(syn["splits"]), height=syn["height"], width=syn["width"],
+        maker(root, splits=dict(syn["splits"]), height=syn["height"], width=syn["width"],
               seed=syn["seed"], **dict(syn.get("options") or {}))
 
 
@@ -116,7 +128,7 @@ def build_data(cfg: DictConfig, fp: Footprint,
     """
     d, t = data_config(_plain(cfg.data)), tiling_config(_plain(cfg.tiling))
     if report is None:
-        make_synthetic(d)
+        make_synthetic(d.root, d.synthetic)
     return TileDataModule(
         d.root, fp, d.num_classes, mode=t.mode, q=t.q, tile_size=t.tile_size,  # type: ignore[arg-type]
         core_size=t.core_size or 128, samples_per_epoch=t.samples_per_epoch or 0,

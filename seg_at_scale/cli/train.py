@@ -43,9 +43,9 @@ from seg_at_scale.cli.data_setup import (
     build_data,
     check_grids,
     checked_groups,
-    make_synthetic,
     resolve_normalization,
     run_preflight,
+    synthesize,
 )
 from seg_at_scale.cli.resolvers import register_resolvers
 from seg_at_scale.cli.runs import RunFolder
@@ -210,7 +210,6 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     model = instantiate(cfg.model)
     fp = model_footprint(model, cfg.tiling.halo)
     memory = check_memory(cfg, run)  # memory mode + precision
-    make_synthetic(data)
     report = run_preflight(data, run, bool(cfg.predict_after_fit))  # every split's files
     computed: dict[str, Any] = {}
     resolve_normalization(cfg, run, report, computed)  # data.scale/mean/std=auto
@@ -257,6 +256,7 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
 @reports_errors("seg-train")
 def main(cfg: DictConfig) -> float | None:
     """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
+    synthesize(cfg)  # the scenes first: data.class_weights may be read from their masks
     run = RunFolder.open(Path(HydraConfig.get().runtime.output_dir), cfg)  # before any write
     model, fp, memory, dm, computed = prepare(cfg, run)
     trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed)

@@ -114,6 +114,7 @@ class DataConfig:
     mean: Sequence[float] | str = (0.0,)
     std: Sequence[float] | str = (1.0,)
     class_weights: Sequence[float] | None = None
+    class_weight_power: float | None = None  # the power behind class_weights (a sweep axis)
     num_workers: int = 0
     mask_bands: int = 1
     synthetic: Mapping[str, Any] | None = None
