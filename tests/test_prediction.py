@@ -282,3 +282,19 @@ def test_slurm_prediction_launcher_takes_processes_and_nodes():
     launcher = cfg.hydra.launcher
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (3, 4, 4)
     assert launcher._target_.endswith("SlurmLauncher") and launcher.max_num_timeout > 0
+
+
+def test_zarr_output_opens_in_xarray_with_coordinates(tmp_path, one_torch_thread):
+    xr = pytest.importorskip("xarray")
+    image = make_image(tmp_path / "a.tif", 97, 131)
+    predict_raster(make_model(), image, tmp_path / "a.zarr", tile_size=64, progress=False,
+                   probabilities="uint8", class_names=CLASSES)
+    ds = xr.open_zarr(tmp_path / "a.zarr", consolidated=False, mask_and_scale=False)
+    labels = zarr.open_group(tmp_path / "a.zarr", mode="r")["labels"][:]
+    np.testing.assert_array_equal(ds["labels"].values, labels)
+    assert ds["probabilities"].dims == ("class", "y", "x") and ds.attrs["class_names"] == CLASSES
+    x0, dx, _, y0, _, dy = ds.attrs["geotransform"]  # example_geotags: 500000, 4500000, 10 m
+    assert (x0, dx, y0, dy) == (500000.0, 10.0, 4500000.0, -10.0)
+    np.testing.assert_allclose(ds.x.values, x0 + dx * (np.arange(131) + 0.5))
+    np.testing.assert_allclose(ds.y.values, y0 + dy * (np.arange(97) + 0.5))
+    assert "UTM" in ds["spatial_ref"].attrs["crs_wkt"]
