@@ -51,12 +51,13 @@ from gpu_common import (
 from gpu_training import ibm_gscnn, largest_tile, offload_cost, train_step
 from torch.utils.flop_counter import FlopCounterMode
 
-from seg_at_scale.inference import Normalizer, predict_raster
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import write_raster
 from seg_at_scale.memory import GIB
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, close_pipe
 from seg_at_scale.parallel.planner import balance_by, predict
 from seg_at_scale.parallel.profile import profile_layers
+from seg_at_scale.prediction import predict_raster
 from seg_at_scale.tiling import make_grid
 
 TIMES = ("total_s", "model_s", "read_s", "write_s", "finalize_s")  # PredictionStats fields

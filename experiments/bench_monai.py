@@ -36,10 +36,11 @@ import numpy as np
 import torch
 from common import peak_rss_self_mib, random_feature_init, run_isolated, save
 
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.synthetic import SceneGenerator
-from seg_at_scale.inference import Normalizer, predict_raster
 from seg_at_scale.io import RasterReader, write_raster_bands
 from seg_at_scale.models import UNet
+from seg_at_scale.prediction import predict_raster
 from seg_at_scale.tiling import Window, make_grid
 
 SCALE = 1 / 255

@@ -38,11 +38,12 @@ import numpy as np
 import torch
 from common import peak_rss_self_mib, run_isolated, save
 
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.data.synthetic_dataset import write_scene
-from seg_at_scale.inference import Normalizer, predict_raster
 from seg_at_scale.io import write_raster_bands
 from seg_at_scale.models import UNet
+from seg_at_scale.prediction import predict_raster
 from seg_at_scale.tiling import Window
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bench" / "moonshot"

@@ -28,7 +28,7 @@ from test_cli import CONF, TINY
 from torch import nn
 
 from seg_at_scale.cli.predict import load_run, run_prediction
-from seg_at_scale.inference import Normalizer
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import read_raster
 from seg_at_scale.memory import MemoryConfig, StepSpec, apply_memory_mode, find_largest_tile
 from seg_at_scale.memory.probe import StepMeasure, measure_step

@@ -310,8 +310,8 @@ def test_fairscale_pipe_two_stages_equals_model_and_its_gradient():
 def test_streaming_raster_prediction_takes_the_two_pass_route(tmp_path):
     """predict_raster (seg-predict, the CLI's whole-image prediction) pools over the whole
     raster in a first pass: its labels equal the untiled network's; one pass would not."""
-    from seg_at_scale.inference import predict_raster
     from seg_at_scale.io import read_raster, write_raster
+    from seg_at_scale.prediction import predict_raster
 
     net = tiny().eval()
     with torch.no_grad():

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.data.scenes import check_mask_covers
 from seg_at_scale.errors import ConfigError, InputError, SegAtScaleError
 from seg_at_scale.io import (
     RasterReader,
@@ -178,10 +179,7 @@ def _check_before_work(model: nn.Module, image: Path, output: Path, mask: Path |
                 raise InputError(f"mask='{mask}' does not exist; give the ground-truth TIFF "
                                  "or drop mask=")
             with RasterReader(mask) as m:
-                if (m.height, m.width) != (reader.height, reader.width):
-                    raise InputError(f"mask '{mask}' is {m.height}x{m.width} but image "
-                                     f"'{image}' is {reader.height}x{reader.width}; give "
-                                     "the mask of this image")
+                check_mask_covers(m, reader)
 
 
 def format_iou(result: dict[str, Any], class_names: list[str]) -> str:

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from seg_at_scale.data.config import AUTO
-from seg_at_scale.inference import read_valid
 from seg_at_scale.io import RasterReader
+from seg_at_scale.io.valid import read_valid
 from seg_at_scale.tiling import Window
 
 __all__ = ["BandSums", "sample_sums", "auto_normalization", "SAMPLE_SIDE", "SAMPLE_GRID"]

@@ -36,6 +36,7 @@ import numpy as np
 from seg_at_scale.data.scenes import (
     Scene,
     check_labels,
+    check_mask_covers,
     check_mask_header,
     find_scenes,
     label_counts,
@@ -152,11 +153,7 @@ def _check_header(scene: Scene, bands: int, mask_bands: int) -> tuple[tuple[int,
                              "give images with that many bands")
         if scene.mask is not None:
             with RasterReader(scene.mask) as mask:
-                if (mask.height, mask.width) != (image.height, image.width):
-                    raise InputError(
-                        f"mask '{scene.mask}' is {mask.height}x{mask.width} but image "
-                        f"'{scene.image}' is {image.height}x{image.width}; masks must cover "
-                        "the image pixel for pixel")
+                check_mask_covers(mask, image)
                 check_mask_header(mask, mask_bands)
         return (image.height, image.width), image.dtype
 

@@ -23,6 +23,7 @@ from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Window
 
 __all__ = ["Scene", "find_scenes", "validate_scene", "class_histogram", "check_mask_header",
+           "check_mask_covers",
            "label_counts", "check_labels", "stream_rows"]
 
 IMAGE_SUFFIX, MASK_SUFFIX = "_image.tif", "_mask.tif"
@@ -148,6 +149,14 @@ def class_histogram(mask: RasterReader, num_classes: int, ignore_index: int,
     return check_labels(mask, label_counts(mask, band_rows), num_classes, ignore_index)
 
 
+def check_mask_covers(mask: RasterReader, image: RasterReader) -> None:
+    """Refuse a mask whose size differs from its image's, naming both files."""
+    if (mask.height, mask.width) != (image.height, image.width):
+        raise InputError(f"mask '{mask.path}' is {mask.height}x{mask.width} but image "
+                         f"'{image.path}' is {image.height}x{image.width}; masks must cover "
+                         "the image pixel for pixel (give the mask of this image)")
+
+
 def validate_scene(scene: Scene, num_classes: int, ignore_index: int = 255,
                    mask_bands: int = 1) -> Scene:
     """Open and check a scene; fill ``scene.class_counts``. Raises :class:`InputError`."""
@@ -155,11 +164,7 @@ def validate_scene(scene: Scene, num_classes: int, ignore_index: int = 255,
         if scene.mask is None:
             return scene
         with RasterReader(scene.mask) as mask:
-            if (mask.height, mask.width) != (image.height, image.width):
-                raise InputError(
-                    f"mask '{scene.mask}' is {mask.height}x{mask.width} but image "
-                    f"'{scene.image}' is {image.height}x{image.width}; masks must cover the "
-                    "image pixel for pixel")
+            check_mask_covers(mask, image)
             scene.class_counts = class_histogram(mask, num_classes, ignore_index,
                                                  mask_bands=mask_bands)
     return scene
