@@ -39,3 +39,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cli_case(tmp_path_factory):
+    """A run folder (random 3-level same-padding U-Net) and a georeferenced scene for
+    ``seg-predict`` in a subprocess."""
+    from prediction_helpers import make_image, make_model, make_run
+
+    tmp = tmp_path_factory.mktemp("cli")
+    run = make_run(tmp / "run", make_model("same", levels=3, width=8))
+    return run, make_image(tmp / "scene.tif")

@@ -21,7 +21,6 @@ from prediction_helpers import (
     leftovers,
     make_image,
     make_model,
-    make_run,
     predict_cmd,
     seg_predict,
 )
@@ -80,13 +79,6 @@ def test_file_tta_equals_untiled_tta(tmp_path, one_torch_thread):
     ref = _reference(model, image, tta="d4")
     got = zarr.open_group(tmp_path / "a.zarr", mode="r")["probabilities"][:]
     np.testing.assert_allclose(got.astype(np.float32), ref.numpy(), atol=1e-3)
-
-
-@pytest.fixture(scope="module")
-def cli_case(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cli")
-    run = make_run(tmp / "run", make_model("same", levels=3, width=8))
-    return run, make_image(tmp / "scene.tif")
 
 
 def _arrays(store):

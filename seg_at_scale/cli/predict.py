@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -36,13 +37,14 @@ from torch import nn
 
 from seg_at_scale.cli.common import (
     RUN_CONFIG,
+    USER_ERROR_EXIT,
     format_iou,
     model_footprint,
     normalizer_of,
     predict_scene,
     reports_errors,
 )
-from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.errors import ConfigError, InputError, SegAtScaleError
 from seg_at_scale.prediction import output_kind
 
 log = logging.getLogger("seg_at_scale.predict")
@@ -97,22 +99,34 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def run_prediction(cfg: DictConfig) -> dict[str, Any]:
-    """Predict ``cfg.image`` into ``cfg.output`` with the run ``cfg.run``."""
+def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:
+    """Predict ``cfg.image`` into ``cfg.output`` with the run ``cfg.run``.
+
+    With ``processes`` x ``nodes`` > 1 this process launches (or joins) the ranks and
+    returns rank 0's result. ``fork=True`` (the command line) forks the local CPU ranks
+    from this process, which has run no torch computation yet, instead of re-running the
+    command for each (Python's start costs ~7 s here); a caller that has already run torch
+    code keeps the default, since OpenMP does not survive a fork.
+    """
     processes, nodes = _positive(cfg, "processes"), _positive(cfg, "nodes")
-    output = Path(cfg.output)
-    output_kind(output)  # the extension names a format, before any work
+    output_kind(Path(cfg.output))  # the extension names a format, before any work
     image = Path(cfg.image)
     if not image.exists():
         raise InputError(f"image='{image}' does not exist; give the path of a TIFF to predict")
     device = _device(cfg.device)
     if processes * nodes > 1:
-        device = _launch(processes, nodes, device)
+        return _launch(cfg, processes, nodes, device, fork)
+    return _predict(cfg, device)
+
+
+def _predict(cfg: DictConfig, device: torch.device) -> dict[str, Any]:
+    """This rank's share of the prediction (everything, with one process)."""
     train_cfg, model, ckpt = load_run(cfg.run, cfg.ckpt)
     model = model.to(device)
     fp = model_footprint(model, train_cfg.tiling.halo)
     names = train_cfg.data.get("class_names")
-    res = predict_scene(model, fp, image, output, normalizer=normalizer_of(train_cfg.data),
+    res = predict_scene(model, fp, image=Path(cfg.image), output=Path(cfg.output),
+                        normalizer=normalizer_of(train_cfg.data),
                         tile_size=cfg.tile_size, q=cfg.q, fast=cfg.fast,
                         overwrite=cfg.overwrite, nodata=cfg.nodata,
                         mask=Path(cfg.mask) if cfg.mask else None,
@@ -124,6 +138,7 @@ def run_prediction(cfg: DictConfig) -> dict[str, Any]:
                         progress=cfg.progress, keep_store=cfg.keep_store)
     res["checkpoint"] = str(ckpt)
     res["halo"] = fp.halo
+    res["threads"] = torch.get_num_threads()  # per process
     if "miou" in res:
         log.info("scores:\n%s", format_iou(res, list(names or [])))
     return res
@@ -136,21 +151,68 @@ def _positive(cfg: DictConfig, key: str) -> int:
     return value
 
 
-def _launch(processes: int, nodes: int, device: torch.device) -> torch.device:
-    """Join (or start) the ranks of a multi-process prediction; returns this rank's device.
+def _launch(cfg: DictConfig, processes: int, nodes: int, device: torch.device,
+            fork: bool) -> dict[str, Any]:
+    """Start (or join) the ranks of a multi-process prediction; rank 0's result.
 
-    Lightning Fabric's DDP launcher re-runs this command for local ranks 1..N-1 (on a
-    SLURM allocation the cluster environment gives every rank instead); gloo on CPU, NCCL
-    on GPUs. On CPU each process gets its share of the cores.
+    Lightning Fabric launches them: on one machine's CPU (and ``fork``) by forking this
+    process (``ddp_fork``); otherwise its DDP launcher re-runs this command for local ranks
+    1..N-1, and on a SLURM allocation (or under torchrun) the cluster environment gives
+    every rank instead. gloo on CPU, NCCL on GPUs; on CPU each process gets its share of
+    the cores.
     """
     from lightning_fabric import Fabric
+    from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
+    external = SLURMEnvironment.detect() or TorchElasticEnvironment.detect()
+    forked = (fork and device.type == "cpu" and nodes == 1 and not external
+              and "fork" in multiprocessing.get_all_start_methods())
     fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu", devices=processes,
-                    num_nodes=nodes, strategy="ddp")
-    fabric.launch()
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
-    return fabric.device
+                    num_nodes=nodes, strategy="ddp_fork" if forked else "ddp")
+    if not forked:
+        return fabric.launch(_rank_main, cfg, processes, False)  # type: ignore[no-any-return]
+    try:
+        return fabric.launch(_rank_main, cfg, processes, True)  # type: ignore[no-any-return]
+    except torch.multiprocessing.ProcessExitedException as exc:
+        if exc.exit_code in (130, 143):
+            raise (Stopped(signal.SIGTERM) if exc.exit_code == 143 else KeyboardInterrupt()
+                   ) from None
+        raise SystemExit(exc.exit_code if exc.exit_code > 0 else 128 - exc.exit_code) from None
+    except KeyboardInterrupt:  # this process was signalled: stop the ranks too
+        for child in multiprocessing.active_children():
+            child.terminate()
+        raise
+
+
+def _rank_main(fabric: Any, cfg: DictConfig, processes: int, forked: bool) -> dict[str, Any]:
+    """One rank of a multi-process prediction.
+
+    A forked rank ends a refused input or a stop by its exit status (rank 0 prints the
+    message); the launching process turns that into its own. (torch's launcher has the
+    kernel send a rank SIGINT when the launching process dies, even by SIGKILL.)
+    """
+    if fabric.device.type == "cpu":  # OMP_NUM_THREADS, or this process's share of the cores
+        threads = int(os.environ.get("OMP_NUM_THREADS") or 0)
+        torch.set_num_threads(threads or max(1, _cores() // processes))
+    if not forked:
+        return _predict(cfg, fabric.device)
+    try:
+        return _predict(cfg, fabric.device)
+    except SegAtScaleError as exc:
+        if fabric.global_rank == 0:
+            print(f"seg-predict: error: {exc}", file=sys.stderr, flush=True)
+        status = USER_ERROR_EXIT
+    except KeyboardInterrupt as exc:
+        status = 143 if isinstance(exc, Stopped) else 130
+    sys.stderr.flush()
+    os._exit(status)  # every rank the same way; the launcher stops the others
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class Stopped(KeyboardInterrupt):
@@ -171,7 +233,7 @@ def main(cfg: DictConfig) -> None:
     """
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        res = run_prediction(cfg)
+        res = run_prediction(cfg, fork=True)
     except KeyboardInterrupt as exc:
         what = "SIGTERM" if isinstance(exc, Stopped) else "Ctrl-C"
         print(f"seg-predict: stopped by {what}; the finished tiles are kept in the store: run "

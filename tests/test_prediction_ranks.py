@@ -1,0 +1,94 @@
+"""Local ranks of ``seg-predict processes=N`` are forked from the command's process: they
+run OpenMP, give the one-process output, and stop together on SIGTERM, resumably."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from prediction_helpers import chunks_written, env, predict_cmd, seg_predict
+
+from seg_at_scale.io import read_raster
+
+# ``python -c`` cannot be re-run as a script, so only forked ranks can start from it; the
+# faked 4 cores give each of 2 ranks 2 OpenMP threads, which hang in a fork if the
+# launching process had run OpenMP before forking.
+_FOUR_CORES = ("import os, sys; os.sched_getaffinity = lambda pid: {0, 1, 2, 3}; "
+               "from seg_at_scale.cli.predict import main; "
+               "sys.argv = ['seg-predict', *sys.argv[1:]]; main()")
+
+
+def _forked_cmd(run, image, out, *overrides):
+    return [sys.executable, "-c", _FOUR_CORES, *predict_cmd(run, image, out, *overrides)[3:]]
+
+
+def _env_without_thread_count():
+    return {k: v for k, v in env().items() if k != "OMP_NUM_THREADS"}
+
+
+def test_forked_ranks_run_openmp_and_equal_one_process(cli_case, tmp_path):
+    run, image = cli_case
+    ref = tmp_path / "one" / "mask.zarr"
+    seg_predict(run, image, ref, "tile_size=64", "probabilities=uint8")
+    out = tmp_path / "two" / "mask.zarr"
+    proc = subprocess.run(_forked_cmd(run, image, out, "tile_size=64", "processes=2",
+                                      "probabilities=uint8"),
+                          capture_output=True, text=True, env=_env_without_thread_count(),
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert res["processes"] == 2 and res["threads"] == 2
+    assert res["tiles_computed"] < res["tiles"]  # rank 0's share only
+    for name in ("labels", "probabilities"):
+        for chunk in (ref / name / "c").rglob("*"):
+            if chunk.is_file():
+                twin = out / name / "c" / chunk.relative_to(ref / name / "c")
+                assert twin.read_bytes() == chunk.read_bytes(), twin
+
+
+def test_forked_ranks_refuse_bad_input_once(cli_case, tmp_path):
+    run, image = cli_case
+    proc = subprocess.run(_forked_cmd(run, image, tmp_path / "m.tif", "processes=2", "q=1"),
+                          capture_output=True, text=True, env=_env_without_thread_count(),
+                          timeout=240)
+    assert proc.returncode == 2
+    assert proc.stderr.count("seg-predict: error: processes=2 but the grid") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_launcher_stops_every_rank_and_the_rerun_completes(cli_case, tmp_path, sig):
+    """SIGTERM or SIGKILL to the launching process alone (``kill PID``, the OOM killer):
+    no rank goes on; after SIGTERM it exits 143 with the resume hint; the same command
+    completes the prediction with the uninterrupted bytes."""
+    run, image = cli_case
+    ref = tmp_path / "ref" / "mask.tif"
+    seg_predict(run, image, ref, "tile_size=64")
+    out = tmp_path / "killed" / "mask.tif"
+    out.parent.mkdir()
+    cmd = predict_cmd(run, image, out, "tile_size=64", "processes=2")
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    store = out.with_name(".mask.tif.zarr")
+    deadline = time.time() + 120
+    while chunks_written(store) < 4 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    ranks = psutil.Process(proc.pid).children()
+    assert len(ranks) == 2
+    proc.send_signal(sig)
+    proc.wait(60)
+    assert proc.returncode == (143 if sig == signal.SIGTERM else -9) and not out.exists()
+    if sig == signal.SIGTERM:
+        assert "run the same command again to resume" in proc.stderr.read().decode()
+    psutil.wait_procs(ranks, timeout=20)
+    assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)
+    done = chunks_written(store)
+    res = seg_predict(run, image, out, "tile_size=64", "processes=2")
+    assert res["tiles_resumed"] >= done - 2  # chunks being renamed at the stop may count
+    assert res["tiles_computed"] > 0  # the ranks stopped with work left
+    assert out.read_bytes() == ref.read_bytes()
+    assert read_raster(out).tobytes() == read_raster(ref).tobytes()
