@@ -207,14 +207,11 @@ class _Interrupt(Normalizer):
         super().__init__()
         object.__setattr__(self, "left", [after])
 
-    def __call__(self, x):
-        return super().__call__(x)
-
-    def rescale(self, x):
+    def apply_(self, x):  # the engine normalises each batch on the model's thread
         self.left[0] -= 1
         if self.left[0] < 0:
             raise KeyboardInterrupt
-        return super().rescale(x)
+        return super().apply_(x)
 
 
 @pytest.mark.parametrize(("output", "extra", "message"), [
@@ -290,3 +287,35 @@ def test_zarr_output_opens_in_xarray_with_coordinates(tmp_path, one_torch_thread
     np.testing.assert_allclose(ds.x.values, x0 + dx * (np.arange(131) + 0.5))
     np.testing.assert_allclose(ds.y.values, y0 + dy * (np.arange(97) + 0.5))
     assert "UTM" in ds["spatial_ref"].attrs["crs_wkt"]
+
+
+@pytest.mark.parametrize("fill", ["constant", "reflect"])
+@pytest.mark.parametrize(("dtype", "nodata"), [("uint8", None), ("uint16", 7), ("float32", None)])
+def test_engine_inputs_are_the_bits_of_the_numpy_windows(tmp_path, fill, dtype, nodata):
+    """The engine reads raw windows and normalises them with torch on the model's thread:
+    the same bits as the numpy windows of training, borders, no-data and per-band
+    statistics included, in both memory layouts."""
+    from seg_at_scale.data.windows import RasterWindows
+    from seg_at_scale.io import RasterReader, write_raster
+    from seg_at_scale.tiling import Window
+    from seg_at_scale.tiling.geometry import inside
+
+    rng = np.random.default_rng(3)
+    img = (rng.random((3, 53, 71)) * (255 if dtype == "uint8" else 4000)).astype(dtype)
+    img[:, 10:14, 20:30] = 7 if nodata is not None else img[:, 10:14, 20:30]
+    path = write_raster(tmp_path / "a.tif", img, tile=(16, 16), nodata=nodata)
+    norm = Normalizer(1 / 255, (0.5, 0.4, 0.3), (0.25, 0.2, 0.3))
+    windows = [Window(-9, -13, 40, 48), Window(30, 40, 40, 48), Window(5, 12, 20, 20),
+               Window(-9, 40, 71, 40)]
+    with RasterReader(path) as reader:
+        src = RasterWindows(reader, norm, fill)
+        for w in windows:
+            want, want_bad = src.read(w)
+            raw, bad = src.load(w)
+            for cl in (False, True):
+                got = src.prepare([torch.from_numpy(raw)[None]], [inside(w, 53, 71)], cl)
+                assert got.dtype == torch.float32 and got.shape == (1, *want.shape)
+                assert got[0].numpy().tobytes() == np.ascontiguousarray(want).tobytes(), w
+            assert (bad is None) == (want_bad is None)
+            if bad is not None:
+                np.testing.assert_array_equal(bad, want_bad)

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from seg_at_scale.errors import InputError
 
@@ -51,3 +53,18 @@ class Normalizer:
         x -= mean
         x /= std
         return x
+
+    def apply_(self, x: Tensor) -> Tensor:
+        """Normalise raw samples already cast to ``x`` (float32 ``[..., C, h, w]``) in place.
+
+        The same float32 operations, in the same order, as :meth:`__call__`: the same bits,
+        computed by torch's threads (on the model's thread or its GPU) instead of numpy's
+        one.
+        """
+        c = x.shape[-3]
+        mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).reshape(-1, 1, 1)
+        std = torch.tensor(self.std, dtype=x.dtype, device=x.device).reshape(-1, 1, 1)
+        if mean.shape[0] not in (1, c) or std.shape[0] not in (1, c):
+            self.standardize(np.zeros((c, 1, 1), np.float32))  # the same message
+        x.mul_(torch.tensor(np.float32(self.scale), dtype=x.dtype, device=x.device))
+        return x.sub_(mean).div_(std)

@@ -14,8 +14,11 @@ normalising (a raw zero normalises to ``-mean / std``, which no padding produces
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io.raster import RasterReader
@@ -24,9 +27,11 @@ from seg_at_scale.tiling.geometry import Fill, Window, inside
 
 __all__ = ["RasterWindows", "zero_outside"]
 
+A = TypeVar("A", np.ndarray, Tensor)
 
-def zero_outside(x: np.ndarray, keep: tuple[slice, slice]) -> np.ndarray:
-    """Zero ``x[..., h, w]`` outside ``keep`` (in place; returns ``x``)."""
+
+def zero_outside(x: A, keep: tuple[slice, slice]) -> A:
+    """Zero ``x[..., h, w]`` (array or tensor) outside ``keep`` (in place; returns ``x``)."""
     rows, cols = keep
     h, w = x.shape[-2:]
     x[..., : rows.start, :] = 0
@@ -80,3 +85,28 @@ class RasterWindows:
         """Model input ``[C, h, w]`` float32 for ``window`` and its no-data mask (or None)."""
         x, keep, invalid = self.rescaled(window)
         return self.finish(x, keep), invalid
+
+    # -- the tile engine's two halves (seg_at_scale.tiling.engine) --------------------------
+
+    def load(self, window: Window) -> tuple[np.ndarray, np.ndarray | None]:
+        """Raw samples of ``window`` (fill rule applied, no-data zeroed), no-data mask.
+
+        The engine's reader thread only reads; :meth:`prepare` does the arithmetic.
+        """
+        return read_valid(self.reader, window, self.fill)
+
+    def prepare(self, raws: list[Tensor], keeps: list[tuple[slice, slice]],
+                channels_last: bool) -> Tensor:
+        """Model input ``[n, C, h, w]`` float32 from raw windows ``[1, C, h, w]``.
+
+        The windows are tensors of one input size. They are cast, then
+        :meth:`Normalizer.apply_` and the fill rule outside ``keeps`` act in place (the
+        same bits as :meth:`read`, on torch's threads), then the batch takes the model's
+        memory layout. ``keeps`` are the parts inside the image, in each window's frame.
+        """
+        x = torch.cat(raws).to(torch.float32)  # [n, C, h, w]: per-band planes, fast below
+        self.normalizer.apply_(x)
+        if self.fill == "constant":
+            for k, keep in enumerate(keeps):
+                zero_outside(x[k], keep)
+        return x.contiguous(memory_format=torch.channels_last) if channels_last else x

@@ -281,8 +281,11 @@ class RasterReader:
             return out  # entirely outside, constant fill
         r0, r1 = int(rows[vr].min()), int(rows[vr].max()) + 1
         c0, c1 = int(cols[vc].min()), int(cols[vc].max()) + 1
-        box = self._read_box(r0, r1, c0, c1, mask)
-        out[:, vr[:, None], vc[None, :]] = box[:, (rows[vr] - r0)[:, None], (cols[vc] - c0)[None]]
+        box = _take(_take(self._read_box(r0, r1, c0, c1, mask), rows[vr] - r0, 1),
+                    cols[vc] - c0, 2)
+        # the pixels inside are one block of the window (constant: the rest stays 0;
+        # reflect: the block is the whole window)
+        out[:, vr[0] : vr[-1] + 1, vc[0] : vc[-1] + 1] = box
         return out
 
     def _read_box(self, r0: int, r1: int, c0: int, c1: int, mask: bool = False) -> np.ndarray:
@@ -334,6 +337,13 @@ class RasterReader:
         if len(data) != count:
             raise OSError(f"short read at byte {offset}: {len(data)} of {count} bytes")
         return data
+
+
+def _take(a: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:
+    """``a.take(index, axis)``, a view when ``index`` is one increasing run (no copy)."""
+    if index.size and index[-1] - index[0] == index.size - 1 and (np.diff(index) == 1).all():
+        return a[(slice(None),) * axis + (slice(int(index[0]), int(index[-1]) + 1),)]
+    return a.take(index, axis=axis)
 
 
 def read_raster(path: str | os.PathLike[str], *, nodata: float | None = None) -> np.ndarray:

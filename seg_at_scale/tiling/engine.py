@@ -30,17 +30,31 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from seg_at_scale.tiling.geometry import Footprint, Tile, Window, cover
+from seg_at_scale.tiling.geometry import Footprint, Tile, Window, cover, inside
 
 __all__ = ["WindowSource", "TensorWindows", "Batch", "plan_batches", "D4", "TTA",
            "run_batches", "BatchOutput"]
 
 
 class WindowSource(Protocol):
-    """Anything that reads model inputs by window (image coordinates, may reach outside)."""
+    """Model inputs by window (image coordinates, may reach outside), in two halves.
 
-    def read(self, window: Window) -> tuple[Any, np.ndarray | None]:
-        """Input ``[C, h, w]`` (numpy or tensor) and its no-data mask ``[h, w]`` or None."""
+    ``load`` runs on the engine's reader thread and should only read; ``prepare`` runs on
+    the model's thread (after the copy to its device), where torch's threads do the
+    arithmetic without competing with them.
+    """
+
+    def load(self, window: Window) -> tuple[Any, np.ndarray | None]:
+        """Raw window ``[C, h, w]`` or ``[B, C, h, w]`` (numpy or tensor), no-data mask."""
+        ...
+
+    def prepare(self, raws: list[Tensor], keeps: list[tuple[slice, slice]],
+                channels_last: bool) -> Tensor:
+        """The model input ``[n, C, h, w]`` of equal-size raw windows ``[B, C, h, w]``.
+
+        ``n`` is their B summed; ``keeps`` are the parts inside the image in each window's
+        frame (for the fill rule).
+        """
         ...
 
 
@@ -51,10 +65,15 @@ class TensorWindows:
     image: Tensor
     fp: Footprint
 
-    def read(self, window: Window) -> tuple[Tensor, None]:
+    def load(self, window: Window) -> tuple[Tensor, None]:
         from seg_at_scale.tiling.predict import read_window  # the tensor fill rule
 
         return read_window(self.image, window, self.fp), None
+
+    def prepare(self, raws: list[Tensor], keeps: list[tuple[slice, slice]],
+                channels_last: bool) -> Tensor:
+        x = torch.cat(raws)  # already the model's input, filled outside
+        return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
 
 @dataclass(frozen=True)
@@ -181,7 +200,7 @@ def run_batches(model: nn.Module, source: WindowSource, batches: Sequence[Batch]
            else contextlib.nullcontext())
 
     def load(job: tuple[Batch, D4]) -> tuple[Any, ...]:
-        return _load(source, job, height, width, fp, device, stream, channels_last)
+        return _load(source, job, height, width, fp, device, stream)
 
     acc: list[Tensor] = []
     masks: list[np.ndarray | None] = []
@@ -197,7 +216,8 @@ def run_batches(model: nn.Module, source: WindowSource, batches: Sequence[Batch]
                 on_read(seconds, waited)
             if event is not None:
                 torch.cuda.current_stream(device).wait_event(event)
-            cores = _forward(model, groups, g, tta is not None, len(batch.tiles))
+            cores = _forward(model, source, groups, g, tta is not None, len(batch.tiles),
+                             channels_last)
             if g == views[0]:  # the identity: its no-data masks are the tiles'
                 acc, masks = cores, invalid
             else:
@@ -208,48 +228,48 @@ def run_batches(model: nn.Module, source: WindowSource, batches: Sequence[Batch]
 
 
 def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
-          fp: Footprint, device: torch.device, stream: Any, channels_last: bool
+          fp: Footprint, device: torch.device, stream: Any
           ) -> tuple[list[_Group], list[np.ndarray | None], Any, float]:
-    """Read a batch's windows in the view ``g``; group equal input sizes into tensors."""
+    """Read a batch's raw windows in the view ``g``, grouped by input size.
+
+    On CUDA they are copied (pinned, on the side stream) to the device.
+    """
     t0 = time.perf_counter()
     batch, g = job
     th, tw = g.shape(height, width)
-    by_size: dict[tuple[int, int], list[tuple[int, Tile, Any]]] = {}
+    by_size: dict[tuple[int, int], _Group] = {}
     invalid: list[np.ndarray | None] = []
     for i, tile in enumerate(batch.tiles):
         view = cover(g.from_source(tile.core, height, width), th, tw, fp)
-        x, bad = source.read(g.to_source(view.read, height, width))
-        x = g.apply(x if isinstance(x, Tensor) else torch.from_numpy(np.ascontiguousarray(x)))
-        by_size.setdefault(tuple(x.shape[-2:]), []).append((i, view, x))
+        raw, bad = source.load(g.to_source(view.read, height, width))
+        x = g.apply(raw if isinstance(raw, Tensor) else torch.from_numpy(np.ascontiguousarray(raw)))
+        grp = by_size.setdefault(tuple(x.shape[-2:]), _Group([], [], [], [], x.dim() == 4))
+        grp.index.append(i)
+        grp.raws.append(x if x.dim() == 4 else x[None])
+        grp.views.append(view)
+        grp.keeps.append(inside(view.read, th, tw))
         if g == D4():
             invalid.append(None if bad is None else _core_mask(bad, tile))
-    groups, event = [], None
-    for items in by_size.values():
-        batched = items[0][2].dim() == 4  # a tensor source reads [B, C, h, w] per tile
-        x = torch.cat([t for _, _, t in items]) if batched else \
-            torch.stack([t for _, _, t in items])
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        if stream is not None:
-            x = x.pin_memory()
-            with torch.cuda.stream(stream):
-                x = x.to(device, non_blocking=True)
-        else:
-            x = x.to(device)
-        groups.append(_Group([i for i, _, _ in items], x, [v for _, v, _ in items], batched))
+    event = None
     if stream is not None:
+        for grp in by_size.values():
+            x = torch.cat(grp.raws).pin_memory()  # raw samples: uint8 is 4x fewer bytes
+            with torch.cuda.stream(stream):
+                grp.raws = list(x.to(device, non_blocking=True).split(
+                    [r.shape[0] for r in grp.raws]))
         event = torch.cuda.Event()
         event.record(stream)
-    return groups, invalid, event, time.perf_counter() - t0
+    return list(by_size.values()), invalid, event, time.perf_counter() - t0
 
 
 @dataclass
 class _Group:
-    """Tiles of one batch with one input size, stacked: ``x [n * B, C, h, w]``."""
+    """Tiles of one batch with one input size: raw windows ``[B, C, h, w]`` each."""
 
     index: list[int]
-    x: Tensor
+    raws: list[Tensor]
     views: list[Tile]
+    keeps: list[tuple[slice, slice]]
     batched: bool
 
 
@@ -258,14 +278,15 @@ def _core_mask(bad: np.ndarray, tile: Tile) -> np.ndarray:
     return bad[r : r + tile.core.height, c : c + tile.core.width]
 
 
-def _forward(model: nn.Module, groups: list[_Group], g: D4, softmax: bool, n: int
-             ) -> list[Tensor]:
+def _forward(model: nn.Module, source: WindowSource, groups: list[_Group], g: D4,
+             softmax: bool, n: int, channels_last: bool) -> list[Tensor]:
     """Core outputs per tile (``[K, h, w]``, or ``[B, K, h, w]`` when batched), source frame."""
     out: list[Tensor] = [torch.empty(0)] * n
     for grp in groups:
-        if grp.x.is_cuda:
-            grp.x.record_stream(torch.cuda.current_stream(grp.x.device))
-        y = model(grp.x)
+        if grp.raws[0].is_cuda:
+            for raw in grp.raws:
+                raw.record_stream(torch.cuda.current_stream(raw.device))
+        y = model(source.prepare(grp.raws, grp.keeps, channels_last))
         if softmax:
             y = torch.softmax(y.float(), dim=1)
         per = y.shape[0] // len(grp.index)
