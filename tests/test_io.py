@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tifffile
+from io_helpers import CountingFile, make_array
 from PIL import Image
 
 from seg_at_scale.errors import InputError, OutputExistsError
@@ -26,9 +26,6 @@ from seg_at_scale.io import preview as preview_mod
 from seg_at_scale.io import raster as raster_mod
 from seg_at_scale.io.preview import default_palette
 from seg_at_scale.tiling.geometry import Window
-
-sys.path.insert(0, str(Path(__file__).parent))
-from io_helpers import CountingFile, make_array  # noqa: E402
 
 H, W = 301, 257  # not multiples of the tile / strip sizes
 TILE = (64, 48)
