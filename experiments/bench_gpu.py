@@ -8,7 +8,7 @@ Sections (each catches its own exception and records its text, so a GPU run give
 figure it can; an out-of-memory step is a figure, ``fits: false``):
 
 * ``matmul_peak``: best ``a @ b`` TFLOP/s in fp32 (TF32 off), TF32 and bf16;
-* ``unet_forward``: the U-Net forward (``conf/model_size`` small, medium, large) in TFLOP/s
+* ``unet_forward``: the U-Net forward (``conf/model/unet_*``: small, medium, large) in TFLOP/s
   and as a fraction of the matching matmul peak, eager and ``torch.compile``;
 * ``prediction``: the streaming predictor (``predict_raster``, bf16 + channels_last, on a
   generated TIFF) vs the bare model on device-resident tiles: the gap is I/O and copies;

@@ -35,7 +35,7 @@ from seg_at_scale.sweeps.report import collect_trials
 
 SIDE = 384
 SPLITS = {"train": 4, "val": 1, "test": 1}
-TRIAL = ["model_size=tiny", "logger=csv", "trainer.enable_progress_bar=false",
+TRIAL = ["model=unet_tiny", "logger=csv", "trainer.enable_progress_bar=false",
          f"data.synthetic.height={SIDE}", f"data.synthetic.width={SIDE}",
          "data.synthetic.splits={train:4,val:1,test:1}", "tiling.core_size=64",
          "tiling.batch_size=8", "tiling.samples_per_epoch=64", "tiling.tile_size=256",

@@ -1,8 +1,8 @@
 """Prediction at scale on this machine: 1 process x 2 threads vs 2 processes x 1 thread,
 resume cost, streaming efficiency, and a projection to more ranks.
 
-    .venv/bin/python experiments/bench_predict_scale.py --run runs/same_small/<date>   # 20000^2
-    .venv/bin/python experiments/bench_predict_scale.py --quick                          # 3000^2
+    .venv/bin/python experiments/bench_predict_scale.py --run runs/same_unet_small/<date>  # 20000^2
+    .venv/bin/python experiments/bench_predict_scale.py --quick                         # 3000^2
 
 Everything is ``seg-predict`` as a user runs it (a subprocess, fast path: bf16 autocast +
 channels_last, output a Cloud-Optimized GeoTIFF), on the synthetic 4-band scene written

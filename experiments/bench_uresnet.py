@@ -192,7 +192,7 @@ def learn(args: argparse.Namespace) -> None:
     load0 = os.getloadavg()
     tmp = Path(args.workdir)
     run = Path(args.run) if args.run else tmp / f"run_{time.strftime('%H%M%S')}"
-    overrides = ["experiment=cosmic_uresnet", "model_size=uresnet_small",
+    overrides = ["experiment=cosmic_uresnet", "model=uresnet_small",
                  "data.synthetic.height=320", "data.synthetic.width=512",
                  "data.synthetic.options.downsample=4",
                  "data.synthetic.splits={train:64,val:8}", f"data.root={tmp / 'data'}",

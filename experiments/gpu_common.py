@@ -73,9 +73,10 @@ def sizes_for(quick: bool, **overrides: Any) -> Sizes:
 
 
 def unet_from_conf(size: str) -> UNet:
-    """A 4-band, 5-class same-padding U-Net of ``conf/model_size/<size>.yaml`` (seeded)."""
+    """A 4-band, 5-class same-padding U-Net of ``conf/model/unet_<size>.yaml`` (seeded)."""
     torch.manual_seed(0)
-    shape = OmegaConf.to_container(OmegaConf.load(CONF / "model_size" / f"{size}.yaml"))
+    shape = OmegaConf.to_container(OmegaConf.load(CONF / "model" / f"unet_{size}.yaml"))
+    shape.pop("defaults")  # type: ignore[union-attr]  # the family's keys, set here
     return UNet(in_channels=4, num_classes=5, padding="same", **shape)  # type: ignore[arg-type]
 
 

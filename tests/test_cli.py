@@ -12,6 +12,7 @@ import pytest
 import torch
 from cli_helpers import run_train
 from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from seg_at_scale.cli.predict import load_run, run_prediction
 from seg_at_scale.data.normalize import Normalizer
@@ -19,12 +20,13 @@ from seg_at_scale.errors import OutputExistsError
 from seg_at_scale.io import RasterReader, read_raster
 from seg_at_scale.tiling import predict_full
 
-CONF = str(Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf")
+CONF_PATH = Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf"
+CONF = str(CONF_PATH)
 # U-Net experiments; those of other model families (an `override /model:` line, e.g. the
 # cosmic UResNet ones) are composed and run by their own tests with their own tiny sizes.
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml")
                      if "override /model:" not in p.read_text())
-TINY = ["trainer=fast", "logger=csv", "model_size=tiny", "data.synthetic.height=157",
+TINY = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=157",
         "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
         "tiling.tile_size=96", "predict.tile_size=96"]
 
@@ -119,3 +121,36 @@ def test_hparams_search_composes_a_sweep_on_val_miou():
     assert cfg.optimized_metric == "val/miou"
     assert cfg.callbacks.model_checkpoint.monitor == cfg.optimized_metric
     assert "task.optimizer.lr" in cfg.hydra.sweeper.params
+
+
+@pytest.mark.parametrize("model", ["gscnn_large", "uresnet_pipe_small", "unet_wide"])
+def test_a_size_of_another_family_fails_at_composition_listing_the_models(model):
+    """A model is ``<family>_<size>``: a wrong pairing cannot compose, and Hydra lists the
+    models there are."""
+    from hydra.errors import MissingConfigException
+
+    with initialize_config_dir(CONF, version_base="1.3"), \
+            pytest.raises(MissingConfigException) as err:
+        compose("train", overrides=[f"model={model}"])
+    message = str(err.value)
+    assert f"Could not find 'model/{model}'" in message
+    listed = message.split("Available options in 'model':")[1].split()
+    assert {"unet_small", "gscnn_wide", "uresnet_cosmic"} <= set(listed)
+    assert model not in listed
+
+
+def test_each_model_composes_into_its_own_family():
+    """Every ``conf/model/<family>_<size>.yaml`` composes and builds its family's network."""
+    from seg_at_scale.models import GSCNN, UNet, UResNet
+
+    family = {"unet": UNet, "gscnn": GSCNN, "uresnet": UResNet}
+    models = sorted((CONF_PATH / "model").glob("*.yaml"))
+    assert len(models) == 15
+    with initialize_config_dir(CONF, version_base="1.3"):
+        for path in models:
+            if path.stem in ("unet_pipe_large", "gscnn_wide"):  # hundreds of MB of weights
+                continue
+            cfg = compose("train", overrides=[f"model={path.stem}"])
+            assert "defaults" not in cfg.model
+            net = instantiate(cfg.model)
+            assert isinstance(net, family[path.stem.split("_")[0]]), path.stem

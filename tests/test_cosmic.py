@@ -258,7 +258,7 @@ def test_metrics_match_definitions_per_plane_and_averaged():
 
 # ----- configs --------------------------------------------------------------------------
 
-TINY = ["trainer=fast", "logger=csv", "model_size=uresnet_tiny", "data.synthetic.height=96",
+TINY = ["trainer=fast", "logger=csv", "model=uresnet_tiny", "data.synthetic.height=96",
         "data.synthetic.width=160", "data.synthetic.splits={train:2,val:1}"]
 
 
@@ -320,7 +320,7 @@ def test_docstring_examples(name):
 def test_real_file_experiment_converts_and_trains_a_fast_step(tmp_path):
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "experiment=cosmic_uresnet",
            "data=cosmic_h5", "data.synthetic.options.downsample=4", "trainer=fast",
-           "logger=csv", "model_size=uresnet_tiny", f"data.synthetic.options.path={REAL}",
+           "logger=csv", "model=uresnet_tiny", f"data.synthetic.options.path={REAL}",
            f"hydra.run.dir={tmp_path / 'run'}"]
     env = {"SEG_DATA_DIR": str(tmp_path / "data"), "PATH": "/usr/bin:/bin"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)

@@ -127,7 +127,7 @@ def test_twin_halo_equals_the_full_models_probe():
 
 
 def test_bad_arguments_are_refused_with_the_fix():
-    with pytest.raises(ConfigError, match="model_size=gscnn_"):
+    with pytest.raises(ConfigError, match="model=gscnn_<"):
         GSCNN(in_channels=4, num_classes=3, levels=4)
     with pytest.raises(ConfigError, match="model.norm='group'"):
         GSCNN(norm="group")

@@ -15,7 +15,7 @@ from seg_at_scale.models import UNet
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe
 from seg_at_scale.tiling import predict_tiled
 
-TINY = ["logger=csv", "model_size=tiny", "data.synthetic.height=157",
+TINY = ["logger=csv", "model=unet_tiny", "data.synthetic.height=157",
         "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
         "predict.tile_size=96", "predict.fast=false", "trainer.enable_progress_bar=false",
         "trainer.num_sanity_val_steps=0"]

@@ -91,7 +91,7 @@ def test_seg_train_stops_on_a_nan_before_training(tmp_path, scene_files) -> None
     image[0, 5, 5] = np.nan
     write_raster(root / "val" / "s1_image.tif", image, overwrite=True)
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "data=tiff", f"data.root={root}",
-           "data.bands=4", "data.num_classes=5", "logger=csv", "model_size=tiny",
+           "data.bands=4", "data.num_classes=5", "logger=csv", "model=unet_tiny",
            f"hydra.run.dir={tmp_path / 'run'}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={"PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"})

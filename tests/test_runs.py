@@ -19,7 +19,7 @@ from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import write_raster
 
-TINY = ["trainer=fast", "logger=csv", "model_size=tiny", "data.synthetic.height=157",
+TINY = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=157",
         "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
         "tiling.tile_size=96", "predict.tile_size=96"]
 
@@ -42,7 +42,7 @@ def test_rerun_with_another_config_is_refused_and_changes_no_file(tmp_path: Path
     run = tmp_path / "run"
     before = snapshot(run)
     assert ".hydra/config.yaml" in before and "run_config.yaml" in before
-    out = seg_train(tmp_path, *TINY, "predict_after_fit=false", "model_size=small",
+    out = seg_train(tmp_path, *TINY, "predict_after_fit=false", "model=unet_small",
                     f"hydra.run.dir={run}")
     assert out.returncode == 2
     message = out.stderr.strip()
@@ -71,7 +71,7 @@ def test_readme_own_tiffs_command_trains_predicts_and_saves_its_numbers(tmp_path
     write_uint16_scenes(root)
     summary = run_train(tmp_path, "run", "data=tiff", f"data.root={root}", "data.bands=4",
                         "data.num_classes=4", "data.num_workers=0", "trainer=fast", "logger=csv",
-                        "model_size=tiny", "tiling.tile_size=96", "predict.tile_size=96")
+                        "model=unet_tiny", "tiling.tile_size=96", "predict.tile_size=96")
     assert 0.0 <= summary["test"][0]["miou"] <= 1.0  # no class names given: class_k
     saved = yaml.safe_load((tmp_path / "run" / "run_config.yaml").read_text())
     assert saved["data"]["class_names"] == ["class_0", "class_1", "class_2", "class_3"]

@@ -18,7 +18,7 @@ from cli_helpers import run_train
 from seg_at_scale.tasks.interrupt import SaveOnStop, newest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["trainer=fast", "logger=csv", "model_size=tiny", "data.synthetic.height=157",
+TINY = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=157",
         "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
         "tiling.tile_size=96", "predict_after_fit=false", "tiling.samples_per_epoch=16",
         "tiling.batch_size=2", "trainer.limit_train_batches=4", "trainer.limit_val_batches=1"]

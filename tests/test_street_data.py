@@ -148,7 +148,7 @@ def test_taco_bad_annotations_are_named(tmp_path):
 
 # ----- every Gated-SCNN config runs a fast step --------------------------------------------
 
-TINY = ["trainer=fast", "logger=none", "model_size=gscnn_tiny", "tiling.core_size=32",
+TINY = ["trainer=fast", "logger=none", "model=gscnn_tiny", "tiling.core_size=32",
         "tiling.batch_size=2", "tiling.samples_per_epoch=4", "tiling.tile_size=400",
         "tiling.augment=null", "task.channels_last=false"]
 
@@ -176,7 +176,7 @@ def _check(metrics: dict[str, float]) -> None:
 
 
 def test_streets_config_runs_a_fast_step(tmp_path):
-    _check(_fast_fit(tmp_path, ["model=gscnn", "data=streets", "task=gscnn",
+    _check(_fast_fit(tmp_path, ["data=streets", "task=gscnn",
                                 f"data.root={tmp_path / 'streets'}", "data.synthetic.height=96",
                                 "data.synthetic.width=136",
                                 "data.synthetic.splits={train:1,val:1}"]))
@@ -208,8 +208,8 @@ def test_taco_waste_experiment_runs_a_fast_step(tmp_path):
 
 @pytest.mark.slow
 def test_train_cli_on_streets_predicts_the_test_scene(tmp_path):
-    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "model=gscnn", "data=streets",
-           "task=gscnn", "trainer=fast", "logger=csv", "model_size=gscnn_tiny",
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "data=streets",
+           "task=gscnn", "trainer=fast", "logger=csv", "model=gscnn_tiny",
            "data.synthetic.height=96", "data.synthetic.width=136",
            "data.synthetic.splits={train:1,val:1,test:1}", "tiling.core_size=32",
            "tiling.samples_per_epoch=4", "tiling.batch_size=2", "tiling.tile_size=400",

@@ -30,7 +30,7 @@ from seg_at_scale.sweeps.study import INTERRUPTED, open_storage, open_study, sto
 from seg_at_scale.tasks.class_weights import scene_class_weights
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["trainer=fast", "logger=csv", "model_size=tiny", "data.synthetic.height=157",
+TINY = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=157",
         "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
         "tiling.tile_size=96", "predict.tile_size=96"]
 # 3 trials of 2 short epochs; lr spread wide enough that the objectives differ
@@ -305,7 +305,7 @@ def test_optuna_search_composes_every_choice_on_the_checkpoint_metric():
 
     with initialize_config_dir(str(REPO / "seg_at_scale" / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[
-            "hparams_search=optuna", "model_size=medium", "memory=checkpoint",
+            "hparams_search=optuna", "model=unet_medium", "memory=checkpoint",
             "tiling.core_size=192", "tiling.batch_size=16", "data.class_weight_power=0.5"],
             return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
@@ -314,7 +314,7 @@ def test_optuna_search_composes_every_choice_on_the_checkpoint_metric():
     assert cfg.callbacks.early_stopping.monitor == cfg.callbacks.trial_record.monitor == "val/miou"
     space = search_space(dict(sweeper.params), conditions=OmegaConf.to_container(
         sweeper.conditions))
-    assert {p.name for p in space.params} >= {"task.optimizer.lr", "model_size", "memory"}
+    assert {p.name for p in space.params} >= {"task.optimizer.lr", "model", "memory"}
     pruning = instantiate(cfg.callbacks.optuna_pruning)
     assert isinstance(pruning.pruner, optuna.pruners.MedianPruner)
     assert pruning.url.endswith("multirun/optuna_synthetic/optuna.db")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["trainer=fast", "logger=csv", "model_size=tiny", "data.synthetic.height=96",
+FAST = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=96",
         "data.synthetic.width=96", "data.synthetic.splits={train:1,val:1,test:1}",
         "tiling.tile_size=64", "predict.tile_size=64", "tiling.samples_per_epoch=4",
         "tiling.batch_size=2"]

@@ -2,7 +2,7 @@
 
 Run it::
 
-    seg-predict run=runs/same_small/<date> image=scene.tif output=scene_mask.tif
+    seg-predict run=runs/same_unet_small/<date> image=scene.tif output=scene_mask.tif
     seg-predict run=... image=big.tif output=big_mask.tif tile_size=2048 fast=false
     seg-predict run=... image=a.tif output=a_mask.tif mask=a_truth.tif   # also scores it
 

@@ -3,7 +3,7 @@
 Run it::
 
     seg-train                                   # synthetic data, small U-Net, ~5 min on 2 CPU cores
-    seg-train model_size=tiny tiling=grid tiling.q=2 trainer.max_epochs=5
+    seg-train model=unet_tiny tiling=grid tiling.q=2 trainer.max_epochs=5
     seg-train experiment=unet2015 logger=csv
     seg-train -m tiling.q=1,2,4 tiling=grid     # Hydra multirun sweep
     seg-train -m hparams_search=lr_sweep

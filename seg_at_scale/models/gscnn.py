@@ -182,8 +182,8 @@ class GSCNN(nn.Module):
         super().__init__()
         if unknown:
             raise ConfigError(
-                f"Gated-SCNN got unknown model keys {sorted(unknown)} (a U-Net model_size?); "
-                f"use model_size=gscnn_<{'|'.join(GSCNN_SIZES)}> with model=gscnn")
+                f"Gated-SCNN got unknown model keys {sorted(unknown)} (a U-Net size?); "
+                f"use model=gscnn_<{'|'.join(GSCNN_SIZES)}>")
         self.size = GSCNNSize(stem_width, tuple(widths), tuple(blocks),  # type: ignore[arg-type]
                               tuple(shape_widths), aspp_width, tuple(aspp_rates),  # type: ignore[arg-type]
                               decoder_width)

@@ -5,19 +5,19 @@ Each parameter is a config key and a Hydra sweep expression, as on the command l
 * ``choice(tiny, small, medium)``: categorical;
 * ``interval(0.0, 1.0)``: float, uniform; ``tag(log, interval(1e-4, 1e-2))``: log-uniform;
 * ``range(2, 9)`` / ``range(2, 9, 2)``: integers ``2 .. 8`` (Hydra's stop is exclusive);
-* anything else (``model_size=tiny``): a fixed override passed to every trial.
+* anything else (``model=unet_tiny``): a fixed override passed to every trial.
 
-A parameter may be *conditional*: ``conditions={"memory": {"model_size": ["medium"]}}``
-samples ``memory`` only in trials whose ``model_size`` is ``medium``; other trials keep the
+A parameter may be *conditional*: ``conditions={"memory": {"model": ["unet_medium"]}}``
+samples ``memory`` only in trials whose ``model`` is ``unet_medium``; other trials keep the
 config's default. TPE models conditional parameters with ``group=True``.
 
->>> space = search_space({"model_size": "choice(tiny,small)",
+>>> space = search_space({"model": "choice(unet_tiny,unet_small)",
 ...                       "task.optimizer.lr": "tag(log, interval(1e-4, 1e-2))"},
 ...                      fixed=["trainer=fast"])
 >>> [p.name for p in space.params], space.fixed
-(['model_size', 'task.optimizer.lr'], ('trainer=fast',))
->>> space.overrides({"model_size": "tiny", "task.optimizer.lr": 0.001})
-['trainer=fast', 'model_size=tiny', 'task.optimizer.lr=0.001']
+(['model', 'task.optimizer.lr'], ('trainer=fast',))
+>>> space.overrides({"model": "unet_tiny", "task.optimizer.lr": 0.001})
+['trainer=fast', 'model=unet_tiny', 'task.optimizer.lr=0.001']
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Param:
     """One searched config key.
 
     Attributes:
-        name: the override key (``task.optimizer.lr``, ``model_size``, ``+x``).
+        name: the override key (``task.optimizer.lr``, ``model``, ``+x``).
         kind: ``categorical``, ``float`` or ``int``.
         choices: the categories (``categorical``).
         low: lowest value (``float``, ``int``).

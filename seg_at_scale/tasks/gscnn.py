@@ -206,7 +206,7 @@ class GSCNNTask(SegmentationTask):
                  boundary_tolerance: int = 3, **kwargs: Any) -> None:
         if not hasattr(getattr(model, "inner", model), "forward_dual"):
             raise ConfigError(f"task=gscnn needs a Gated-SCNN model (with forward_dual), got "
-                              f"{type(model).__name__}; use model=gscnn")
+                              f"{type(model).__name__}; use model=gscnn_<size>")
         ignore = int(kwargs.get("ignore_index", 255))
         super().__init__(model, num_classes, loss=loss or GSCNNLoss(num_classes, ignore),
                          **kwargs)
