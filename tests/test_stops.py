@@ -82,7 +82,7 @@ def fake_slurm(tmp: Path) -> dict[str, str]:
 def test_slurm_requeue_then_sigterm_then_the_requeued_job_resumes(tmp_path: Path) -> None:
     slurm = fake_slurm(tmp_path)
     proc = start(tmp_path, "trainer.max_epochs=1000", env=slurm)
-    run = tmp_path / "runs" / "same_tiny" / "4242"  # the job id names the run folder
+    run = tmp_path / "runs" / "same_unet_tiny" / "4242"  # the job id names the run folder
     last = run / "checkpoints" / "last.ckpt"
     wait_for(last, proc)
     proc.send_signal(signal.SIGUSR1)  # sbatch --signal=USR1@90: Lightning's requeue
