@@ -259,6 +259,9 @@ def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
                     [r.shape[0] for r in grp.raws]))
         event = torch.cuda.Event()
         event.record(stream)
+    elif device.type != "cpu":  # another accelerator: a plain copy
+        for grp in by_size.values():
+            grp.raws = [r.to(device) for r in grp.raws]
     return list(by_size.values()), invalid, event, time.perf_counter() - t0
 
 
