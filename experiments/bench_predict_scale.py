@@ -29,13 +29,16 @@ used; the throughput is the same, the output compresses better than a trained mo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -85,8 +88,10 @@ def fake_run(folder: Path) -> Path:
     return folder
 
 
-def bare(run: Path, image: Path, tile: int, rows: int) -> dict[str, Any]:
-    """The model alone on in-memory normalised tiles of the first grid rows (fast path)."""
+@contextlib.contextmanager
+def first_rows(run: Path, image: Path, tile: int, rows: int) -> Iterator[SimpleNamespace]:
+    """The run's network (fast path layout), the file's grid, its first ``rows`` grid rows
+    of tiles, their normalised inputs in memory, and the open file's windows."""
     cfg, net, _ = load_run(run)
     net = net.to(memory_format=torch.channels_last)
     with RasterReader(image) as reader:
@@ -96,15 +101,30 @@ def bare(run: Path, image: Path, tile: int, rows: int) -> dict[str, Any]:
         tiles = grid.tiles[: rows * grid.shape[1]]
         inputs = [torch.from_numpy(src.read(t.read)[0])[None].contiguous(
             memory_format=torch.channels_last) for t in tiles]
+        yield SimpleNamespace(net=net, grid=grid, src=src, tiles=tiles, inputs=inputs)
+
+
+def labels(y: torch.Tensor) -> None:
+    """Labels as the prediction writes them (argmax in NHWC, uint8, numpy)."""
+    y.contiguous(memory_format=torch.channels_last).argmax(1).to(torch.uint8).numpy()
+
+
+def bare_seconds(case: SimpleNamespace) -> float:
+    """The model alone on the in-memory inputs, cores cropped, labels made."""
+    t0 = time.perf_counter()
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-        for x in inputs:  # warm-up: oneDNN makes its kernels once per input size
-            net(x)
-        t0 = time.perf_counter()
-        for t, x in zip(tiles, inputs, strict=True):
+        for t, x in zip(case.tiles, case.inputs, strict=True):
             c = t.crop
-            y = net(x)[:, :, c.row : c.row_end, c.col : c.col_end]
-            y.contiguous(memory_format=torch.channels_last).argmax(1).to(torch.uint8)
-        seconds = time.perf_counter() - t0
+            labels(case.net(x)[:, :, c.row : c.row_end, c.col : c.col_end])
+    return time.perf_counter() - t0
+
+
+def bare(run: Path, image: Path, tile: int, rows: int) -> dict[str, Any]:
+    """The model alone on in-memory normalised tiles of the first grid rows (fast path)."""
+    with first_rows(run, image, tile, rows) as case:
+        bare_seconds(case)  # warm-up: oneDNN makes its kernels once per input size
+        seconds = bare_seconds(case)
+    tiles, grid = case.tiles, case.grid
     core = sum(t.core.area for t in tiles)
     return {"tiles": len(tiles), "seconds": round(seconds, 2),
             "mpix_per_s": round(core / 1e6 / seconds, 3),
@@ -121,43 +141,25 @@ def interleaved(run: Path, image: Path, tile: int, rows: int, repeats: int = 3
     the file (reader thread, normalisation on the model's thread). Alternating ``repeats``
     times cancels the drift of the shared cores that separate runs suffer.
     """
-    cfg, net, _ = load_run(run)
-    net = net.to(memory_format=torch.channels_last)
-    with RasterReader(image) as reader:
-        grid = make_grid(reader.height, reader.width, footprint(net), tile_size=tile,
-                         uniform=True)
-        src = RasterWindows(reader, normalizer_of(cfg.data), fill_of(grid.footprint))
-        tiles = grid.tiles[: rows * grid.shape[1]]
-        inputs = [torch.from_numpy(src.read(t.read)[0])[None].contiguous(
-            memory_format=torch.channels_last) for t in tiles]
-
-        def labels(y: torch.Tensor) -> None:
-            y.contiguous(memory_format=torch.channels_last).argmax(1).to(torch.uint8).numpy()
-
-        def bare_once() -> float:
-            t0 = time.perf_counter()
-            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-                for t, x in zip(tiles, inputs, strict=True):
-                    c = t.crop
-                    labels(net(x)[:, :, c.row : c.row_end, c.col : c.col_end])
-            return time.perf_counter() - t0
+    with first_rows(run, image, tile, rows) as case:
+        grid = case.grid
 
         def engine_once() -> float:
             t0 = time.perf_counter()
-            for res in run_batches(net, src, plan_batches(tiles, 1), height=grid.height,
-                                   width=grid.width, fp=grid.footprint,
+            for res in run_batches(case.net, case.src, plan_batches(case.tiles, 1),
+                                   height=grid.height, width=grid.width, fp=grid.footprint,
                                    device=torch.device("cpu"), autocast=torch.bfloat16,
                                    channels_last=True):
                 for y in res.outputs:
                     labels(y[None])
             return time.perf_counter() - t0
 
-        bare_once()  # warm-up: oneDNN makes its kernels once per input size
+        bare_seconds(case)  # warm-up: oneDNN makes its kernels once per input size
         bare_s, engine_s = [], []
         for _ in range(repeats):
-            bare_s.append(round(bare_once(), 2))
+            bare_s.append(round(bare_seconds(case), 2))
             engine_s.append(round(engine_once(), 2))
-    return {"tiles": len(tiles), "bare_s": bare_s, "engine_s": engine_s,
+    return {"tiles": len(case.tiles), "bare_s": bare_s, "engine_s": engine_s,
             "engine_vs_bare": round(sum(bare_s) / sum(engine_s), 3)}
 
 
