@@ -30,3 +30,13 @@ def _enable_huge_pages() -> None:
 
 
 _enable_huge_pages()
+
+
+def _register_resolvers() -> None:
+    """``${seg.*}`` of the shipped configs, so ``compose`` + ``instantiate`` work anywhere."""
+    from seg_at_scale.cli.resolvers import register_resolvers
+
+    register_resolvers()
+
+
+_register_resolvers()

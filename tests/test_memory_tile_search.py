@@ -11,10 +11,10 @@ import psutil
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from data_helpers import tiff_module
 from memory_helpers import CONF, assert_close, grads, tiny
 
 from seg_at_scale.cli.train import check_memory, resolve_auto_tile
-from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory import (
     GIB,
@@ -81,7 +81,7 @@ def test_auto_tile_size_needs_a_budget_and_no_q(tmp_path, scene_files):
         no_budget = compose("train", overrides=["tiling=grid", "tiling.q=null",
                                                 "tiling.tile_size=auto"])
     net = tiny()
-    dm = TileDataModule(str(tmp_path), net.footprint(), 4)
+    dm = tiff_module(tmp_path, net.footprint(), 4, tiling="random")
     with pytest.raises(ConfigError, match=r"tiling.tile_size=auto with tiling.q=2"):
         resolve_auto_tile(cfg, net, net.footprint(), dm, MemoryConfig())
     scene_files(tmp_path / "train", shape=(3, 203, 171), classes=4)
@@ -100,11 +100,11 @@ def test_auto_tile_size_fits_the_budget_measured_again(tmp_path, scene_files):
             "model.in_channels=3", "model.num_classes=4", "task.channels_last=false"])
     net = tiny()
     fp = net.footprint()
-    dm = TileDataModule(str(tmp_path), fp, 4, mode="grid", tile_size=None)
+    dm = tiff_module(tmp_path, fp, 4, tiling="grid", tile_size=None)
     memory = check_memory(cfg)
     resolve_auto_tile(cfg, net, fp, dm, memory)
     side = cfg.tiling.tile_size
-    assert isinstance(side, int) and dm.tile_size == side and (side - 2 * fp.context) % 4 == 0
+    assert isinstance(side, int) and dm.tiling.tile_size == side and (side - 2 * fp.context) % 4 == 0
     again = measure_step(net, side, StepSpec(memory, threads=1))
     assert again.fits and again.peak_bytes + host - again.base_bytes <= budget_gb * GIB, again
     # larger tiles cut the halo overhead: E at the chosen tile beats the smallest legal tile's

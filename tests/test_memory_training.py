@@ -36,7 +36,7 @@ def _fit(mode: str) -> tuple[dict[str, torch.Tensor], MemoryReport, pl.Trainer]:
     trainer = pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[report], accelerator="cpu")
-    task = SegmentationTask(apply_memory_mode(net, mode), 4)
+    task = SegmentationTask(apply_memory_mode(net, mode), 4, gradient_reduction="mean")
     trainer.fit(task, train_dataloaders=torch.utils.data.DataLoader(
         _batches(), batch_size=None))
     return net.state_dict(), report, trainer

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from data_helpers import group
 from seg_at_scale.cli.common import class_names_of
 from seg_at_scale.cli.data_setup import check_grids
 from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_sums
@@ -112,7 +113,7 @@ def test_seg_train_stops_on_a_nan_before_training(tmp_path, scene_files) -> None
 ])
 def test_tiling_values_are_refused_with_key_and_fix(values, fragment) -> None:
     with pytest.raises(ConfigError) as err:
-        tiling_config({"mode": "grid", "q": 2, **values})
+        tiling_config(group("tiling", "grid", **values))
     assert fragment in str(err.value)
 
 
@@ -126,8 +127,19 @@ def test_tiling_values_are_refused_with_key_and_fix(values, fragment) -> None:
 ])
 def test_data_values_are_refused_with_key_and_fix(values, fragment) -> None:
     with pytest.raises(ConfigError) as err:
-        data_config({"root": "x", "bands": 4, "num_classes": 5, **values})
+        data_config(group("data", "tiff", **{"root": "x", "bands": 4, "num_classes": 5,
+                                              "scale": 1.0, "class_weights": None, **values}))
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("name, option, key", [("tiling", "random", "batch_size"),
+                                               ("data", "streets", "ignore_index")])
+def test_a_group_without_a_key_is_refused_naming_it(name, option, key) -> None:
+    values = group(name, option, root="x") if name == "data" else group(name, option)
+    del values[key]
+    check = data_config if name == "data" else tiling_config
+    with pytest.raises(ConfigError, match=rf"the {name} group sets no {name}.{key}: add it"):
+        check(values)
 
 
 def test_class_names_default_and_length() -> None:

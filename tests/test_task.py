@@ -1,9 +1,10 @@
 import pytorch_lightning as pl
 import torch
+from data_helpers import tiff_module
 
-from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.models import UNet
 from seg_at_scale.tasks import SegmentationTask, poly_lr
+
 
 
 def test_poly_lr_decays_to_zero_after_warmup():
@@ -25,14 +26,15 @@ def test_grid_mode_steps_once_per_image_on_the_whole_image_gradient(tmp_path, sc
     scene_files(tmp_path / "val", name="v", shape=(3, 83, 97), seed=9)
     torch.manual_seed(0)
     net = UNet(3, 5, levels=2, base_width=4, padding="same")
-    dm = TileDataModule(str(tmp_path), net.footprint(), 5, mode="grid", q=2)
+    dm = tiff_module(tmp_path, net.footprint(), 5, tiling="grid", q=2)
     steps = []
 
     class Count(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             steps.append(trainer.global_step)
 
-    task = SegmentationTask(net, 5, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    task = SegmentationTask(net, 5, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                            gradient_reduction="sum")
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, callbacks=[Count()],
                          num_sanity_val_steps=0, accelerator="cpu")

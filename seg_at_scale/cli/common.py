@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -40,6 +41,13 @@ USER_ERROR_EXIT = 2  # exit status of a refused input or config (as argparse's u
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _own_error(exc: BaseException) -> SegAtScaleError | None:
+    """The project's error behind ``exc`` (Hydra's ``instantiate`` wraps what it raises)."""
+    while exc is not None and not isinstance(exc, SegAtScaleError):
+        exc = exc.__cause__  # type: ignore[assignment]
+    return exc
+
+
 def reports_errors(prog: str) -> Callable[[F], F]:
     """Decorate an entry point: the project's own errors print as one line, exit status 2.
 
@@ -60,10 +68,11 @@ def reports_errors(prog: str) -> Callable[[F], F]:
         def run(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
-            except SegAtScaleError as exc:
-                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            except (SegAtScaleError, InstantiationException) as exc:
+                own = _own_error(exc)
+                if own is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
-                print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+                print(f"{prog}: error: {own}", file=sys.stderr, flush=True)
                 raise SystemExit(USER_ERROR_EXIT) from None
 
         return run  # type: ignore[return-value]

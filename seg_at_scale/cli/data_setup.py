@@ -5,7 +5,9 @@ In order: the synthetic scenes are written if the data config asks for them, the
 split's files pass the preflight (:mod:`seg_at_scale.data.preflight`), ``auto``
 normalisation is worked out from the training split (:mod:`seg_at_scale.data.band_stats`)
 and every grid the run will walk is checked against its scenes. Only then is the
-DataModule built, from the scenes the preflight validated.
+DataModule built (``instantiate(cfg.data, ...)``: the ``data`` group's ``_target_`` is
+:class:`~seg_at_scale.data.datamodule.TileDataModule`), from the scenes the preflight
+validated.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_sums
 from seg_at_scale.data.config import AUTO, DataConfig, TilingConfig, data_config, tiling_config
-from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.data.preflight import CACHE_NAME, FactCache, PreflightReport, preflight
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
@@ -31,8 +32,7 @@ from seg_at_scale.tiling import Footprint, make_grid
 from seg_at_scale.tiling.geometry import TilingError
 
 __all__ = ["checked_groups", "make_synthetic", "synthesize", "run_preflight",
-           "resolve_normalization",
-           "build_data", "check_grids"]
+           "resolve_normalization", "check_grids"]
 
 log = logging.getLogger("seg_at_scale.train")
 DEFAULT_GENERATOR = "seg_at_scale.data.synthetic_dataset.make_dataset"
@@ -117,26 +117,6 @@ def resolve_normalization(cfg: DictConfig, run: RunFolder, report: PreflightRepo
 
 def _plain_or(value: Any) -> Any:
     return value if isinstance(value, str) else list(value)
-
-
-def build_data(cfg: DictConfig, fp: Footprint,
-               report: PreflightReport | None = None) -> TileDataModule:
-    """The DataModule over the preflight's validated scenes (numbers resolved).
-
-    Without a report (library use) the synthetic scenes are made here and each split is
-    validated when first read.
-    """
-    d, t = data_config(_plain(cfg.data)), tiling_config(_plain(cfg.tiling))
-    if report is None:
-        make_synthetic(d.root, d.synthetic)
-    return TileDataModule(
-        d.root, fp, d.num_classes, mode=t.mode, q=t.q, tile_size=t.tile_size,  # type: ignore[arg-type]
-        core_size=t.core_size or 128, samples_per_epoch=t.samples_per_epoch or 0,
-        batch_size=t.batch_size, num_workers=d.num_workers, scale=float(d.scale),
-        mean=list(d.mean), std=list(d.std), class_weights=d.class_weights,
-        ignore_index=d.ignore_index, nodata=d.nodata,
-        augment=dict(t.augment) if t.augment else None, seed=cfg.seed,
-        mask_bands=d.mask_bands, scenes=report.scenes if report else None)
 
 
 def check_grids(cfg: DictConfig, fp: Footprint, report: PreflightReport) -> None:

@@ -40,14 +40,12 @@ from seg_at_scale.cli.common import (
     reports_errors,
 )
 from seg_at_scale.cli.data_setup import (
-    build_data,
     check_grids,
     checked_groups,
     resolve_normalization,
     run_preflight,
     synthesize,
 )
-from seg_at_scale.cli.resolvers import register_resolvers
 from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.errors import ConfigError
@@ -79,7 +77,7 @@ from seg_at_scale.tiling import make_grid
 
 log = logging.getLogger("seg_at_scale.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
-register_resolvers()  # ${seg.class_weights:...} (data.class_weight_power)
+
 
 
 def computed_values(dm: TileDataModule, fp: Any, cfg: DictConfig) -> dict[str, Any]:
@@ -163,7 +161,8 @@ def resolve_auto_tile(cfg: DictConfig, model: Any, fp: Any, dm: TileDataModule,
     run.fill(cfg, "tiling.tile_size", lambda: keys["tile_size"])
     if t.mode == "random":
         run.fill(cfg, "tiling.core_size", lambda: keys["core_size"])
-    dm.tile_size, dm.core_size = keys["tile_size"], cfg.tiling.core_size or dm.core_size
+    dm.tiling = replace(dm.tiling, tile_size=keys["tile_size"],
+                        core_size=cfg.tiling.core_size or dm.tiling.core_size)
     log.info("tiling.tile_size=auto: %s", search.summary())
 
 
@@ -204,7 +203,7 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     Returns:
         ``(model, footprint, memory mode, DataModule, computed values)``.
     """
-    data, _ = checked_groups(cfg)  # data / tiling keys: type, range, unknown keys
+    data, tiling = checked_groups(cfg)  # data / tiling keys: type, range, unknown keys
     pl.seed_everything(cfg.seed, workers=True)
     run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
     model = instantiate(cfg.model)
@@ -213,7 +212,9 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     report = run_preflight(data, run, bool(cfg.predict_after_fit))  # every split's files
     computed: dict[str, Any] = {}
     resolve_normalization(cfg, run, report, computed)  # data.scale/mean/std=auto
-    dm = build_data(cfg, fp, report)
+    # the data group's _target_ is the DataModule (its keys plain values, the rest objects)
+    dm: TileDataModule = instantiate(cfg.data, _partial_=True, _convert_="all")(
+        tiling=tiling, footprint=fp, seed=cfg.seed, scenes=report.scenes)
     resolve_auto_tile(cfg, model, fp, dm, memory, run)  # tiling.tile_size=auto
     check_grids(cfg, fp, report)
     computed.update(computed_values(dm, fp, cfg))

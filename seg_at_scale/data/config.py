@@ -5,9 +5,15 @@ value of the wrong type or range is refused naming the key, the value, the range
 fix (``tiling.q=abc`` would otherwise surface as a ``TypeError`` deep in the grid code),
 and unknown keys are refused naming the known ones.
 
->>> tiling_config({"mode": "grid", "q": 2}).q
+The values come from ``conf/data/*.yaml`` and ``conf/tiling/*.yaml`` alone: a key every
+YAML of the group sets has no default here (a group that lacks it is refused naming it);
+the defaults below are only for keys most YAMLs leave out (``None`` = not given).
+
+>>> grid = {"mode": "grid", "q": 2, "tile_size": None, "core_size": None,
+...         "samples_per_epoch": None, "batch_size": 1, "halo": "auto", "augment": None}
+>>> tiling_config(grid).q
 2
->>> tiling_config({"mode": "grid", "q": 0})  # doctest: +ELLIPSIS
+>>> tiling_config({**grid, "q": 0})  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
 seg_at_scale.errors.ConfigError: tiling.q=0: give the tiles per side as a whole number >= 1 ...
@@ -17,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from seg_at_scale.errors import ConfigError
@@ -25,6 +31,7 @@ from seg_at_scale.errors import ConfigError
 __all__ = ["DataConfig", "TilingConfig", "data_config", "tiling_config", "AUTO"]
 
 AUTO = "auto"
+HYDRA_KEYS = frozenset({"_target_", "_convert_", "_recursive_", "_partial_"})
 MAX_CLASSES = 255  # predictions are uint8 and 255 marks no-data
 
 
@@ -46,26 +53,33 @@ def _number(key: str, value: Any, fix: str, *, positive: bool = False) -> float:
 
 
 def _known(group: str, values: Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """``values`` without Hydra's own keys; unknown and missing keys refused by name."""
+    values = {k: v for k, v in values.items() if k not in HYDRA_KEYS}
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"{group}.{unknown[0]} is not a {group} key: use one of "
                           f"{', '.join(sorted(known))}")
-    return dict(values)
+    missing = [f.name for f in fields(cls) if f.name not in values
+               and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise ConfigError(f"the {group} group sets no {group}.{missing[0]}: add it to the "
+                          f"group's YAML (see conf/{group}/) or give {group}.{missing[0]}=...")
+    return values
 
 
 @dataclass(frozen=True)
 class TilingConfig:
     """What the ``tiling`` group sets (see ``conf/tiling/*.yaml``)."""
 
-    mode: str = "random"
-    q: int | None = None
-    tile_size: int | str | None = 512
-    core_size: int | None = 128
-    samples_per_epoch: int | None = 256
-    batch_size: int = 8
-    halo: int | str = AUTO
-    augment: Mapping[str, Any] | None = None
+    mode: str
+    q: int | None
+    tile_size: int | str | None
+    core_size: int | None
+    samples_per_epoch: int | None
+    batch_size: int
+    halo: int | str
+    augment: Mapping[str, Any] | None
 
     def __post_init__(self) -> None:
         if self.mode not in ("grid", "random"):
@@ -107,17 +121,17 @@ class DataConfig:
     root: str
     bands: int
     num_classes: int
-    class_names: Sequence[str] | None = None
-    ignore_index: int = 255
-    nodata: float | None = None
-    scale: float | str = 1 / 255
-    mean: Sequence[float] | str = (0.0,)
-    std: Sequence[float] | str = (1.0,)
-    class_weights: Sequence[float] | None = None
+    class_names: Sequence[str] | None
+    ignore_index: int
+    nodata: float | None
+    scale: float | str
+    mean: Sequence[float] | str
+    std: Sequence[float] | str
+    class_weights: Sequence[float] | None
+    num_workers: int
+    synthetic: Mapping[str, Any]
     class_weight_power: float | None = None  # the power behind class_weights (a sweep axis)
-    num_workers: int = 0
-    mask_bands: int = 1
-    synthetic: Mapping[str, Any] | None = None
+    mask_bands: int = 1  # label bands per mask: 1, or one per detector plane (cosmic)
 
     def __post_init__(self) -> None:
         _whole("data.bands", self.bands, 1, "give the image bands (channels) per pixel, e.g. 4")

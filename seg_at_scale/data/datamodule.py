@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 from torch.utils.data import DataLoader
 
+from seg_at_scale.data.config import AUTO, DataConfig, TilingConfig, data_config, tiling_config
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.samplers import (
     EpochSampler,
@@ -37,91 +38,99 @@ log = logging.getLogger(__name__)
 
 
 class TileDataModule(pl.LightningDataModule):
-    """Halo tiles of the scenes under ``root/<split>/``.
+    """Halo tiles of the scenes under ``data.root/<split>/``.
+
+    The ``data`` config group is this class's config: ``conf/data/*.yaml`` names it as its
+    ``_target_``, so the training command builds it with ``instantiate(cfg.data,
+    _partial_=True, _convert_="all")(tiling=..., footprint=..., seed=..., scenes=...)``. Its keys are the ``data`` keys of
+    :class:`~seg_at_scale.data.config.DataConfig`, validated here (unknown keys refused by
+    name); ``scale`` / ``mean`` / ``std`` must be numbers by now (``auto`` is resolved
+    before, :func:`seg_at_scale.cli.data_setup.resolve_normalization`).
 
     Args:
-        root: folder with ``train/``, ``val/`` (and ``test/``) sub-folders of scenes.
+        tiling: the ``tiling`` group (:class:`~seg_at_scale.data.config.TilingConfig`):
+            ``grid`` mode walks every tile of every image's grid (exact whole-image
+            gradient), ``random`` draws aligned tiles in batches; validation always walks
+            the grid.
         footprint: the model's footprint (halo, alignment, padding).
-        num_classes: number of classes; masks are checked against it.
-        mode: ``"grid"`` (exact whole-image gradient) or ``"random"`` (random tiles).
-        q: tiles per side for grid tiling, or
-        tile_size: largest input window for grid tiling (train in grid mode, and val).
-        core_size: output side of random training tiles.
-        samples_per_epoch: random tiles per epoch.
-        batch_size: tiles per batch (grid mode uses 1: tiles differ in size).
-        num_workers: data-loader processes.
-        scale, mean, std: input normalisation ``(x * scale - mean) / std`` per band.
-        class_weights: loss weights (also used for the grid-mode normaliser).
-        ignore_index: label that carries no loss.
-        nodata: input no-data value (overrides the files' tags).
-        augment: keyword arguments of :func:`build_augment` (random mode), or None.
         seed: sampling and augmentation seed.
-        mask_bands: label bands per mask (1; or one per plane, e.g. 3 detector planes).
         scenes: scenes already validated per split (:func:`~seg_at_scale.data.preflight.
             preflight`), so their files are not read again; other splits are validated when
             first used.
+        data: the ``data`` group as a :class:`~seg_at_scale.data.config.DataConfig`, in
+            place of its keys.
+        **keys: the ``data`` group's keys.
     """
 
-    def __init__(self, root: str, footprint: Footprint, num_classes: int, *,
-                 mode: str = "random", q: int | None = None, tile_size: int | None = 512,
-                 core_size: int = 128, samples_per_epoch: int = 256, batch_size: int = 8,
-                 num_workers: int = 0, scale: float = 1 / 255,
-                 mean: Sequence[float] = (0.0,), std: Sequence[float] = (1.0,),
-                 class_weights: Sequence[float] | None = None, ignore_index: int = 255,
-                 nodata: float | None = None, augment: dict[str, Any] | None = None,
-                 seed: int = 0, mask_bands: int = 1,
-                 scenes: Mapping[str, list[Scene]] | None = None) -> None:
+    def __init__(self, tiling: TilingConfig | Mapping[str, Any], footprint: Footprint, *,
+                 seed: int = 0, scenes: Mapping[str, list[Scene]] | None = None,
+                 data: DataConfig | None = None, **keys: Any) -> None:
         super().__init__()
-        if mode not in ("grid", "random"):
-            raise ConfigError(f"tiling.mode={mode!r}: use 'grid' (exact whole-image gradient) "
-                              "or 'random' (random aligned tiles)")
-        self.root, self.fp, self.num_classes = Path(root), footprint, num_classes
-        self.mode, self.q, self.tile_size, self.core_size = mode, q, tile_size, core_size
-        self.samples, self.batch_size, self.num_workers = samples_per_epoch, batch_size, num_workers
-        self.normalizer = Normalizer(scale, tuple(mean), tuple(std))
-        self.class_weights = None if class_weights is None else list(class_weights)
-        self.ignore_index, self.nodata, self.seed = ignore_index, nodata, seed
-        self.augment = augment
-        self.mask_bands = mask_bands
+        if (data is None) == (not keys):
+            raise TypeError("TileDataModule takes the data group's keys or data=DataConfig")
+        self.data = data if data is not None else data_config(keys)
+        self.tiling = tiling if isinstance(tiling, TilingConfig) else tiling_config(tiling)
+        d = self.data
+        unresolved = [k for k in ("scale", "mean", "std") if getattr(d, k) == AUTO]
+        if unresolved:
+            raise ConfigError(f"data.{unresolved[0]}=auto is worked out from the training "
+                              "split before the DataModule is built (seg-train does it); "
+                              f"give data.{unresolved[0]} as numbers here")
+        self.root, self.fp, self.num_classes = Path(d.root), footprint, d.num_classes
+        self.normalizer = Normalizer(float(d.scale), tuple(d.mean), tuple(d.std))
+        self.class_weights = None if d.class_weights is None else list(d.class_weights)
+        self.seed = seed
         self.scenes: dict[str, list[Scene]] = dict(scenes or {})
+
+    def optimizer_steps_per_epoch(self) -> int:
+        """Optimiser steps in one epoch: one per training image (grid), else one per batch."""
+        if self.tiling.mode == "grid":
+            return len(self.scenes_of("train"))
+        return len(self.train_dataloader())
 
     def scenes_of(self, split: str) -> list[Scene]:
         """Validated scenes of a split (cached)."""
         if split not in self.scenes:
             found = find_scenes(self.root / split, key=f"data.root ({split} split)")
-            self.scenes[split] = [validate_scene(s, self.num_classes, self.ignore_index,
-                                                 self.mask_bands) for s in found]
+            self.scenes[split] = [validate_scene(s, self.num_classes, self.data.ignore_index,
+                                                 self.data.mask_bands) for s in found]
             log.info("%s: %d scenes in %s", split, len(found), self.root / split)
         return self.scenes[split]
 
     def _grid(self, split: str) -> GridTiles:
-        return GridTiles(self.scenes_of(split), self.fp, self.normalizer, q=self.q,
-                         tile_size=self.tile_size, class_weights=self.class_weights,
-                         ignore_index=self.ignore_index, nodata=self.nodata)
+        t = self.tiling
+        return GridTiles(self.scenes_of(split), self.fp, self.normalizer, q=t.q,
+                         tile_size=t.tile_size,  # type: ignore[arg-type]
+                         class_weights=self.class_weights,
+                         ignore_index=self.data.ignore_index, nodata=self.data.nodata)
 
     def train_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()
-        if self.mode == "grid":
+        workers = self.data.num_workers
+        if self.tiling.mode == "grid":
             ds = self._grid("train")
             if world > 1:  # sample parallelism: each image's tiles round-robin over ranks
-                return DataLoader(ShardedTiles(ds), batch_size=1, num_workers=self.num_workers,
+                return DataLoader(ShardedTiles(ds), batch_size=1, num_workers=workers,
                                   sampler=ShardedImageSampler(ds.groups, rank, world,
                                                               seed=self.seed),
-                                  persistent_workers=self.num_workers > 0)
+                                  persistent_workers=workers > 0)
             sampler = ImageGroupedSampler(ds.groups, shuffle=True, seed=self.seed)
-            return DataLoader(ds, batch_size=1, sampler=sampler, num_workers=self.num_workers,
-                              persistent_workers=self.num_workers > 0)
-        aug = build_augment(**(self.augment or {}), seed=self.seed) if self.augment else None
-        rnd = RandomTiles(self.scenes_of("train"), self.fp, self.normalizer, core=self.core_size,
-                          samples_per_epoch=self.samples, seed=self.seed, transform=aug,
-                          class_weights=self.class_weights, ignore_index=self.ignore_index,
-                          nodata=self.nodata)
-        collate = functools.partial(pad_collate, ignore_index=self.ignore_index)
+            return DataLoader(ds, batch_size=1, sampler=sampler, num_workers=workers,
+                              persistent_workers=workers > 0)
+        t, d = self.tiling, self.data
+        aug = build_augment(**dict(t.augment), seed=self.seed) if t.augment else None
+        if t.samples_per_epoch is None or t.core_size is None:
+            raise ConfigError("tiling.mode=random needs tiling.core_size and "
+                              "tiling.samples_per_epoch (see conf/tiling/random.yaml)")
+        rnd = RandomTiles(self.scenes_of("train"), self.fp, self.normalizer,
+                          core=t.core_size,  # type: ignore[arg-type]
+                          samples_per_epoch=t.samples_per_epoch, seed=self.seed, transform=aug,
+                          class_weights=self.class_weights, ignore_index=d.ignore_index,
+                          nodata=d.nodata)
+        collate = functools.partial(pad_collate, ignore_index=d.ignore_index)
         sampler = EpochSampler(len(rnd), rank=rank, world=world)
-        return DataLoader(rnd, batch_size=self.batch_size, sampler=sampler,
-                          collate_fn=collate,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                          drop_last=False)
+        return DataLoader(rnd, batch_size=t.batch_size, sampler=sampler, collate_fn=collate,
+                          num_workers=workers, persistent_workers=workers > 0, drop_last=False)
 
     def _rank_world(self) -> tuple[int, int]:
         """This process's rank and the world size (Lightning's, when distributed)."""
@@ -136,8 +145,7 @@ class TileDataModule(pl.LightningDataModule):
         if world > 1:  # every tile once over all ranks, pad slots where a rank has fewer
             return DataLoader(ShardedTiles(ds), batch_size=1,
                               sampler=padded_slots(len(ds), rank, world),
-                              num_workers=self.num_workers,
-                              persistent_workers=self.num_workers > 0)
-        return DataLoader(ds, batch_size=1, shuffle=False,
-                          num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+                              num_workers=self.data.num_workers,
+                              persistent_workers=self.data.num_workers > 0)
+        return DataLoader(ds, batch_size=1, shuffle=False, num_workers=self.data.num_workers,
+                          persistent_workers=self.data.num_workers > 0)

@@ -193,7 +193,8 @@ class CosmicTask(SegmentationTask):
         light_weights: the ``light`` class weights (CosmicTagger's 1, 1.5, 10 by default).
         even_power: exponent of the ``even`` weights (:class:`CosmicLoss`).
         class_names: names of the K classes.
-        optimizer, scheduler, ignore_index, gradient_clip, channels_last: as the parent.
+        optimizer, scheduler, ignore_index, gradient_clip, channels_last, gradient_reduction:
+            as the parent.
     """
 
     def __init__(self, model: nn.Module, planes: int = 3, num_classes: int = 3, *,
@@ -202,12 +203,14 @@ class CosmicTask(SegmentationTask):
                  class_names: Sequence[str] | None = None,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, ignore_index: int = 255,
-                 gradient_clip: float = 0.0, channels_last: bool = False) -> None:
+                 gradient_clip: float = 0.0, channels_last: bool = False,
+                 gradient_reduction: str) -> None:
         loss = CosmicLoss(planes, num_classes, balance, gamma, ignore_index,
                           light_weights, even_power)
         super().__init__(model, num_classes, class_names=class_names, loss=loss,
                          optimizer=optimizer, scheduler=scheduler, ignore_index=ignore_index,
-                         gradient_clip=gradient_clip, channels_last=channels_last)
+                         gradient_clip=gradient_clip, channels_last=channels_last,
+                         gradient_reduction=gradient_reduction)
         self.planes = planes
         self.confusion = torch.zeros(planes, num_classes, num_classes, dtype=torch.int64)
 

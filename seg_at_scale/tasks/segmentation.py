@@ -18,10 +18,22 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassJaccardIndex
 
 from seg_at_scale.data.samplers import is_pad
+from seg_at_scale.errors import ConfigError
 from seg_at_scale.parallel.strategy import all_reduce_gradients, world_size
 from seg_at_scale.tasks.losses import CrossEntropy
 
-__all__ = ["SegmentationTask", "poly_lr"]
+__all__ = ["SegmentationTask", "poly_lr", "gradient_reduction_for", "REDUCTIONS"]
+
+REDUCTIONS = ("sum", "mean")
+
+
+def gradient_reduction_for(tiling_mode: str) -> str:
+    """How ranks combine gradients for a tiling mode: ``sum`` for grid, ``mean`` for random.
+
+    >>> gradient_reduction_for("grid"), gradient_reduction_for("random")
+    ('sum', 'mean')
+    """
+    return "sum" if tiling_mode == "grid" else "mean"
 
 
 def poly_lr(optimizer: torch.optim.Optimizer, total_steps: int, power: float = 0.9,
@@ -50,14 +62,24 @@ class SegmentationTask(pl.LightningModule):
         ignore_index: label without loss or metric.
         gradient_clip: max gradient norm (0 = off).
         channels_last: NHWC layout for the network (faster convolutions on CPU).
+        gradient_reduction: how ranks combine their gradients at an optimiser step:
+            ``sum`` when each tile's loss is already divided by its whole image's weight
+            (grid tiling: the sum over ranks is the whole-image gradient, exactly), ``mean``
+            for batches of random tiles (ordinary data parallelism). The configs set it from
+            ``tiling.mode`` (:func:`gradient_reduction_for`).
     """
 
     def __init__(self, model: nn.Module, num_classes: int, *,
                  class_names: Sequence[str] | None = None, loss: nn.Module | None = None,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, ignore_index: int = 255,
-                 gradient_clip: float = 0.0, channels_last: bool = False) -> None:
+                 gradient_clip: float = 0.0, channels_last: bool = False,
+                 gradient_reduction: str) -> None:
         super().__init__()
+        if gradient_reduction not in REDUCTIONS:
+            raise ConfigError(f"task.gradient_reduction={gradient_reduction!r}: use one of "
+                              f"{list(REDUCTIONS)} (sum for tiling.mode=grid, mean for random)")
+        self.gradient_reduction = gradient_reduction
         class_names = [str(c) for c in class_names] if class_names is not None else None
         self.automatic_optimization = False
         self.model = model
@@ -93,11 +115,6 @@ class SegmentationTask(pl.LightningModule):
             return pipe(x.to(pipe.devices[0]))
         return self.model(x)
 
-    def _grad_reduce_op(self) -> str:
-        """Grid tiles carry the whole image's norm: sum over ranks. Random tiles: mean."""
-        dm = getattr(self.trainer, "datamodule", None)
-        return "sum" if getattr(dm, "mode", "grid") == "grid" else "mean"
-
     # ----- training --------------------------------------------------------------------
 
     def tile_loss(self, batch: dict[str, Tensor]) -> Tensor:
@@ -121,7 +138,7 @@ class SegmentationTask(pl.LightningModule):
         """The image's last tile: reduce over ranks, clip, step, schedule, log the loss."""
         opt = self.optimizers()
         if world_size() > 1:  # sample parallelism: the whole image's gradient, exactly
-            total = all_reduce_gradients(self.parameters(), self._grad_reduce_op(),
+            total = all_reduce_gradients(self.parameters(), self.gradient_reduction,
                                          extra=torch.tensor(self._image_loss))
             self._image_loss = float(total)  # type: ignore[arg-type]
         if self.gradient_clip:
@@ -183,7 +200,7 @@ class SegmentationTask(pl.LightningModule):
         trainer = self.trainer
         if trainer.max_steps and trainer.max_steps > 0:
             return int(trainer.max_steps)
-        loader = trainer.datamodule.train_dataloader() if trainer.datamodule else None
-        ds = getattr(loader, "dataset", None)
-        per_epoch = len(ds.groups) if hasattr(ds, "groups") else len(loader or [])
-        return max(1, per_epoch * int(trainer.max_epochs or 1))
+        per_epoch = getattr(trainer.datamodule, "optimizer_steps_per_epoch", None)
+        if per_epoch is None:  # a plain DataLoader: one step per batch
+            return max(1, int(trainer.estimated_stepping_batches))
+        return max(1, per_epoch() * int(trainer.max_epochs or 1))
