@@ -39,7 +39,7 @@ import psutil
 import torch
 from common import run_isolated, save
 
-from seg_at_scale.data.streets import canny_band, render_street
+from seg_at_scale.data.sources.streets import canny_band, render_street
 from seg_at_scale.models import GSCNN
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import (

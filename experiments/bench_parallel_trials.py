@@ -29,7 +29,7 @@ from typing import Any
 
 from common import save
 
-from seg_at_scale.data.synthetic_dataset import make_dataset
+from seg_at_scale.data.sources.synthetic import make_dataset
 from seg_at_scale.sweeps.launcher import available_cores
 from seg_at_scale.sweeps.report import collect_trials
 

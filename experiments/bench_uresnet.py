@@ -40,7 +40,7 @@ import psutil
 import torch
 from common import run_isolated, save
 
-from seg_at_scale.data.cosmic import downsample_event, read_cosmic_h5, synthetic_event
+from seg_at_scale.data.sources.cosmic import downsample_event, read_cosmic_h5, synthetic_event
 from seg_at_scale.models import URESNET_SIZES, UResNet
 from seg_at_scale.tasks.cosmic import CosmicLoss, cosmic_confusion, cosmic_metrics
 from seg_at_scale.tiling import make_grid, tiled_backward

@@ -25,9 +25,12 @@ def group(name: str, option: str, **values: Any) -> dict[str, Any]:
 def tiff_module(root: str | Path, fp: Footprint, num_classes: int, *, bands: int = 3,
                 tiling: str = "grid", seed: int = 0, data: dict[str, Any] | None = None,
                 **tiling_values: Any) -> TileDataModule:
-    """``data=tiff`` over ``root`` (scale 1/255, mean 0, std 1) with ``tiling=<tiling>``."""
+    """``data=tiff`` over ``root`` (scale 1/255, mean 0, std 1, no worker processes) with
+    ``tiling=<tiling>`` (no augmentation unless given)."""
     keys = group("data", "tiff", **{"root": str(root), "bands": bands,
                                     "num_classes": num_classes, "scale": 1 / 255, "mean": [0.0],
-                                    "std": [1.0], "class_weights": None, **(data or {})})
+                                    "std": [1.0], "class_weights": None, "num_workers": 0,
+                                    **(data or {})})
     del keys["_target_"]
+    tiling_values = {"augment": None, **tiling_values}
     return TileDataModule(group("tiling", tiling, **tiling_values), fp, seed=seed, **keys)

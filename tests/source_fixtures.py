@@ -10,7 +10,7 @@ import cv2
 import h5py
 import numpy as np
 
-from seg_at_scale.data.cosmic import IMAGE_GROUP, LABEL_GROUP
+from seg_at_scale.data.sources.cosmic import IMAGE_GROUP, LABEL_GROUP
 
 # label id -> train id, by hand from the Cityscapes label table (ids 0, 4 are ignored)
 CS_EXPECTED = {0: 255, 4: 255, 7: 0, 8: 1, 11: 2, 21: 8, 23: 10, 24: 11, 26: 13, 33: 18}

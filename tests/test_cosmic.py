@@ -21,11 +21,11 @@ from hydra.utils import instantiate
 from data_helpers import tiff_module
 from source_fixtures import tiny_event, write_larcv
 
-from seg_at_scale.data.cosmic import (
+from seg_at_scale.data.sources.cosmic import (
     IMAGE_GROUP,
     LABEL_GROUP,
-    convert_cosmic_h5,
-    make_cosmic_dataset,
+    CosmicEvents,
+    CosmicH5,
     read_cosmic_h5,
     synthetic_event,
 )
@@ -113,23 +113,23 @@ def test_synthetic_events_are_seeded_and_detector_like():
 
 
 def test_make_cosmic_dataset_writes_reusable_scenes_with_plane_masks(tmp_path):
-    root = make_cosmic_dataset(tmp_path / "c", {"train": 2, "val": 1}, 48, 80, seed=3,
-                               downsample=2)
+    root = CosmicEvents({"train": 2, "val": 1}, 48, 80, seed=3,
+                               downsample=2).build(tmp_path / "c")
     scenes = [validate_scene(s, 3, mask_bands=3) for s in find_scenes(root / "train")]
     assert [s.name for s in scenes] == ["event_0", "event_1"]
     image, mask = read_raster(scenes[0].image), read_raster(scenes[0].mask)
     assert image.shape == mask.shape == (3, 48, 80) and image.dtype == np.float32
     assert sum(scenes[0].class_counts) == 3 * 48 * 80
     # the same event at full resolution, max-pooled, is what was stored
-    full = make_cosmic_dataset(tmp_path / "f", {"train": 1}, 96, 160, seed=3)
+    full = CosmicEvents({"train": 1}, 96, 160, seed=3).build(tmp_path / "f")
     big = read_raster(full / "train" / "event_0_mask.tif")
     assert np.array_equal(mask, big.reshape(3, 48, 2, 80, 2).max(axis=(2, 4)))
     stamp = scenes[0].image.stat().st_mtime_ns
-    make_cosmic_dataset(tmp_path / "c", {"train": 2, "val": 1}, 48, 80, seed=3, downsample=2)
+    CosmicEvents({"train": 2, "val": 1}, 48, 80, seed=3, downsample=2).build(tmp_path / "c")
     assert scenes[0].image.stat().st_mtime_ns == stamp  # reused
     with pytest.raises(InputError, match="other parameters .*seed"):
-        make_cosmic_dataset(tmp_path / "c", {"train": 2, "val": 1}, 48, 80, seed=4,
-                            downsample=2)
+        CosmicEvents({"train": 2, "val": 1}, 48, 80, seed=4,
+                            downsample=2).build(tmp_path / "c")
     with pytest.raises(InputError, match="data.mask_bands=1"):
         validate_scene(find_scenes(root / "val")[0], 3, mask_bands=1)
 
@@ -137,11 +137,11 @@ def test_make_cosmic_dataset_writes_reusable_scenes_with_plane_masks(tmp_path):
 def test_converter_and_tiles_give_per_plane_targets(tmp_path):
     events = [tiny_event(k, (3, 16, 24)) for k in range(3)]
     path = write_larcv(tmp_path / "tiny.h5", events)
-    root = convert_cosmic_h5(tmp_path / "scenes", {"train": 2, "val": 1}, path=path)
+    root = CosmicH5({"train": 2, "val": 1}, path=path).build(tmp_path / "scenes")
     assert np.array_equal(read_raster(root / "val" / "event_2_mask.tif"), events[2][1])
     assert np.array_equal(read_raster(root / "train" / "event_1_image.tif"), events[1][0])
     with pytest.raises(InputError, match="asks for 4 events but .* holds 3"):
-        convert_cosmic_h5(tmp_path / "x", {"train": 4}, path=path)
+        CosmicH5({"train": 4}, path=path).build(tmp_path / "x")
     dm = tiff_module(root, Footprint(4, 4, "same"), 3, tiling="grid", q=2,
                      data={"mask_bands": 3, "class_weights": [1, 1.5, 10]})
     ds = dm.val_dataloader().dataset
@@ -274,7 +274,7 @@ def test_cosmic_experiments_compose(experiment, ds, height):
     assert cfg.task.planes == cfg.model.planes == cfg.data.mask_bands == cfg.data.bands
     with initialize_config_dir(CONF, version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={experiment}", "data=cosmic_h5"])
-    assert cfg.data.synthetic.generator.endswith("convert_cosmic_h5")
+    assert cfg.data.synthetic.generator.endswith(".CosmicH5")
 
 
 def test_cosmic_quick_composes():
@@ -306,7 +306,7 @@ def test_cosmic_experiment_trains_a_fast_step(tmp_path):
     assert (tmp_path / "data" / "cosmic_96x160_ds2_s0" / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("name", ["seg_at_scale.models.uresnet", "seg_at_scale.data.cosmic",
+@pytest.mark.parametrize("name", ["seg_at_scale.models.uresnet", "seg_at_scale.data.sources.cosmic",
                                   "seg_at_scale.tasks.cosmic"])
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)

@@ -9,50 +9,50 @@ from pathlib import Path
 import pytest
 from source_fixtures import tiny_event, write_cityscapes, write_larcv, write_taco
 
-from seg_at_scale.data.cityscapes import convert_cityscapes
-from seg_at_scale.data.cosmic import convert_cosmic_h5, make_cosmic_dataset
-from seg_at_scale.data.streets import make_street_dataset
-from seg_at_scale.data.synthetic_dataset import make_dataset
-from seg_at_scale.data.taco import convert_taco
-from seg_at_scale.errors import InputError
+from seg_at_scale.cli.data_setup import source_of
+from seg_at_scale.data.sources.base import Source, scene_seed
+from seg_at_scale.errors import ConfigError, InputError
 
 
-def _synthetic(tmp: Path, root: Path, v: int, overwrite: bool) -> None:
-    make_dataset(root, splits={"train": 1}, height=40, width=52, seed=v, overwrite=overwrite)
+def _inputs(tmp: Path, name: str) -> dict[str, object]:
+    """The real-format input each converter needs, written once; its options."""
+    if name == "cosmic_h5":
+        path = tmp / "events.h5"
+        if not path.exists():
+            write_larcv(path, [tiny_event(s, (3, 8, 12)) for s in range(3)])
+        return {"path": path}
+    if name == "cityscapes":
+        if not (tmp / "cs").exists():
+            write_cityscapes(tmp / "cs", "train", "aachen", 2)
+        return {"source": tmp / "cs"}
+    if name == "taco":
+        if not (tmp / "taco").exists():
+            write_taco(tmp / "taco")
+        return {"source": tmp / "taco"}
+    return {}
 
 
-def _streets(tmp: Path, root: Path, v: int, overwrite: bool) -> None:
-    make_street_dataset(root, {"train": 1}, 40, 56, seed=v, overwrite=overwrite)
+# source -> (its generator, its node with the value v, the key that differs with v)
+SOURCES = {
+    "synthetic": ("synthetic.SyntheticScenes", lambda v: {"height": 40, "width": 52, "seed": v},
+                  "seed"),
+    "streets": ("streets.Streets", lambda v: {"height": 40, "width": 56, "seed": v}, "seed"),
+    "cosmic": ("cosmic.CosmicEvents", lambda v: {"height": 24, "width": 40, "seed": v}, "seed"),
+    "cosmic_h5": ("cosmic.CosmicH5", lambda v: {"splits": {"train": v + 1}}, "splits"),
+    "cityscapes": ("cityscapes.Cityscapes", lambda v: {"splits": {"train": v + 1}}, "splits"),
+    "taco": ("taco.Taco", lambda v: {"seed": v}, "seed"),
+}
 
 
-def _cosmic(tmp: Path, root: Path, v: int, overwrite: bool) -> None:
-    make_cosmic_dataset(root, {"train": 1}, 24, 40, seed=v, overwrite=overwrite)
+def _source(tmp: Path, name: str, v: int) -> Source:
+    """The source as the training command builds it from ``data.synthetic``."""
+    generator, node, _ = SOURCES[name]
+    return source_of({"generator": f"seg_at_scale.data.sources.{generator}",
+                      "splits": {"train": 1}, **node(v), "options": _inputs(tmp, name)})
 
 
-def _cosmic_h5(tmp: Path, root: Path, v: int, overwrite: bool) -> None:
-    path = tmp / "events.h5"
-    if not path.exists():
-        write_larcv(path, [tiny_event(s, (3, 8, 12)) for s in range(3)])
-    convert_cosmic_h5(root, {"train": v + 1}, path=path, overwrite=overwrite)
-
-
-def _cityscapes(tmp: Path, root: Path, v: int, overwrite: bool) -> None:
-    source = tmp / "cs"
-    if not source.exists():
-        write_cityscapes(source, "train", "aachen", 2)
-    convert_cityscapes(source, root, {"train": v + 1}, overwrite=overwrite)
-
-
-def _taco(tmp: Path, root: Path, v: int, overwrite: bool) -> None:
-    source = tmp / "taco"
-    if not source.exists():
-        write_taco(source)
-    convert_taco(source, root, {"train": 1}, seed=v, overwrite=overwrite)
-
-
-SOURCES = {"synthetic": (_synthetic, "seed"), "streets": (_streets, "seed"),
-           "cosmic": (_cosmic, "seed"), "cosmic_h5": (_cosmic_h5, "splits"),
-           "cityscapes": (_cityscapes, "splits"), "taco": (_taco, "seed")}
+def _build(tmp: Path, root: Path, name: str, v: int, overwrite: bool) -> None:
+    _source(tmp, name, v).build(root, overwrite=overwrite)
 
 
 def _state(root: Path) -> dict[str, tuple[int, bytes]]:
@@ -62,8 +62,12 @@ def _state(root: Path) -> dict[str, tuple[int, bytes]]:
 
 @pytest.mark.parametrize("name", list(SOURCES))
 def test_every_source_reuses_refuses_and_rebuilds_the_same_way(tmp_path, name):
-    build, key = SOURCES[name]
+    key = SOURCES[name][2]
     root = tmp_path / "data"
+
+    def build(tmp: Path, root: Path, v: int, overwrite: bool) -> None:
+        _build(tmp, root, name, v, overwrite)
+
     build(tmp_path, root, 0, False)
     made = _state(root)
     assert any(k.endswith("_image.tif") for k in made) and "manifest.json" in made
@@ -77,3 +81,27 @@ def test_every_source_reuses_refuses_and_rebuilds_the_same_way(tmp_path, name):
     build(tmp_path, root, 1, True)
     assert _state(root) != made
     build(tmp_path, root, 1, False)  # the rebuilt folder is reused in turn
+
+
+@pytest.mark.parametrize("name", ["synthetic", "streets", "cosmic"])
+def test_every_generator_seeds_scene_k_of_a_split_by_the_one_rule(tmp_path, name, monkeypatch):
+    source = _source(tmp_path, name, 7)
+    source.splits = {"train": 2, "val": 1}
+    seen: list[tuple[str, str, int]] = []
+    write = type(source).write
+    monkeypatch.setattr(type(source), "write", lambda self, folder, scene, seed: (
+        seen.append((folder.name, scene, seed)), write(self, folder, scene, seed)))
+    source.build(tmp_path / name)
+    assert [(split, seed) for split, _, seed in seen] == [
+        ("train", scene_seed(7, "train", 0)), ("train", scene_seed(7, "train", 1)),
+        ("val", scene_seed(7, "val", 0))]
+    assert len({seed for _, _, seed in seen}) == 3
+
+
+def test_a_generator_that_is_no_source_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"data.synthetic.generator='os.path.join' is not a "
+                                        r"class: name a seg_at_scale.data.sources.base.Source"):
+        source_of({"generator": "os.path.join", "splits": {"train": 1}})
+    with pytest.raises(ConfigError, match=r"data.synthetic.generator='pathlib.Path' is not a "
+                                        r"dataset source"):
+        source_of({"generator": "pathlib.Path", "splits": {"train": 1}})

@@ -21,15 +21,15 @@ from source_fixtures import CS_EXPECTED, write_cityscapes, write_taco
 
 from seg_at_scale.cli.common import model_footprint
 from seg_at_scale.cli.data_setup import checked_groups, synthesize
-from seg_at_scale.data.cityscapes import CITYSCAPES_CLASSES, convert_cityscapes, label_lut
-from seg_at_scale.data.streets import (
+from seg_at_scale.data.sources.cityscapes import CITYSCAPES_CLASSES, Cityscapes, label_lut
+from seg_at_scale.data.sources.streets import (
     STREET_CLASSES,
     canny_band,
     fit_scene,
-    make_street_dataset,
+    Streets,
     render_street,
 )
-from seg_at_scale.data.taco import convert_taco, load_taco
+from seg_at_scale.data.sources.taco import Taco, load_taco
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import read_raster
 
@@ -45,7 +45,7 @@ def test_street_scenes_are_seeded_and_written_with_their_canny_band(tmp_path):
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not np.array_equal(render_street(96, 160, 4)[0], a[0])
     splits = {"train": 3, "val": 1}
-    make_street_dataset(tmp_path / "s", splits, 120, 200, seed=0)
+    Streets(splits, 120, 200, seed=0).build(tmp_path / "s")
     image = read_raster(tmp_path / "s" / "train" / "street_0_image.tif")
     assert image.shape == (4, 120, 200) and set(np.unique(image[3])) <= {0, 255}
     np.testing.assert_array_equal(image[3], canny_band(image[:3]))
@@ -53,10 +53,10 @@ def test_street_scenes_are_seeded_and_written_with_their_canny_band(tmp_path):
     assert len(masks) == 4
     assert set(np.unique(np.stack(masks))) == set(range(len(STREET_CLASSES)))
     stamp = (tmp_path / "s" / "train" / "street_0_image.tif").stat().st_mtime_ns
-    make_street_dataset(tmp_path / "s", splits, 120, 200, seed=0)  # reused, not rewritten
+    Streets(splits, 120, 200, seed=0).build(tmp_path / "s")  # reused, not rewritten
     assert (tmp_path / "s" / "train" / "street_0_image.tif").stat().st_mtime_ns == stamp
     with pytest.raises(InputError, match="seed: 0 there, 1 asked"):
-        make_street_dataset(tmp_path / "s", splits, 120, 200, seed=1)
+        Streets(splits, 120, 200, seed=1).build(tmp_path / "s")
 
 
 def test_canny_band_refuses_non_rgb_and_fit_scene_halves():
@@ -77,7 +77,7 @@ def test_cityscapes_tree_converts_to_train_ids(tmp_path):
     train = write_cityscapes(src, "train", "aachen", 2) | write_cityscapes(src, "train", "bonn", 1,
                                                                              seed=1)
     val = write_cityscapes(src, "val", "lindau", 1, seed=2)
-    convert_cityscapes(src, tmp_path / "out", {"train": 0, "val": 0, "test": 1})
+    Cityscapes({"train": 0, "val": 0, "test": 1}, source=src).build(tmp_path / "out")
     assert len(CITYSCAPES_CLASSES) == 19 and CITYSCAPES_CLASSES[13] == "car"
     assert all(label_lut()[i] == t for i, t in CS_EXPECTED.items())
     for split, pairs in (("train", train), ("val", val), ("test", val)):
@@ -97,14 +97,13 @@ def test_cityscapes_missing_label_and_missing_source_are_named(tmp_path, monkeyp
     label = next((src / "gtFine").rglob("*.png"))
     label.unlink()
     with pytest.raises(InputError, match="expected '.*aachen_000000_000019_gtFine_labelIds.png'"):
-        convert_cityscapes(src, tmp_path / "out", {"train": 0})
+        Cityscapes({"train": 0}, source=src).build(tmp_path / "out")
     with pytest.raises(InputError, match="point \\$CITYSCAPES_DATASET at the folder"):
-        convert_cityscapes(src, tmp_path / "out", {"val": 0})
-    from seg_at_scale.data.cityscapes import make_cityscapes_dataset
+        Cityscapes({"val": 0}, source=src).build(tmp_path / "out")
 
     monkeypatch.delenv("CITYSCAPES_DATASET", raising=False)
     with pytest.raises(ConfigError, match="data.synthetic.options.source or \\$CITYSCAPES"):
-        make_cityscapes_dataset(tmp_path / "o", {"train": 0}, None, None)
+        Cityscapes({"train": 0}).build(tmp_path / "o")
 
 
 # ----- TACO ------------------------------------------------------------------------------
@@ -114,7 +113,7 @@ def test_taco_polygons_rasterise_to_categories_and_supercategories(tmp_path):
     write_taco(tmp_path / "taco")
     index = load_taco(tmp_path / "taco")
     assert index.class_names == ("background", "Bottle cap", "Glass bottle", "Plastic bottle")
-    convert_taco(tmp_path / "taco", tmp_path / "cat", {"train": 1, "val": 1}, seed=0)
+    Taco({"train": 1, "val": 1}, seed=0, source=tmp_path / "taco").build(tmp_path / "cat")
     masks = {p.name: read_raster(p)[0] for p in (tmp_path / "cat").glob("*/*_mask.tif")}
     m1, m2 = masks["taco_000001_mask.tif"], masks["taco_000002_mask.tif"]
     assert m1[20, 30] == 2 and m1[13, 13] == 1 and m1[2, 2] == 0 and m1[40, 50] == 0
@@ -126,7 +125,8 @@ def test_taco_polygons_rasterise_to_categories_and_supercategories(tmp_path):
     image = read_raster(next((tmp_path / "cat").glob("*/taco_000001_image.tif")))
     want = cv2.imread(str(tmp_path / "taco" / "batch_1" / "000001.png"))[..., ::-1]
     np.testing.assert_array_equal(image[:3], want.transpose(2, 0, 1))
-    convert_taco(tmp_path / "taco", tmp_path / "sup", {"train": 2}, classes="supercategory")
+    Taco({"train": 2}, source=tmp_path / "taco", classes="supercategory").build(
+        tmp_path / "sup")
     sup = {p.name: read_raster(p)[0] for p in (tmp_path / "sup").glob("*/*_mask.tif")}
     assert sup["taco_000001_mask.tif"][20, 30] == 1 and sup["taco_000001_mask.tif"][13, 13] == 2
     assert sup["taco_000002_mask.tif"][10, 45] == 1
@@ -143,7 +143,7 @@ def test_taco_bad_annotations_are_named(tmp_path):
         load_taco(tmp_path)
     write_taco(tmp_path / "t2")
     with pytest.raises(ConfigError, match="asks for 5 TACO images but"):
-        convert_taco(tmp_path / "t2", tmp_path / "o", {"train": 5})
+        Taco({"train": 5}, source=tmp_path / "t2").build(tmp_path / "o")
 
 
 # ----- every Gated-SCNN config runs a fast step --------------------------------------------

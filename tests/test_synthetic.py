@@ -10,10 +10,10 @@ import pytest
 from seg_at_scale.cli.synth import main
 from seg_at_scale.data import synthetic
 from seg_at_scale.data.synthetic import CLASSES, SceneGenerator
-from seg_at_scale.data.synthetic_dataset import (
+from seg_at_scale.data.sources.base import scene_seed
+from seg_at_scale.data.sources.synthetic import (
     DatasetManifest,
     make_dataset,
-    scene_seed,
     write_scene,
 )
 from seg_at_scale.errors import InputError, OutputExistsError

@@ -19,23 +19,24 @@ from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
-from hydra.utils import get_method
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_sums
 from seg_at_scale.data.config import AUTO, DataConfig, TilingConfig, data_config, tiling_config
+from seg_at_scale.data.sources.base import Source
 from seg_at_scale.data.preflight import CACHE_NAME, FactCache, PreflightReport, preflight
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Footprint, make_grid
 from seg_at_scale.tiling.geometry import TilingError
 
-__all__ = ["checked_groups", "make_synthetic", "synthesize", "run_preflight",
+__all__ = ["checked_groups", "make_synthetic", "source_of", "synthesize", "run_preflight",
            "resolve_normalization", "check_grids"]
 
 log = logging.getLogger("seg_at_scale.train")
-DEFAULT_GENERATOR = "seg_at_scale.data.synthetic_dataset.make_dataset"
+DEFAULT_SOURCE = "seg_at_scale.data.sources.synthetic.SyntheticScenes"
 
 
 def _plain(node: Any) -> dict[str, Any]:
@@ -55,8 +56,27 @@ def synthesize(cfg: DictConfig) -> None:
     make_synthetic(str(cfg.data.root), _plain(syn) if syn is not None else None)
 
 
+def source_of(synthetic: Mapping[str, Any]) -> Source:
+    """The dataset source the ``data.synthetic`` node names (``generator``: a
+    :class:`~seg_at_scale.data.sources.base.Source` class; the satellite scenes by default),
+    built from its ``splits`` / ``height`` / ``width`` / ``seed`` and its ``options``."""
+    path = synthetic.get("generator") or DEFAULT_SOURCE
+    try:
+        cls = get_class(path)
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(f"data.synthetic.generator={path!r} is not a class: name a "
+                          "seg_at_scale.data.sources.base.Source subclass, e.g. "
+                          f"{DEFAULT_SOURCE}") from exc
+    if not issubclass(cls, Source):
+        raise ConfigError(f"data.synthetic.generator={path!r} is not a dataset source: name "
+                          f"a seg_at_scale.data.sources.base.Source subclass, e.g. "
+                          f"{DEFAULT_SOURCE}")
+    keys = {k: synthetic[k] for k in ("splits", "height", "width", "seed") if k in synthetic}
+    return cls(**keys, **dict(synthetic.get("options") or {}))
+
+
 def make_synthetic(root: str, synthetic: Mapping[str, Any] | None) -> None:
-    """Write the synthetic scenes when ``data.synthetic.enabled`` (reused once written).
+    """Write (or reuse) the source's scenes when ``data.synthetic.enabled``.
 
     Runs first (before the ``data`` group is resolved whole): ``data.class_weights`` may be
     computed from the training masks these scenes are.
@@ -64,16 +84,12 @@ def make_synthetic(root: str, synthetic: Mapping[str, Any] | None) -> None:
     syn = synthetic or {}
     if not syn.get("enabled"):
         return
-    # data.synthetic.generator: a function (root, splits, height, width, seed) writing
-    # <root>/<split>/<name>_image.tif + _mask.tif; the satellite scenes by default.
-    maker = get_method(syn.get("generator") or DEFAULT_GENERATOR)
+    source = source_of(syn)
     folder = Path(root)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # parallel trials and DDP ranks start together: the first generates, the others wait
     with FileLock(folder.parent / f".{folder.name}.lock"):
-        # data.synthetic.options: extra keyword arguments of that generator (optional)
-        maker(root, splits=dict(syn["splits"]), height=syn["height"], width=syn["width"],
-              seed=syn["seed"], **dict(syn.get("options") or {}))
+        source.build(folder)
 
 
 def run_preflight(data: DataConfig, run: RunFolder, predict_after_fit: bool) -> PreflightReport:

@@ -18,17 +18,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
 from cityscapesscripts.helpers.labels import labels as CS_LABELS
 
-from seg_at_scale.data import manifest
-from seg_at_scale.data.streets import fit_scene, read_rgb, write_street_scene
+from seg_at_scale.data.sources.base import Source
+from seg_at_scale.data.sources.streets import fit_scene, read_rgb, write_street_scene
 from seg_at_scale.errors import ConfigError, InputError
 
-__all__ = ["CITYSCAPES_CLASSES", "label_lut", "find_pairs", "read_pair", "convert_cityscapes",
-           "make_cityscapes_dataset"]
+__all__ = ["CITYSCAPES_CLASSES", "label_lut", "find_pairs", "read_pair", "Cityscapes"]
 
 CITYSCAPES_CLASSES = tuple(lab.name for lab in sorted(
     (lab for lab in CS_LABELS if 0 <= lab.trainId < 255), key=lambda lab: lab.trainId))
@@ -71,43 +71,49 @@ def read_pair(image: Path, label: Path) -> tuple[np.ndarray, np.ndarray]:
     return rgb, label_lut()[ids.astype(np.int64).clip(0, 255)]
 
 
-def convert_cityscapes(source: str | os.PathLike[str], root: str | os.PathLike[str],
-                       splits: Mapping[str, int], *, height: int | None = None,
-                       width: int | None = None, overwrite: bool = False) -> Path:
-    """Write Cityscapes scenes under ``root`` (reused when ``root/manifest.json`` matches).
+class Cityscapes(Source):
+    """Cityscapes converted into ``<root>/{train,val,test}`` (data=cityscapes).
 
     Args:
-        source: Cityscapes folder (``leftImg8bit/``, ``gtFine/``).
-        root: output folder.
         splits: images per project split (``train``, ``val``, ``test``; 0 = all).
         height: scale each image down (aspect kept) to fit this height; None keeps 1024.
         width: and this width; None keeps 2048.
-        overwrite: replace a dataset converted with other parameters.
+        seed: unused (the conversion is deterministic).
+        source: the Cityscapes folder (``leftImg8bit/``, ``gtFine/``); default
+            ``$CITYSCAPES_DATASET``.
     """
-    root = Path(root)
-    params = {"dataset": "cityscapes", "source": str(Path(source).resolve()),
-              "splits": {k: int(v) for k, v in splits.items()}, "height": height,
-              "width": width, "classes": list(CITYSCAPES_CLASSES)}
-    if manifest.reuse(root, "cityscapes", params, overwrite=overwrite):
-        return root
-    for split, count in params["splits"].items():  # type: ignore[union-attr]
-        if split not in SOURCE_SPLIT:
-            raise ConfigError(f"data.synthetic.splits has {split!r}; use train, val, test")
-        pairs = find_pairs(source, SOURCE_SPLIT[split])
-        for stem, img, lbl in pairs[: count or None]:
-            rgb, mask = fit_scene(*read_pair(img, lbl), height, width)
-            write_street_scene(root / split, stem, rgb, mask, overwrite=True)
-    manifest.save(root, "cityscapes", params)
-    return root
 
+    name = "cityscapes"
+    needs = f"the Cityscapes folder (data.synthetic.options.source or ${ENV})"
+    classes = CITYSCAPES_CLASSES
 
-def make_cityscapes_dataset(root: str | os.PathLike[str], splits: Mapping[str, int],
-                            height: int | None, width: int | None, seed: int = 0, *,
-                            source: str | None = None) -> Path:
-    """``data.synthetic.generator`` form: converts ``source`` (default ``$CITYSCAPES_DATASET``)."""
-    source = source or os.environ.get(ENV)
-    if not source:
-        raise ConfigError(f"data=cityscapes needs data.synthetic.options.source or ${ENV}: set "
-                          "it to the folder holding leftImg8bit/ and gtFine/")
-    del seed  # the conversion is deterministic
-    return convert_cityscapes(source, root, splits, height=height, width=width)
+    def __init__(self, splits: Mapping[str, int], height: int | None = None,
+                 width: int | None = None, seed: int = 0, *,
+                 source: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(splits, height, width, seed)
+        source = source or os.environ.get(ENV)
+        if not source:
+            raise ConfigError(f"data=cityscapes needs data.synthetic.options.source or ${ENV}: "
+                              "set it to the folder holding leftImg8bit/ and gtFine/")
+        for split in self.splits:
+            if split not in SOURCE_SPLIT:
+                raise ConfigError(f"data.synthetic.splits has {split!r}; use train, val, test")
+        self.source = Path(source)
+        self._pairs: dict[str, tuple[Path, Path]] = {}
+
+    def parameters(self) -> dict[str, Any]:
+        return {"dataset": "cityscapes", "source": str(self.source.resolve()),
+                "splits": self.splits, "height": self.height, "width": self.width,
+                "classes": list(CITYSCAPES_CLASSES)}
+
+    def plan(self) -> dict[str, list[str]]:
+        names = {}
+        for split, count in self.splits.items():
+            pairs = find_pairs(self.source, SOURCE_SPLIT[split])[: count or None]
+            self._pairs.update({stem: (img, lbl) for stem, img, lbl in pairs})
+            names[split] = [stem for stem, _, _ in pairs]
+        return names
+
+    def write(self, folder: Path, name: str, seed: int) -> None:
+        rgb, mask = fit_scene(*read_pair(*self._pairs[name]), self.height, self.width)
+        write_street_scene(folder, name, rgb, mask, overwrite=True)

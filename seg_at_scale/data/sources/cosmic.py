@@ -31,17 +31,17 @@ from typing import Any
 
 import numpy as np
 
-from seg_at_scale.data import manifest
+from seg_at_scale.data.sources.base import Source
 from seg_at_scale.errors import InputError
 
 __all__ = ["CosmicEvent", "read_cosmic_h5", "count_events", "densify", "downsample_event",
-           "synthetic_event", "make_cosmic_dataset", "convert_cosmic_h5", "CLASS_NAMES",
+           "synthetic_event", "CosmicEvents", "CosmicH5", "CLASS_NAMES",
            "IMAGE_GROUP", "LABEL_GROUP"]
 
 CLASS_NAMES = ("background", "cosmic", "neutrino")
 IMAGE_GROUP = "Data/sparse2d_sbndwire_group"
 LABEL_GROUP = "Data/sparse2d_sbnd_cosmicseg_group"
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: event seeds from the one rule (sources.base.scene_seed)
 PLANE_ANGLES = (0.0, np.pi / 3, -np.pi / 3)  # wire directions: collection, two induction
 
 
@@ -246,87 +246,77 @@ def _write_event(folder: Path, name: str, event: CosmicEvent) -> None:
     write_raster(folder / f"{name}_mask.tif", event.labels, tile=tile, overwrite=True)
 
 
-def _reuse(root: Path, params: dict[str, Any], names: dict[str, list[str]],
-           overwrite: bool) -> bool:
-    """The one reuse rule (data/manifest.py) over the events' image and mask files."""
-    return manifest.reuse(root, str(params["generator"]), params, overwrite=overwrite,
-                          files=_files(root, names))
+class CosmicEvents(Source):
+    """Synthetic CosmicTagger-like events as scenes (data=cosmic); needs nothing.
 
-
-def _files(root: Path, names: dict[str, list[str]]) -> list[Path]:
-    return [root / s / f"{n}{suffix}" for s, ns in names.items() for n in ns
-            for suffix in ("_image.tif", "_mask.tif")]
-
-
-def _save_manifest(root: Path, params: dict[str, Any], names: dict[str, list[str]]) -> None:
-    manifest.save(root, str(params["generator"]), params, _files(root, names), scenes=names)
-
-
-def make_cosmic_dataset(root: str | os.PathLike[str], splits: Mapping[str, int],
-                        height: int, width: int, seed: int, *, downsample: int = 1,
-                        planes: int = 3, cosmics: float = 8.0,
-                        overwrite: bool = False) -> Path:
-    """Write (or reuse) synthetic events as scenes: usable as ``data.synthetic.generator``.
-
-    Events are generated at ``(height * downsample, width * downsample)`` and pooled by
-    ``downsample`` (module docstring), so datasets at several factors hold the same
-    events. Event ``k`` of split ``s`` has seed ``(seed, s, k)``; reused while
-    ``root/manifest.json`` records the same parameters.
-
-    Returns:
-        ``root``.
+    Events are drawn at ``(height * downsample, width * downsample)`` and pooled by
+    ``downsample`` (module docstring), so datasets at several factors hold the same events.
     """
-    out = Path(root)
-    params = {"generator": "cosmic", "version": GENERATOR_VERSION, "height": height,
-              "width": width, "seed": seed, "downsample": downsample, "planes": planes,
-              "cosmics": cosmics, "splits": dict(splits)}
-    names = {s: [f"event_{k}" for k in range(int(n))] for s, n in splits.items()}
-    if _reuse(out, params, names, overwrite):
-        return out
-    for s, ns in names.items():
-        tag = sum(ord(c) * 31**i for i, c in enumerate(s)) % 2**31  # stable across runs
-        for k, name in enumerate(ns):
-            ev = synthetic_event(height * downsample, width * downsample,
-                                 seed=(seed, tag, k), planes=planes, cosmics=cosmics)
-            _write_event(out / s, name, downsample_event(ev, downsample))
-    _save_manifest(out, params, names)
-    return out
+
+    name = "cosmic"
+    classes = CLASS_NAMES
+
+    def __init__(self, splits: Mapping[str, int], height: int, width: int, seed: int = 0, *,
+                 downsample: int = 1, planes: int = 3, cosmics: float = 8.0) -> None:
+        super().__init__(splits, int(height), int(width), seed)
+        self.downsample, self.planes, self.cosmics = downsample, planes, cosmics
+
+    def parameters(self) -> dict[str, Any]:
+        return {"generator": "cosmic", "version": GENERATOR_VERSION, "height": self.height,
+                "width": self.width, "seed": self.seed, "downsample": self.downsample,
+                "planes": self.planes, "cosmics": self.cosmics, "splits": self.splits}
+
+    def plan(self) -> dict[str, list[str]]:
+        return {s: [f"event_{k}" for k in range(n)] for s, n in self.splits.items()}
+
+    def write(self, folder: Path, name: str, seed: int) -> None:
+        f = self.downsample
+        ev = synthetic_event(self.height * f, self.width * f,  # type: ignore[operator]
+                             seed=seed, planes=self.planes, cosmics=self.cosmics)
+        _write_event(folder, name, downsample_event(ev, f))
 
 
-def convert_cosmic_h5(root: str | os.PathLike[str], splits: Mapping[str, int],
-                      height: int | None = None, width: int | None = None, seed: int = 0, *,
-                      path: str | os.PathLike[str], downsample: int = 1,
-                      overwrite: bool = False) -> Path:
-    """Convert a larcv3 file's events into scenes: usable as ``data.synthetic.generator``.
+class CosmicH5(Source):
+    """A larcv3 file's events as scenes (data=cosmic_h5), in file order: the first
+    ``splits["train"]`` to ``train/``, the next to the following split (dict order).
 
-    Events are taken in file order: the first ``splits["train"]`` go to ``train/``, the
-    next to the following split, and so on (dict order). ``height`` / ``width``, when
-    given, are checked against the (downsampled) planes; ``seed`` is unused.
+    ``height`` / ``width``, when given, are checked against the (downsampled) planes.
     """
-    del seed
-    out = Path(root)
-    total = count_events(path)
-    need = sum(int(n) for n in splits.values())
-    if need > total:
-        raise InputError(f"data.synthetic.splits asks for {need} events but '{path}' holds "
-                         f"{total}; lower the split counts")
-    params = {"generator": "cosmic_h5", "path": str(Path(path).resolve()),
-              "downsample": downsample, "splits": dict(splits)}
-    names: dict[str, list[str]] = {}
-    start = 0
-    for s, n in splits.items():
-        names[s] = [f"event_{e}" for e in range(start, start + int(n))]
-        start += int(n)
-    if _reuse(out, params, names, overwrite):
-        return out
-    order = [(s, int(name.split("_")[1])) for s, ns in names.items() for name in ns]
-    for (s, e), ev in zip(order, read_cosmic_h5(path, [e for _, e in order],
-                                                downsample=downsample)):
-        if (height, width) != (None, None) and (height, width) != ev.image.shape[1:]:
-            raise InputError(f"'{path}' event {e} is {ev.image.shape[1]} x "
-                             f"{ev.image.shape[2]} after downsample={downsample}, but "
-                             f"data.synthetic.height/width ask for {height} x {width}; set "
-                             "them to null")
-        _write_event(out / s, f"event_{e}", ev)
-    _save_manifest(out, params, names)
-    return out
+
+    name = "cosmic_h5"
+    needs = "the larcv3 file (data.synthetic.options.path)"
+    classes = CLASS_NAMES
+
+    def __init__(self, splits: Mapping[str, int], height: int | None = None,
+                 width: int | None = None, seed: int = 0, *, path: str | os.PathLike[str],
+                 downsample: int = 1) -> None:
+        super().__init__(splits, height, width, seed)
+        self.path, self.downsample = Path(path), downsample
+
+    def parameters(self) -> dict[str, Any]:
+        return {"generator": "cosmic_h5", "path": str(self.path.resolve()),
+                "downsample": self.downsample, "splits": self.splits}
+
+    def plan(self) -> dict[str, list[str]]:
+        total = count_events(self.path)
+        need = sum(self.splits.values())
+        if need > total:
+            raise InputError(f"data.synthetic.splits asks for {need} events but "
+                             f"'{self.path}' holds {total}; lower the split counts")
+        names: dict[str, list[str]] = {}
+        start = 0
+        for s, n in self.splits.items():
+            names[s] = [f"event_{e}" for e in range(start, start + n)]
+            start += n
+        return names
+
+    def write(self, folder: Path, name: str, seed: int) -> None:
+        e = int(name.split("_")[1])
+        (ev,) = read_cosmic_h5(self.path, [e], downsample=self.downsample)
+        size = (self.height, self.width)
+        if size != (None, None) and size != ev.image.shape[1:]:
+            raise InputError(f"'{self.path}' event {e} is {ev.image.shape[1]} x "
+                             f"{ev.image.shape[2]} after downsample={self.downsample}, but "
+                             f"data.synthetic.height/width ask for {self.height} x "
+                             f"{self.width}; set them to null")
+        _write_event(folder, name, ev)

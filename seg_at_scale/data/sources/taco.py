@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 from pycocotools import mask as coco_mask
 
-from seg_at_scale.data import manifest
-from seg_at_scale.data.streets import fit_scene, read_rgb, write_street_scene
+from seg_at_scale.data.sources.base import Source
+from seg_at_scale.data.sources.streets import fit_scene, read_rgb, write_street_scene
 from seg_at_scale.errors import ConfigError, InputError
 
-__all__ = ["TacoIndex", "load_taco", "rasterise", "convert_taco", "make_taco_dataset"]
+__all__ = ["TacoIndex", "load_taco", "rasterise", "Taco"]
 
 ENV = "TACO_DATASET"
 
@@ -99,55 +99,59 @@ def rasterise(index: TacoIndex, image: dict[str, Any]) -> np.ndarray:
     return out
 
 
-def convert_taco(source: str | os.PathLike[str], root: str | os.PathLike[str],
-                 splits: Mapping[str, int], *, classes: str = "category", seed: int = 0,
-                 height: int | None = None, width: int | None = None,
-                 overwrite: bool = False) -> Path:
-    """Write TACO scenes under ``root`` (reused when ``root/manifest.json`` matches).
+class Taco(Source):
+    """TACO converted into ``<root>/{train,val,test}`` (data=taco).
 
     Args:
-        source: TACO folder (``annotations.json`` + images).
-        root: output folder.
-        splits: images per split, taken in this order from a seeded shuffle.
-        classes: ``"category"`` (61 classes with background) or ``"supercategory"``.
-        seed: shuffle seed.
+        splits: images per split, taken in this order from a shuffle seeded by ``seed``.
         height: scale images down (aspect kept) to fit this height; None keeps them.
         width: and this width.
-        overwrite: rebuild a folder converted with other parameters (else refused).
+        seed: shuffle seed.
+        source: the TACO folder (``annotations.json`` + images); default ``$TACO_DATASET``.
+        classes: ``"category"`` (61 classes with background) or ``"supercategory"``.
     """
-    root = Path(root)
-    index = load_taco(source, classes)
-    params = {"dataset": "taco", "source": str(Path(source).resolve()), "classes": classes,
-              "seed": int(seed), "splits": {k: int(v) for k, v in splits.items()},
-              "height": height, "width": width, "class_names": list(index.class_names)}
-    if manifest.reuse(root, "taco", params, overwrite=overwrite):
-        return root
-    need = sum(params["splits"].values())  # type: ignore[union-attr]
-    if need > len(index.images):
-        raise ConfigError(f"data.synthetic.splits asks for {need} TACO images but "
-                          f"'{source}' has {len(index.images)}; lower the split counts")
-    order = np.random.default_rng(seed).permutation(len(index.images))
-    start = 0
-    for split, count in params["splits"].items():  # type: ignore[union-attr]
-        for k in order[start : start + count]:
-            info = index.images[int(k)]
-            mask = rasterise(index, info)
-            rgb = read_rgb(Path(source) / info["file_name"], mask.shape)
-            rgb, mask = fit_scene(rgb, mask, height, width)
-            name = f"taco_{int(info['id']):06d}"
-            write_street_scene(root / split, name, rgb, mask, overwrite=True)
-        start += count
-    manifest.save(root, "taco", params)
-    return root
 
+    name = "taco"
+    needs = f"the TACO folder (data.synthetic.options.source or ${ENV})"
 
-def make_taco_dataset(root: str | os.PathLike[str], splits: Mapping[str, int],
-                      height: int | None, width: int | None, seed: int = 0, *,
-                      source: str | None = None, classes: str = "category") -> Path:
-    """``data.synthetic.generator`` form: converts ``source`` (default ``$TACO_DATASET``)."""
-    source = source or os.environ.get(ENV)
-    if not source:
-        raise ConfigError(f"data=taco needs data.synthetic.options.source or ${ENV}: set it "
-                          "to the TACO folder holding annotations.json")
-    return convert_taco(source, root, splits, classes=classes, seed=seed, height=height,
-                        width=width)
+    def __init__(self, splits: Mapping[str, int], height: int | None = None,
+                 width: int | None = None, seed: int = 0, *,
+                 source: str | os.PathLike[str] | None = None,
+                 classes: str = "category") -> None:
+        super().__init__(splits, height, width, seed)
+        source = source or os.environ.get(ENV)
+        if not source:
+            raise ConfigError(f"data=taco needs data.synthetic.options.source or ${ENV}: set "
+                              "it to the TACO folder holding annotations.json")
+        self.source, self.class_mode = Path(source), classes
+        self.index = load_taco(source, classes)
+        self.classes = tuple(self.index.class_names)  # background, then the (super)categories
+        self._images: dict[str, dict[str, Any]] = {}
+
+    def parameters(self) -> dict[str, Any]:
+        return {"dataset": "taco", "source": str(self.source.resolve()),
+                "classes": self.class_mode, "seed": self.seed, "splits": self.splits,
+                "height": self.height, "width": self.width,
+                "class_names": list(self.index.class_names)}
+
+    def plan(self) -> dict[str, list[str]]:
+        need = sum(self.splits.values())
+        if need > len(self.index.images):
+            raise ConfigError(f"data.synthetic.splits asks for {need} TACO images but "
+                              f"'{self.source}' has {len(self.index.images)}; lower the "
+                              "split counts")
+        order = np.random.default_rng(self.seed).permutation(len(self.index.images))
+        names, start = {}, 0
+        for split, count in self.splits.items():
+            infos = [self.index.images[int(k)] for k in order[start : start + count]]
+            self._images.update({f"taco_{int(i['id']):06d}": i for i in infos})
+            names[split] = [f"taco_{int(i['id']):06d}" for i in infos]
+            start += count
+        return names
+
+    def write(self, folder: Path, name: str, seed: int) -> None:
+        info = self._images[name]
+        mask = rasterise(self.index, info)
+        rgb = read_rgb(self.source / info["file_name"], mask.shape)
+        rgb, mask = fit_scene(rgb, mask, self.height, self.width)
+        write_street_scene(folder, name, rgb, mask, overwrite=True)

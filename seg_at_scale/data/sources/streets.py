@@ -5,12 +5,13 @@ once, on the whole image when a scene is written, and stored as a 4th band (0 / 
 the model never computes it and halo tiling stays exact. Cityscapes, TACO and the
 synthetic streets all go through :func:`write_street_scene`.
 
-The synthetic scenes (the default of ``data=streets``) are perspective street views:
-sky, buildings with windows, road and sidewalk in nearly the same grey (told apart by
-their shape and position), trees, cars and thin poles. Deterministic from the seed::
+The synthetic scenes (:class:`Streets`, the default of ``data=streets``) are perspective
+street views: sky, buildings with windows, road and sidewalk in nearly the same grey (told
+apart by their shape and position), trees, cars and thin poles. Deterministic from the
+seed::
 
-    make_street_dataset("data/streets", splits={"train": 8, "val": 2, "test": 1},
-                        height=256, width=512, seed=0)
+    Streets({"train": 8, "val": 2, "test": 1}, height=256, width=512, seed=0).build(
+        "data/streets")
 """
 
 from __future__ import annotations
@@ -18,20 +19,21 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
 
-from seg_at_scale.data import manifest
+from seg_at_scale.data.sources.base import Source
 from seg_at_scale.errors import InputError
 from seg_at_scale.io import check_output_path, write_raster
 
 __all__ = ["STREET_CLASSES", "canny_band", "write_street_scene", "fit_scene", "read_rgb",
-           "render_street", "make_street_dataset"]
+           "render_street", "Streets"]
 
 STREET_CLASSES = ("road", "sidewalk", "building", "vegetation", "sky", "car", "pole")
 ROAD, SIDEWALK, BUILDING, VEGETATION, SKY, CAR, POLE = range(len(STREET_CLASSES))
-VERSION = 1
+VERSION = 2  # 2: scene seeds from the one rule (sources.base.scene_seed)
 
 
 def canny_band(rgb: np.ndarray, low: int = 50, high: int = 150, sigma: float = 1.0,
@@ -193,36 +195,27 @@ def _street_objects(rng: np.random.Generator, img: np.ndarray, mask: np.ndarray,
         img[:, wheels] = 25.0
 
 
-def make_street_dataset(root: str | os.PathLike[str], splits: Mapping[str, int], height: int,
-                        width: int, seed: int, *, overwrite: bool = False) -> Path:
-    """Write (or reuse) synthetic street scenes ``<root>/<split>/street_<k>_{image,mask}.tif``.
+class Streets(Source):
+    """Synthetic street scenes ``<root>/<split>/street_<k>_{image,mask}.tif`` (data=streets).
 
-    Usable as ``data.synthetic.generator``. ``root/manifest.json`` records the parameters;
-    a dataset with the same parameters is reused, another one is refused unless
-    ``overwrite``.
-
-    Returns:
-        ``root``.
+    ``data.synthetic.generator: seg_at_scale.data.sources.streets.Streets``; needs nothing.
     """
-    root = Path(root)
-    params = {"generator": "streets", "version": VERSION, "seed": int(seed),
-              "height": int(height), "width": int(width),
-              "splits": {str(k): int(v) for k, v in splits.items()},
-              "classes": list(STREET_CLASSES)}
-    counts: dict[str, int] = params["splits"]  # type: ignore[assignment]
-    files = [root / s / f"street_{k}_{kind}.tif" for s, n in counts.items()
-             for k in range(n) for kind in ("image", "mask")]
-    if manifest.reuse(root, "streets", params, overwrite=overwrite, files=files):
-        return root
-    for split, count in counts.items():
-        for k in range(count):
-            rgb, mask = render_street(height, width, _scene_seed(seed, split, k))
-            write_street_scene(root / split, f"street_{k}", rgb, mask, overwrite=True)
-    manifest.save(root, "streets", params, files)
-    return root
 
+    name = "streets"
+    classes = STREET_CLASSES
 
-def _scene_seed(seed: int, split: str, index: int) -> int:
-    """Stable per-scene seed (not Python's salted ``hash``)."""
-    return int(np.random.SeedSequence([seed, sum(split.encode()) * 31 + len(split),
-                                       index]).generate_state(1)[0])
+    def __init__(self, splits: Mapping[str, int], height: int, width: int,
+                 seed: int = 0) -> None:
+        super().__init__(splits, int(height), int(width), seed)
+
+    def parameters(self) -> dict[str, Any]:
+        return {"generator": "streets", "version": VERSION, "seed": self.seed,
+                "height": self.height, "width": self.width, "splits": self.splits,
+                "classes": list(STREET_CLASSES)}
+
+    def plan(self) -> dict[str, list[str]]:
+        return {s: [f"street_{k}" for k in range(n)] for s, n in self.splits.items()}
+
+    def write(self, folder: Path, name: str, seed: int) -> None:
+        rgb, mask = render_street(self.height, self.width, seed)  # type: ignore[arg-type]
+        write_street_scene(folder, name, rgb, mask, overwrite=True)

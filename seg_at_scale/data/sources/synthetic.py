@@ -1,8 +1,14 @@
-"""The synthetic dataset on disk: streaming scene writer, manifest, reuse.
+"""The synthetic satellite scenes on disk (data=synthetic, the demo's default source).
 
-``make_dataset`` is called on every demo run: it writes the scenes of
-:class:`~seg_at_scale.data.synthetic.SceneGenerator` as tiled GeoTIFFs once and reuses
-them while ``manifest.json`` records the same parameters.
+:class:`SyntheticScenes` (``make_dataset`` as a function) is called on every demo run: it
+writes the scenes of :class:`~seg_at_scale.data.synthetic.SceneGenerator` as tiled
+GeoTIFFs once and reuses them while ``manifest.json`` records the same parameters.
+
+Its :meth:`~SyntheticScenes.build` keeps the folder rule of every source
+(:class:`~seg_at_scale.data.sources.base.Source`) and adds two things the demo's large
+scenes want: a folder with the same parameters but missing files gets only those files
+written again, and its manifest lists every scene with its seed (:class:`DatasetManifest`,
+which ``seg-synth`` prints).
 """
 
 from __future__ import annotations
@@ -20,13 +26,8 @@ from typing import Any
 import numpy as np
 
 from seg_at_scale.data import manifest
-from seg_at_scale.data.synthetic import (
-    CLASSES,
-    GENERATOR_VERSION,
-    IGNORE_INDEX,
-    SceneGenerator,
-    _hash,  # the generator's coordinate hash also derives per-scene seeds
-)
+from seg_at_scale.data.sources.base import Source, check_splits, scene_seed
+from seg_at_scale.data.synthetic import CLASSES, GENERATOR_VERSION, IGNORE_INDEX, SceneGenerator
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import check_output_path, example_geotags, write_raster_bands
 from seg_at_scale.tiling.geometry import Window
@@ -34,8 +35,8 @@ from seg_at_scale.tiling.geometry import Window
 __all__ = [
     "DEFAULT_SPLITS",
     "DatasetManifest",
+    "SyntheticScenes",
     "make_dataset",
-    "scene_seed",
     "write_scene",
 ]
 
@@ -84,11 +85,6 @@ def write_scene(image_path: str | os.PathLike[str], mask_path: str | os.PathLike
         write_raster_bands(image_path, gen.shape, gen.dtype, images, **options)
         mask_job.result()
     return image_path, mask_path
-
-
-def scene_seed(seed: int, split: str, index: int) -> int:
-    """Derive the seed of scene ``index`` of ``split`` (stable across runs and machines)."""
-    return int(_hash(seed, zlib.crc32(split.encode()), index, 0x5CE7E)) >> 1
 
 
 @dataclass(frozen=True)
@@ -160,10 +156,7 @@ class DatasetManifest:
 def _plan(root: Path, splits: Mapping[str, int], height: int, width: int,
           seed: int) -> DatasetManifest:
     """Describe the dataset ``make_dataset`` is asked for, before writing anything."""
-    for name, count in splits.items():
-        if not name or "/" in name or "\\" in name or count < 0:
-            raise ConfigError(f"split {name!r}: {count} scenes; use a plain folder name and a "
-                             "count >= 0")
+    splits = check_splits(splits)
     params = {"generator_version": GENERATOR_VERSION, "seed": int(seed), "height": int(height),
               "width": int(width), "splits": {s: int(n) for s, n in splits.items()}}
     files = {s: tuple((root / s / f"scene_{k}_image.tif", root / s / f"scene_{k}_mask.tif")
@@ -197,27 +190,7 @@ def make_dataset(root: str | os.PathLike[str], *, splits: Mapping[str, int] = DE
             is false; the message names the parameter.
         OutputExistsError: a scene file exists without a manifest and ``overwrite`` is false.
     """
-    want = _plan(Path(root), splits, height, width, seed)
-    # the one rule (data/manifest.py); missing files of a matching dataset are made below
-    same = manifest.reuse(want.root, "synthetic", want.parameters, overwrite=overwrite,
-                          files=[])
-    old = None if same else _existing(want, overwrite=True)  # its stale files go below
-    written = 0
-    for split, pairs in want.files.items():
-        for k, pair in enumerate(pairs):
-            if same and all(p.exists() for p in pair):
-                continue  # reuse
-            pair[0].parent.mkdir(parents=True, exist_ok=True)
-            gen = SceneGenerator(want.seeds[split][k], height, width)
-            write_scene(*pair, gen, overwrite=overwrite or same)
-            written += 1
-    if old is not None:  # files of an older, different dataset that no longer belong
-        for stale in set(old.all_files()) - set(want.all_files()):
-            stale.unlink(missing_ok=True)
-    if written or not same:
-        want.root.mkdir(parents=True, exist_ok=True)
-        want.save()
-    return want
+    return SyntheticScenes(splits, height, width, seed).build(root, overwrite=overwrite)
 
 
 def _existing(want: DatasetManifest, overwrite: bool) -> DatasetManifest | None:
@@ -230,3 +203,57 @@ def _existing(want: DatasetManifest, overwrite: bool) -> DatasetManifest | None:
         if overwrite:
             return None
         raise
+
+
+class SyntheticScenes(Source):
+    """The synthetic satellite scenes ``<root>/<split>/scene_<k>_{image,mask}.tif``.
+
+    ``data.synthetic.generator`` of ``data=synthetic``; needs nothing.
+    """
+
+    name = "synthetic"
+    classes = CLASSES
+
+    def __init__(self, splits: Mapping[str, int] = DEFAULT_SPLITS, height: int = 1024,
+                 width: int = 1024, seed: int = 0) -> None:
+        super().__init__(splits, int(height), int(width), seed)
+
+    def _planned(self, root: Path) -> DatasetManifest:
+        return _plan(root, self.splits, self.height, self.width,  # type: ignore[arg-type]
+                     self.seed)
+
+    def parameters(self) -> dict[str, Any]:
+        return self._planned(Path()).parameters
+
+    def plan(self) -> dict[str, list[str]]:
+        return {s: [f"scene_{k}" for k in range(n)] for s, n in self.splits.items()}
+
+    def write(self, folder: Path, name: str, seed: int) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        gen = SceneGenerator(seed, self.height, self.width)  # type: ignore[arg-type]
+        write_scene(folder / f"{name}_image.tif", folder / f"{name}_mask.tif", gen,
+                    overwrite=True)
+
+    def build(self, root: str | os.PathLike[str], *,  # type: ignore[override]
+              overwrite: bool = False) -> DatasetManifest:
+        """The folder rule, resuming missing files (module docstring); the manifest."""
+        want = self._planned(Path(root))
+        # the one rule (data/manifest.py); missing files of a matching dataset are made below
+        same = manifest.reuse(want.root, self.name, want.parameters, overwrite=overwrite,
+                              files=[])
+        old = None if same else _existing(want, overwrite=True)  # its stale files go below
+        written = 0
+        for split, pairs in want.files.items():
+            for k, pair in enumerate(pairs):
+                if same and all(p.exists() for p in pair):
+                    continue  # reuse
+                self.write(pair[0].parent, pair[0].name[: -len("_image.tif")],
+                           want.seeds[split][k])
+                written += 1
+        if old is not None:  # files of an older, different dataset that no longer belong
+            for stale in set(old.all_files()) - set(want.all_files()):
+                stale.unlink(missing_ok=True)
+        if written or not same:
+            want.root.mkdir(parents=True, exist_ok=True)
+            want.save()
+        return want
