@@ -39,8 +39,8 @@ import torch
 from common import peak_rss_self_mib, run_isolated, save
 
 from seg_at_scale.data.normalize import Normalizer
-from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.data.sources.synthetic import write_scene
+from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.io import write_raster_bands
 from seg_at_scale.models import UNet
 from seg_at_scale.prediction import predict_raster

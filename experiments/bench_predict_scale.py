@@ -47,8 +47,8 @@ from common import save
 
 from seg_at_scale.cli.common import normalizer_of
 from seg_at_scale.cli.predict import load_run
-from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.data.sources.synthetic import write_scene
+from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.data.windows import RasterWindows
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import fill_of, footprint, make_grid

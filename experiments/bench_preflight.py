@@ -33,8 +33,8 @@ from common import save
 
 from seg_at_scale.data.band_stats import sample_sums
 from seg_at_scale.data.preflight import CACHE_NAME, preflight
-from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.data.sources.synthetic import make_dataset, write_scene
+from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Window
 

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from data_helpers import tiff_module
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from data_helpers import tiff_module
 from source_fixtures import tiny_event, write_larcv
 
+from seg_at_scale.data.scenes import find_scenes, validate_scene
 from seg_at_scale.data.sources.cosmic import (
     IMAGE_GROUP,
     LABEL_GROUP,
@@ -29,7 +30,6 @@ from seg_at_scale.data.sources.cosmic import (
     read_cosmic_h5,
     synthetic_event,
 )
-from seg_at_scale.data.scenes import find_scenes, validate_scene
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import read_raster
 from seg_at_scale.tasks.cosmic import CosmicLoss, cosmic_confusion, cosmic_metrics

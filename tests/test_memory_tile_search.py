@@ -10,8 +10,8 @@ import sys
 import psutil
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from data_helpers import tiff_module
+from hydra import compose, initialize_config_dir
 from memory_helpers import CONF, assert_close, grads, tiny
 
 from seg_at_scale.cli.train import check_memory, resolve_auto_tile
@@ -104,7 +104,8 @@ def test_auto_tile_size_fits_the_budget_measured_again(tmp_path, scene_files):
     memory = check_memory(cfg)
     resolve_auto_tile(cfg, net, fp, dm, memory)
     side = cfg.tiling.tile_size
-    assert isinstance(side, int) and dm.tiling.tile_size == side and (side - 2 * fp.context) % 4 == 0
+    assert isinstance(side, int) and dm.tiling.tile_size == side
+    assert (side - 2 * fp.context) % 4 == 0
     again = measure_step(net, side, StepSpec(memory, threads=1))
     assert again.fits and again.peak_bytes + host - again.base_bytes <= budget_gb * GIB, again
     # larger tiles cut the halo overhead: E at the chosen tile beats the smallest legal tile's

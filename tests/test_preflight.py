@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from data_helpers import group
 from omegaconf import OmegaConf
 
-from data_helpers import group
 from seg_at_scale.cli.common import class_names_of
 from seg_at_scale.cli.data_setup import check_grids
 from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_sums

@@ -105,3 +105,7 @@ def test_a_generator_that_is_no_source_is_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"data.synthetic.generator='pathlib.Path' is not a "
                                         r"dataset source"):
         source_of({"generator": "pathlib.Path", "splits": {"train": 1}})
+    with pytest.raises(ConfigError, match=r"do not fit Streets\(splits.*unexpected keyword "
+                                          r"argument 'colour'"):
+        source_of({"generator": "seg_at_scale.data.sources.streets.Streets",
+                   "splits": {"train": 1}, "height": 8, "width": 8, "options": {"colour": 1}})

@@ -14,7 +14,6 @@ import cv2
 import numpy as np
 import pytest
 import pytorch_lightning as pl
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from source_fixtures import CS_EXPECTED, write_cityscapes, write_taco
@@ -24,9 +23,9 @@ from seg_at_scale.cli.data_setup import checked_groups, synthesize
 from seg_at_scale.data.sources.cityscapes import CITYSCAPES_CLASSES, Cityscapes, label_lut
 from seg_at_scale.data.sources.streets import (
     STREET_CLASSES,
+    Streets,
     canny_band,
     fit_scene,
-    Streets,
     render_street,
 )
 from seg_at_scale.data.sources.taco import Taco, load_taco

@@ -9,13 +9,13 @@ import pytest
 
 from seg_at_scale.cli.synth import main
 from seg_at_scale.data import synthetic
-from seg_at_scale.data.synthetic import CLASSES, SceneGenerator
 from seg_at_scale.data.sources.base import scene_seed
 from seg_at_scale.data.sources.synthetic import (
     DatasetManifest,
     make_dataset,
     write_scene,
 )
+from seg_at_scale.data.synthetic import CLASSES, SceneGenerator
 from seg_at_scale.errors import InputError, OutputExistsError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling.geometry import Window

@@ -6,7 +6,6 @@ from seg_at_scale.models import UNet
 from seg_at_scale.tasks import SegmentationTask, poly_lr
 
 
-
 def test_poly_lr_decays_to_zero_after_warmup():
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
     sched = poly_lr(opt, total_steps=100, power=0.9, warmup_steps=10)

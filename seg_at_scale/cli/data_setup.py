@@ -13,6 +13,7 @@ validated.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,8 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_sums
 from seg_at_scale.data.config import AUTO, DataConfig, TilingConfig, data_config, tiling_config
-from seg_at_scale.data.sources.base import Source
 from seg_at_scale.data.preflight import CACHE_NAME, FactCache, PreflightReport, preflight
+from seg_at_scale.data.sources.base import Source
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Footprint, make_grid
@@ -57,9 +58,12 @@ def synthesize(cfg: DictConfig) -> None:
 
 
 def source_of(synthetic: Mapping[str, Any]) -> Source:
-    """The dataset source the ``data.synthetic`` node names (``generator``: a
-    :class:`~seg_at_scale.data.sources.base.Source` class; the satellite scenes by default),
-    built from its ``splits`` / ``height`` / ``width`` / ``seed`` and its ``options``."""
+    """The dataset source the ``data.synthetic`` node names, built from that node.
+
+    ``generator`` names a :class:`~seg_at_scale.data.sources.base.Source` class (the
+    satellite scenes by default); it is built from ``splits`` / ``height`` / ``width`` /
+    ``seed`` and its ``options``, refused naming the keys when they do not fit.
+    """
     path = synthetic.get("generator") or DEFAULT_SOURCE
     try:
         cls = get_class(path)
@@ -72,7 +76,13 @@ def source_of(synthetic: Mapping[str, Any]) -> Source:
                           f"a seg_at_scale.data.sources.base.Source subclass, e.g. "
                           f"{DEFAULT_SOURCE}")
     keys = {k: synthetic[k] for k in ("splits", "height", "width", "seed") if k in synthetic}
-    return cls(**keys, **dict(synthetic.get("options") or {}))
+    options = dict(synthetic.get("options") or {})
+    try:
+        inspect.signature(cls).bind(**keys, **options)
+    except TypeError as exc:
+        raise ConfigError(f"data.synthetic / data.synthetic.options do not fit {cls.__name__}"
+                          f"{inspect.signature(cls)}: {exc}; set the keys it takes") from exc
+    return cls(**keys, **options)
 
 
 def make_synthetic(root: str, synthetic: Mapping[str, Any] | None) -> None:

@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 
 from seg_at_scale.cli.common import reports_errors
-from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.data.sources.synthetic import make_dataset, write_scene
+from seg_at_scale.data.synthetic import SceneGenerator
 
 __all__ = ["build_parser", "main"]
 

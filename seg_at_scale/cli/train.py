@@ -79,7 +79,6 @@ log = logging.getLogger("seg_at_scale.train")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
 
 
-
 def computed_values(dm: TileDataModule, fp: Any, cfg: DictConfig) -> dict[str, Any]:
     """Halo, alignment and efficiency E of the validation grid: saved with the run."""
     scene = dm.scenes_of("val")[0]

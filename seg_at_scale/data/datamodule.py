@@ -42,7 +42,8 @@ class TileDataModule(pl.LightningDataModule):
 
     The ``data`` config group is this class's config: ``conf/data/*.yaml`` names it as its
     ``_target_``, so the training command builds it with ``instantiate(cfg.data,
-    _partial_=True, _convert_="all")(tiling=..., footprint=..., seed=..., scenes=...)``. Its keys are the ``data`` keys of
+    _partial_=True, _convert_="all")(tiling=..., footprint=..., seed=..., scenes=...)``.
+    Its keys are the ``data`` keys of
     :class:`~seg_at_scale.data.config.DataConfig`, validated here (unknown keys refused by
     name); ``scale`` / ``mean`` / ``std`` must be numbers by now (``auto`` is resolved
     before, :func:`seg_at_scale.cli.data_setup.resolve_normalization`).

@@ -60,8 +60,9 @@ def check_splits(splits: Mapping[str, Any]) -> dict[str, int]:
 
 
 class Source(ABC):
-    """One dataset source (see the module); subclasses fill in the class attributes and the
-    three abstract methods.
+    """One dataset source (see the module).
+
+    Subclasses fill in the class attributes and the three abstract methods.
 
     Args:
         splits: scenes per split (some sources: 0 = all the source has).

@@ -277,8 +277,10 @@ class CosmicEvents(Source):
 
 
 class CosmicH5(Source):
-    """A larcv3 file's events as scenes (data=cosmic_h5), in file order: the first
-    ``splits["train"]`` to ``train/``, the next to the following split (dict order).
+    """A larcv3 file's events as scenes (data=cosmic_h5), in file order.
+
+    The first ``splits["train"]`` go to ``train/``, the next to the following split (dict
+    order).
 
     ``height`` / ``width``, when given, are checked against the (downsampled) planes.
     """

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
