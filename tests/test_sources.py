@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from source_fixtures import tiny_event, write_cityscapes, write_larcv, write_taco
 
-from seg_at_scale.cli.data_setup import source_of
+from seg_at_scale.cli.data_setup import make_synthetic, source_of
 from seg_at_scale.data.sources.base import Source, scene_seed
 from seg_at_scale.errors import ConfigError, InputError
 
@@ -81,6 +81,9 @@ def test_every_source_reuses_refuses_and_rebuilds_the_same_way(tmp_path, name):
     build(tmp_path, root, 1, True)
     assert _state(root) != made
     build(tmp_path, root, 1, False)  # the rebuilt folder is reused in turn
+    assert _state(root) == (rebuilt := _state(root))
+    build(tmp_path, root, 0, True)  # back: the scenes only the other dataset had are gone
+    assert set(_state(root)) == set(made) and _state(root) != rebuilt
 
 
 @pytest.mark.parametrize("name", ["synthetic", "streets", "cosmic"])
@@ -109,3 +112,17 @@ def test_a_generator_that_is_no_source_is_refused_naming_the_key() -> None:
                                           r"argument 'colour'"):
         source_of({"generator": "seg_at_scale.data.sources.streets.Streets",
                    "splits": {"train": 1}, "height": 8, "width": 8, "options": {"colour": 1}})
+
+
+def test_seg_train_rebuilds_another_dataset_only_with_data_synthetic_overwrite(tmp_path):
+    node = {"enabled": True, "overwrite": False,
+            "generator": "seg_at_scale.data.sources.streets.Streets",
+            "splits": {"train": 1}, "height": 24, "width": 40, "seed": 0}
+    make_synthetic(str(tmp_path / "d"), node)
+    made = _state(tmp_path / "d")
+    with pytest.raises(InputError, match=r"\(seed: 0 there, 1 asked\); pass overwrite=true "
+                                         r"\(seg-train: data.synthetic.overwrite=true\)"):
+        make_synthetic(str(tmp_path / "d"), {**node, "seed": 1})
+    assert _state(tmp_path / "d") == made
+    make_synthetic(str(tmp_path / "d"), {**node, "seed": 1, "overwrite": True})
+    assert set(_state(tmp_path / "d")) == set(made) and _state(tmp_path / "d") != made

@@ -99,7 +99,8 @@ def make_synthetic(root: str, synthetic: Mapping[str, Any] | None) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     # parallel trials and DDP ranks start together: the first generates, the others wait
     with FileLock(folder.parent / f".{folder.name}.lock"):
-        source.build(folder)
+        # data.synthetic.overwrite=true: rebuild a folder made with other parameters
+        source.build(folder, overwrite=bool(syn.get("overwrite", False)))
 
 
 def run_preflight(data: DataConfig, run: RunFolder, predict_after_fit: bool) -> PreflightReport:

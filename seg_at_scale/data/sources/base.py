@@ -14,7 +14,8 @@ is a small class, built from the ``data.synthetic`` node of its config
 :meth:`Source.build` is the same for every source: the folder rule of
 :mod:`seg_at_scale.data.manifest` (same parameters: reuse; other parameters: refused naming
 each differing key, or rebuilt with ``overwrite``), then each planned scene written with
-its seed from :func:`scene_seed`, then the manifest, last.
+its seed from :func:`scene_seed` (a rebuild first removes the scenes the old manifest
+lists that the new plan lacks), then the manifest, last.
 
 >>> scene_seed(0, "train", 0) == scene_seed(0, "train", 0) != scene_seed(0, "val", 0)
 True
@@ -107,6 +108,8 @@ class Source(ABC):
         files = scene_files(root, names)
         if manifest.reuse(root, self.name, params, overwrite=overwrite, files=files):
             return root
+        for stale in set(manifest.listed(root)) - set(files):  # an older dataset's scenes
+            stale.unlink(missing_ok=True)
         for split, scenes in names.items():
             for k, name in enumerate(scenes):
                 self.write(root / split, name, scene_seed(self.seed, split, k))
