@@ -126,3 +126,25 @@ def test_seg_train_rebuilds_another_dataset_only_with_data_synthetic_overwrite(t
     assert _state(tmp_path / "d") == made
     make_synthetic(str(tmp_path / "d"), {**node, "seed": 1, "overwrite": True})
     assert set(_state(tmp_path / "d")) == set(made) and _state(tmp_path / "d") != made
+
+
+def test_a_class_count_other_than_the_source_table_is_refused_before_writing(tmp_path):
+    node = {"enabled": True, "generator": "seg_at_scale.data.sources.streets.Streets",
+            "splits": {"train": 1}, "height": 24, "width": 40, "seed": 0}
+    with pytest.raises(ConfigError, match=r"data.num_classes=5 but streets's class table has 7 "
+                                          r"classes \(road, sidewalk, building, vegetation, "
+                                          r"\.\.\.\): set data.num_classes=7"):
+        make_synthetic(str(tmp_path / "d"), node, num_classes=5)
+    assert not (tmp_path / "d").exists()
+    make_synthetic(str(tmp_path / "d"), node, num_classes=7)
+    assert (tmp_path / "d" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("name", ["cosmic_h5", "cityscapes"])
+def test_a_converted_folder_is_reused_without_its_source(tmp_path, name):
+    _build(tmp_path, tmp_path / "data", name, 0, False)
+    made = _state(tmp_path / "data")
+    again = _source(tmp_path, name, 0)
+    (tmp_path / ("events.h5" if name == "cosmic_h5" else "cs")).rename(tmp_path / "moved")
+    again.build(tmp_path / "data")  # the source is gone: the manifest alone says "reuse"
+    assert _state(tmp_path / "data") == made

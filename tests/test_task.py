@@ -40,4 +40,6 @@ def test_grid_mode_steps_once_per_image_on_the_whole_image_gradient(tmp_path, sc
     trainer.fit(task, datamodule=dm)
     assert len(steps) == 8  # 2 images x 4 tiles
     assert steps == [0, 0, 0, 1, 1, 1, 1, 2]  # the optimiser steps on each image's last tile
+    # the scheduler's horizon is those steps: one per image, not one per tile
+    assert dm.optimizer_steps_per_epoch() == steps[-1] == task._optimizer_steps() == 2
     assert 0.0 <= float(trainer.callback_metrics["val/miou"]) <= 1.0

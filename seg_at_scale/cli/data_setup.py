@@ -54,7 +54,8 @@ def checked_groups(cfg: DictConfig) -> tuple[DataConfig, TilingConfig]:
 def synthesize(cfg: DictConfig) -> None:
     """:func:`make_synthetic` from the raw config (only ``data.root`` / ``data.synthetic``)."""
     syn = cfg.data.get("synthetic")
-    make_synthetic(str(cfg.data.root), _plain(syn) if syn is not None else None)
+    make_synthetic(str(cfg.data.root), _plain(syn) if syn is not None else None,
+                   num_classes=cfg.data.num_classes)
 
 
 def source_of(synthetic: Mapping[str, Any]) -> Source:
@@ -85,16 +86,23 @@ def source_of(synthetic: Mapping[str, Any]) -> Source:
     return cls(**keys, **options)
 
 
-def make_synthetic(root: str, synthetic: Mapping[str, Any] | None) -> None:
+def make_synthetic(root: str, synthetic: Mapping[str, Any] | None, *,
+                   num_classes: int | None = None) -> None:
     """Write (or reuse) the source's scenes when ``data.synthetic.enabled``.
 
     Runs first (before the ``data`` group is resolved whole): ``data.class_weights`` may be
-    computed from the training masks these scenes are.
+    computed from the training masks these scenes are. A ``num_classes`` other than the
+    length of the source's class table is refused before anything is written.
     """
     syn = synthetic or {}
     if not syn.get("enabled"):
         return
     source = source_of(syn)
+    table = source.classes
+    if table is not None and num_classes is not None and num_classes != len(table):
+        raise ConfigError(f"data.num_classes={num_classes} but {source.name}'s class table has "
+                          f"{len(table)} classes ({', '.join(table[:4])}, ...): set "
+                          f"data.num_classes={len(table)}")
     folder = Path(root)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # parallel trials and DDP ranks start together: the first generates, the others wait

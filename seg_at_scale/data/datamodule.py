@@ -77,7 +77,7 @@ class TileDataModule(pl.LightningDataModule):
             raise ConfigError(f"data.{unresolved[0]}=auto is worked out from the training "
                               "split before the DataModule is built (seg-train does it); "
                               f"give data.{unresolved[0]} as numbers here")
-        self.root, self.fp, self.num_classes = Path(d.root), footprint, d.num_classes
+        self.fp = footprint
         self.normalizer = Normalizer(float(d.scale), tuple(d.mean), tuple(d.std))
         self.class_weights = None if d.class_weights is None else list(d.class_weights)
         self.seed = seed
@@ -92,10 +92,12 @@ class TileDataModule(pl.LightningDataModule):
     def scenes_of(self, split: str) -> list[Scene]:
         """Validated scenes of a split (cached)."""
         if split not in self.scenes:
-            found = find_scenes(self.root / split, key=f"data.root ({split} split)")
-            self.scenes[split] = [validate_scene(s, self.num_classes, self.data.ignore_index,
-                                                 self.data.mask_bands) for s in found]
-            log.info("%s: %d scenes in %s", split, len(found), self.root / split)
+            folder = Path(self.data.root) / split
+            found = find_scenes(folder, key=f"data.root ({split} split)")
+            self.scenes[split] = [validate_scene(s, self.data.num_classes,
+                                                 self.data.ignore_index, self.data.mask_bands)
+                                  for s in found]
+            log.info("%s: %d scenes in %s", split, len(found), folder)
         return self.scenes[split]
 
     def _grid(self, split: str) -> GridTiles:

@@ -39,6 +39,7 @@ __all__ = ["reuse", "save", "listed", "MANIFEST"]
 
 MANIFEST = "manifest.json"
 _SCENES = ("*/*_image.tif", "*/*_mask.tif")
+_FIX = "pass overwrite=true (seg-train: data.synthetic.overwrite=true)"
 
 
 def _read(root: Path, source: str, overwrite: bool) -> dict[str, Any] | None:
@@ -50,8 +51,8 @@ def _read(root: Path, source: str, overwrite: bool) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         if overwrite:
             return None
-        raise InputError(f"{source}: cannot read '{path}' ({exc}); pass overwrite=true (seg-train: data.synthetic.overwrite=true) to "
-                         "rebuild the folder, or choose another data.root") from exc
+        raise InputError(f"{source}: cannot read '{path}' ({exc}); {_FIX} to rebuild the "
+                         "folder, or choose another data.root") from exc
     return doc if isinstance(doc, dict) else {}
 
 
@@ -78,8 +79,7 @@ def reuse(root: str | os.PathLike[str], source: str, params: Mapping[str, Any], 
         if found and not overwrite:
             raise OutputExistsError(
                 f"{source}: '{root}' holds scene files ({found[0].name}, ...) but no "
-                f"{MANIFEST}; pass overwrite=true (seg-train: data.synthetic.overwrite=true) to replace them, or choose another "
-                "data.root")
+                f"{MANIFEST}; {_FIX} to replace them, or choose another data.root")
         return False
     old = doc.get("parameters", doc)  # older manifests stored the parameters bare
     if old == want:
@@ -90,18 +90,13 @@ def reuse(root: str | os.PathLike[str], source: str, params: Mapping[str, Any], 
     diff = sorted(k for k in set(old) | set(want) if old.get(k) != want.get(k))
     shown = ", ".join(f"{k}: {old.get(k)!r} there, {want.get(k)!r} asked" for k in diff[:4])
     raise InputError(f"{source}: '{root}' holds a dataset made with other parameters "
-                     f"({shown}); pass overwrite=true (seg-train: data.synthetic.overwrite=true) to rebuild it, or choose another "
-                     "data.root")
+                     f"({shown}); {_FIX} to rebuild it, or choose another data.root")
 
 
 def listed(root: str | os.PathLike[str]) -> list[Path]:
     """The files the folder's manifest says it made (none without a readable manifest)."""
     root = Path(root)
-    try:
-        doc = json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return []
-    files = doc.get("files", []) if isinstance(doc, dict) else []
+    files = (_read(root, "", overwrite=True) or {}).get("files", [])
     return [root / f for f in files] if isinstance(files, list) else []
 
 

@@ -8,7 +8,8 @@ is a small class, built from the ``data.synthetic`` node of its config
 * ``name`` and ``needs``: what it is called in messages and what must exist first;
 * ``classes``: its class table (index = mask value), or None when the config names them;
 * :meth:`Source.parameters`: everything the folder's pixels depend on (the manifest);
-* :meth:`Source.plan`: the scene names of each split, known before anything is written;
+* :meth:`Source.plan`: the scene names of each split, known before anything is written
+  (asked only when the folder is to be written);
 * :meth:`Source.write`: one scene, given its folder, name and seed.
 
 :meth:`Source.build` is the same for every source: the folder rule of
@@ -104,10 +105,12 @@ class Source(ABC):
         """
         root = Path(root)
         params = self.parameters()
+        # reuse asks only the manifest (the files it lists): a converted folder is reused
+        # without listing, or even having, its source
+        if manifest.reuse(root, self.name, params, overwrite=overwrite):
+            return root
         names = self.plan()
         files = scene_files(root, names)
-        if manifest.reuse(root, self.name, params, overwrite=overwrite, files=files):
-            return root
         for stale in set(manifest.listed(root)) - set(files):  # an older dataset's scenes
             stale.unlink(missing_ok=True)
         for split, scenes in names.items():

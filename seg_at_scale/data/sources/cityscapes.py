@@ -93,8 +93,8 @@ class Cityscapes(Source):
         super().__init__(splits, height, width, seed)
         source = source or os.environ.get(ENV)
         if not source:
-            raise ConfigError(f"data=cityscapes needs data.synthetic.options.source or ${ENV}: "
-                              "set it to the folder holding leftImg8bit/ and gtFine/")
+            raise ConfigError(f"data=cityscapes needs {self.needs}: set it to the folder "
+                              "holding leftImg8bit/ and gtFine/")
         for split in self.splits:
             if split not in SOURCE_SPLIT:
                 raise ConfigError(f"data.synthetic.splits has {split!r}; use train, val, test")

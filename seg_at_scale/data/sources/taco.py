@@ -121,8 +121,8 @@ class Taco(Source):
         super().__init__(splits, height, width, seed)
         source = source or os.environ.get(ENV)
         if not source:
-            raise ConfigError(f"data=taco needs data.synthetic.options.source or ${ENV}: set "
-                              "it to the TACO folder holding annotations.json")
+            raise ConfigError(f"data=taco needs {self.needs}: set it to the TACO folder "
+                              "holding annotations.json")
         self.source, self.class_mode = Path(source), classes
         self.index = load_taco(source, classes)
         self.classes = tuple(self.index.class_names)  # background, then the (super)categories
