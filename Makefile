@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:  `make demo`  and  `make test`.
-# Everything installs into ./.venv; torch is pinned (2.13.0: this project's CPU machines
-# take a local CPU wheel, a GPU machine gets the ordinary CUDA build of the same version).
+# Everything installs into ./.venv; torch is pinned (2.14.1 with torchvision 0.29.1: the
+# ordinary build, which runs on CPU here and on a GPU machine alike).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install -q -e ".[dev,test,bench,parallel]"
 	touch $(STAMP)
 
@@ -22,9 +22,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m seg_at_scale.cli.train $(ARGS)
 
-## the fast test suite (slow tests: `make test-all`)
+## the fast test suite, in parallel (slow tests: `make test-all`)
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n auto --dist worksteal $(ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(ARGS)
