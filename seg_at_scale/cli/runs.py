@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 # not what it learns from or what its checkpoints hold.
 RESUME_KEYS = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time",
                "trainer.enable_progress_bar", "trainer.log_every_n_steps", "data.num_workers",
-               "ckpt_path", "predict", "predict_after_fit", "logger", "slurm")
+               "ckpt_path", "predict", "predict_after_fit", "logger", "slurm", "trust_run")
 MAX_LISTED = 8  # differences named in the refusal
 _ABSENT = object()  # a key one of two configs lacks
 

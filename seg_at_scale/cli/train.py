@@ -60,6 +60,7 @@ from seg_at_scale.memory import (
     memory_config,
     pipe_checkpoint_mode,
 )
+from seg_at_scale.models.registry import build_model
 from seg_at_scale.parallel.pipe import PipelineConfig
 from seg_at_scale.parallel.setup import (
     pipeline_group,
@@ -205,7 +206,8 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     data, tiling = checked_groups(cfg)  # data / tiling keys: type, range, unknown keys
     pl.seed_everything(cfg.seed, workers=True)
     run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
-    model = instantiate(cfg.model)
+    model = build_model(OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
+                        where="the model group", trust=bool(cfg.get("trust_run", False)))
     fp = model_footprint(model, cfg.tiling.halo)
     memory = check_memory(cfg, run)  # memory mode + precision
     report = run_preflight(data, run, bool(cfg.predict_after_fit))  # every split's files
