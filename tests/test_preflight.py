@@ -109,7 +109,7 @@ def test_seg_train_stops_on_a_nan_before_training(tmp_path, scene_files) -> None
     ({"q": None, "tile_size": None}, "tiling.q and tiling.tile_size are both null"),
     ({"tile_size": -5}, "tiling.tile_size=-5: give the largest input window"),
     ({"batch_size": 2.5}, "tiling.batch_size=2.5"),
-    ({"qq": 2}, "tiling.qq is not a tiling key: use one of augment, batch_size"),
+    ({"qq": 2}, "tiling.qq is not a tiling key (did you mean tiling.q?): use one of augment, "),
 ])
 def test_tiling_values_are_refused_with_key_and_fix(values, fragment) -> None:
     with pytest.raises(ConfigError) as err:

@@ -26,12 +26,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
+from seg_at_scale.config_check import known_keys
 from seg_at_scale.errors import ConfigError
 
 __all__ = ["DataConfig", "TilingConfig", "data_config", "tiling_config", "AUTO"]
 
 AUTO = "auto"
-HYDRA_KEYS = frozenset({"_target_", "_convert_", "_recursive_", "_partial_"})
 MAX_CLASSES = 255  # predictions are uint8 and 255 marks no-data
 
 
@@ -54,18 +54,9 @@ def _number(key: str, value: Any, fix: str, *, positive: bool = False) -> float:
 
 def _known(group: str, values: Mapping[str, Any], cls: type) -> dict[str, Any]:
     """``values`` without Hydra's own keys; unknown and missing keys refused by name."""
-    values = {k: v for k, v in values.items() if k not in HYDRA_KEYS}
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"{group}.{unknown[0]} is not a {group} key: use one of "
-                          f"{', '.join(sorted(known))}")
-    missing = [f.name for f in fields(cls) if f.name not in values
-               and f.default is MISSING and f.default_factory is MISSING]
-    if missing:
-        raise ConfigError(f"the {group} group sets no {group}.{missing[0]}: add it to the "
-                          f"group's YAML (see conf/{group}/) or give {group}.{missing[0]}=...")
-    return values
+    return known_keys(group, values, [f.name for f in fields(cls)],
+                      required=[f.name for f in fields(cls) if f.default is MISSING
+                                and f.default_factory is MISSING])
 
 
 @dataclass(frozen=True)

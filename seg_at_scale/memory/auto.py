@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from seg_at_scale.config_check import known_keys
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.largest_tile import GIB, TileSearch, find_largest_tile
 from seg_at_scale.memory.modes import MemoryConfig
@@ -33,12 +34,8 @@ SEARCH_KEYS = ("budget_gb", "rel_tol", "max_probes")  # keys of the group used b
 
 def memory_config(values: Mapping[str, Any] | None) -> MemoryConfig:
     """The ``memory`` config group as a :class:`MemoryConfig` (search keys left out)."""
-    values = dict(values or {})
     known = {f.name for f in fields(MemoryConfig)}
-    unknown = sorted(set(values) - known - set(SEARCH_KEYS))
-    if unknown:
-        raise ConfigError(f"memory.{unknown[0]} is not a memory key: use "
-                          f"{', '.join(sorted(known | set(SEARCH_KEYS)))}")
+    values = known_keys("memory", values or {}, [*known, *SEARCH_KEYS])
     return MemoryConfig(**{k: v for k, v in values.items() if k in known})
 
 

@@ -25,10 +25,8 @@ seg_at_scale.errors.ConfigError: run: model._target_='torch.load' is not a seg_a
 
 from __future__ import annotations
 
-import collections.abc
 import inspect
 import logging
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError
 
 __all__ = ["Family", "register", "families", "family_of", "check_model_config",
@@ -119,19 +118,11 @@ def check_model_config(node: Mapping[str, Any], *, where: str) -> tuple[Family, 
     if fam is None:
         raise ConfigError(f"{where}: model._target_={target!r} is not a seg_at_scale model; "
                           f"the model families are {_listing()}; {TRUST_HINT}")
-    params, hints = fam.parameters(), fam.hints()
-    kwargs = {k: v for k, v in node.items() if not str(k).startswith("_")}
-    for key, value in kwargs.items():
-        if key not in params:
-            raise ConfigError(f"{where}: model.{key} is not a key of the {fam.name} family "
-                              f"({fam.target}); its keys are {', '.join(params)}")
-        hint = hints.get(key, Any)
-        if not _fits(value, hint):
-            raise ConfigError(f"{where}: model.{key}={value!r} is not {_describe(hint)}; "
-                              f"give a value of that type ({fam.name} family)")
-    missing = [k for k, p in params.items() if p.default is p.empty and k not in kwargs]
-    if missing:
-        raise ConfigError(f"{where}: the {fam.name} model lacks model.{missing[0]}; add it")
+    params = fam.parameters()
+    kwargs = known_keys("model", {k: v for k, v in node.items() if not str(k).startswith("_")},
+                        params, where=f"{where} ({fam.name} model)",
+                        required=[k for k, p in params.items() if p.default is p.empty])
+    check_types("model", kwargs, fam.hints(), where=where)
     return fam, kwargs
 
 
@@ -161,56 +152,6 @@ def build_model(node: Mapping[str, Any], *, where: str, trust: bool = False) -> 
         return fam.cls(**kwargs)
     fam, kwargs = check_model_config(node, where=where)
     return fam.cls(**kwargs)
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a plain config value has the type a constructor's hint asks for."""
-    if hint is Any or hint is inspect.Parameter.empty or hint is object:
-        return True
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_fits(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    if origin is typing.Literal:
-        return value in args
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if origin in (list, tuple, collections.abc.Sequence) or hint in (list, tuple):
-        if not isinstance(value, list | tuple):
-            return False
-        item = args[0] if args and (origin is not tuple or args[-1] is Ellipsis
-                                    or len(args) == 1) else Any
-        if origin is tuple and args and args[-1] is not Ellipsis and len(args) > 1:
-            return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args))
-        return all(_fits(v, item) for v in value)
-    if origin in (dict, collections.abc.Mapping) or hint in (dict,):
-        return isinstance(value, Mapping)
-    if isinstance(hint, type):
-        return isinstance(value, hint)
-    return True
-
-
-def _describe(hint: Any) -> str:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(hint))
-    if hint is type(None):
-        return "null"
-    if typing.get_origin(hint) is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
-    name = getattr(hint, "__name__", None)
-    if typing.get_origin(hint) is not None:
-        inner = ", ".join(_describe(a) for a in typing.get_args(hint) if a is not Ellipsis)
-        return f"a list of {inner}"
-    return {"int": "a whole number", "float": "a number", "str": "a string",
-            "bool": "true or false"}.get(str(name), str(name or hint))
 
 
 def _load_builtin() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from seg_at_scale.config_check import known_keys
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, check_devices
 from seg_at_scale.parallel.planner import balance_by, plan
@@ -70,11 +71,7 @@ def pipeline_group(p: Mapping[str, Any] | PipelineGroup) -> PipelineGroup:
     """Validate the ``pipeline`` group once: unknown keys and modes refused with the key."""
     if isinstance(p, PipelineGroup):
         return p
-    known = {f.name for f in fields(PipelineGroup)}
-    unknown = sorted(set(p) - known)
-    if unknown:
-        raise ConfigError(f"pipeline.{unknown[0]} is not a pipeline key: use one of "
-                          f"{', '.join(sorted(known))}")
+    known_keys("pipeline", p, [f.name for f in fields(PipelineGroup)], ignore=())
     mode = str(p.get("mode"))
     if mode not in MODES:
         raise ConfigError(f"pipeline.mode={mode!r}: use one of {list(MODES)}")
