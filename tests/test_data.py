@@ -42,19 +42,21 @@ def test_missing_mask_and_empty_folder_are_named(tmp_path, scene_files):
         find_scenes(tmp_path)
 
 
-def test_nan_without_nodata_is_refused_and_nodata_is_ignored(tmp_path, scene_files):
+@pytest.mark.parametrize("nodata", [None, float("nan"), -9999.0])
+def test_non_finite_samples_are_no_data_whatever_the_tag(tmp_path, scene_files, nodata):
     img, msk = scene_files(tmp_path, shape=(2, 61, 67), dtype=np.float32)
     image = np.random.default_rng(0).random((2, 61, 67)).astype(np.float32)
     image[:, 10, 20] = np.nan
+    image[1, 30, 40] = np.inf  # one band only: the pixel is still no data
+    image[0, 50, 5] = -np.inf
     write_raster(img, image, overwrite=True)
     scene = validate_scene(Scene(img, msk), num_classes=5)
     fp = UNet(2, 5, levels=2, base_width=2, padding="same").footprint()
-    ds = GridTiles([scene], fp, Normalizer(1.0), q=1)
-    with pytest.raises(InputError, match=r"a_image.tif. has NaN pixels in rows .* and no "
-                                         r"nodata value; set one"):
-        ds[0]
-    ds = GridTiles([scene], fp, Normalizer(1.0), q=1, nodata=float("nan"))
-    assert ds[0]["target"][10, 20] == 255 and torch.isfinite(ds[0]["image"]).all()
+    ds = GridTiles([scene], fp, Normalizer(1.0), q=1, nodata=nodata)
+    target, x = ds[0]["target"], ds[0]["image"]
+    assert [int(target[r, c]) for r, c in ((10, 20), (30, 40), (50, 5))] == [255] * 3
+    assert torch.isfinite(x).all() and int((target[:61, :67] == 255).sum()) == 3
+    assert float(x[0, 30, 40]) == 0.0  # zeroed like the fill: both bands, raw 0 -> 0 here
 
 
 @pytest.mark.parametrize("padding", ["valid", "same"])

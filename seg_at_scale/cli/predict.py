@@ -1,11 +1,11 @@
-"""Predict a whole image file with a trained run, streaming tiles, exactly as untiled.
+"""Predict a whole image file with a trained model, streaming tiles, exactly as untiled.
 
 Run it::
 
     seg-predict run=runs/same_unet_small/<date> image=scene.tif output=scene_mask.tif
+    seg-predict model=unet_small.segmodel image=scene.tif output=scene_mask.tif
     seg-predict run=... image=big.tif output=big_mask.tif tile_size=2048 fast=false
     seg-predict run=... image=a.tif output=a_mask.tif mask=a_truth.tif   # also scores it
-
     seg-predict run=... image=big.tif output=big_mask.zarr processes=2   # 2 processes, zarr
     seg-predict run=... image=a.tif output=a_mask.tif probabilities=uint8 tta=d4
 
@@ -13,9 +13,12 @@ Run it::
 georeferencing, a colour table, mode overviews); ``output=*.zarr`` a Zarr v3 store. Both
 are computed into a Zarr store first: a killed run rerun with the same command continues
 from the tiles already written (``resume=false`` starts afresh). A PNG preview is drawn
-beside the output. ``processes=N`` spreads the tiles over N local processes (Lightning
-Fabric's DDP launch: gloo on CPU, NCCL on GPUs); under SLURM ``nodes`` x ``processes``
-ranks come from the cluster environment.
+beside the output. ``processes=N`` spreads the tiles over N local processes (gloo on CPU,
+NCCL on GPUs); under SLURM ``nodes`` x ``processes`` ranks come from the cluster.
+
+Every key is checked, and every input against the model, before any rank starts
+(:mod:`seg_at_scale.prediction.checks`); the model is built from the registry and its
+checkpoint read as plain data (``trust_run=true`` lifts both, for a sender you trust).
 """
 
 from __future__ import annotations
@@ -26,153 +29,151 @@ import multiprocessing
 import os
 import signal
 import sys
+import typing
+from dataclasses import dataclass, fields
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import hydra
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
-from seg_at_scale.cli.common import (
-    RUN_CONFIG,
-    USER_ERROR_EXIT,
-    format_iou,
-    model_footprint,
-    normalizer_of,
-    predict_scene,
-    reports_errors,
-)
-from seg_at_scale.errors import ConfigError, InputError, SegAtScaleError
-from seg_at_scale.prediction import output_kind
+from seg_at_scale.cli.common import USER_ERROR_EXIT, format_iou, reports_errors
+from seg_at_scale.config_check import check_types, known_keys
+from seg_at_scale.errors import ConfigError, SegAtScaleError
+from seg_at_scale.models.trained import load_trained, model_files, peek_card
+from seg_at_scale.parallel.lifetime import die_with_parent
+from seg_at_scale.prediction.checks import check_scene
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.scene import predict_scene
 
 log = logging.getLogger("seg_at_scale.predict")
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf_predict")  # shipped in the wheel
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # ranks that never meet fail, they do not hang
+_LAUNCHER: list[int] = []  # pid of the process that forks the ranks
 
 
-def load_run(run: str | Path, ckpt: str = "best") -> tuple[DictConfig, nn.Module, Path]:
-    """The run's saved config, its network with trained weights, and the checkpoint used."""
-    run = Path(run)
-    cfg_path = run / RUN_CONFIG
-    if not cfg_path.exists():
-        raise InputError(f"run='{run}' has no {RUN_CONFIG}; give the folder of a training "
-                         "run (it holds run_config.yaml and checkpoints/)")
-    cfg = OmegaConf.load(cfg_path)
-    assert isinstance(cfg, DictConfig)
-    path = _checkpoint(run, ckpt)
-    model = instantiate(cfg.model)
-    state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-    model.load_state_dict({k[len("model."):]: v for k, v in state.items()
-                           if k.startswith("model.")})
-    return cfg, model.eval(), path
+@dataclass(frozen=True)
+class PredictJob:
+    """``seg-predict``'s keys, validated: the model, the scene, where it runs, how."""
 
+    image: str
+    output: str
+    run: str | None = None
+    model: str | None = None
+    ckpt: str = "best"
+    trust_run: bool = False
+    mask: str | None = None
+    device: str = "auto"
+    processes: int = 1
+    nodes: int = 1
+    options: PredictOptions = PredictOptions()
 
-def _checkpoint(run: Path, ckpt: str) -> Path:
-    folder = run / "checkpoints"
-    if ckpt not in ("best", "last"):
-        path = Path(ckpt)
-    elif ckpt == "last":
-        path = folder / "last.ckpt"
-    else:
-        ranked = sorted((p for p in folder.glob("*.ckpt") if p.name != "last.ckpt"),
-                        key=lambda p: _miou_of(p.name))
-        path = ranked[-1] if ranked else folder / "last.ckpt"
-    if not path.exists():
-        raise InputError(f"ckpt={ckpt!r}: no checkpoint at '{path}'; use ckpt=last, ckpt=best "
-                         "or a path to a .ckpt file")
-    return path
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> PredictJob:
+        """Every key checked (unknown, missing, type, range) before any work."""
+        values = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(values, dict)
+        own = [f.name for f in fields(cls) if f.name != "options"]
+        known_keys("", values, [*own, *PredictOptions.names()])
+        for key in ("image", "output"):
+            if values.get(key) in (None, "", "???"):
+                raise ConfigError(f"{key}= is missing: give seg-predict {key}=<path> (see "
+                                  "seg-predict --help)")
+        job = {k: values[k] for k in own if k in values}
+        check_types("", job, typing.get_type_hints(cls))
+        opts = PredictOptions.from_mapping({k: v for k, v in values.items() if k not in own})
+        for key in ("processes", "nodes"):
+            if job.get(key, 1) < 1:
+                raise ConfigError(f"{key}={job[key]}: give a whole number >= 1 (e.g. {key}=2)")
+        device = str(job.get("device", "auto"))
+        if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+            raise ConfigError(f"device={device!r}: use auto, cpu, cuda or cuda:<index>")
+        return cls(options=opts, **job)
 
-
-def _miou_of(name: str) -> float:
-    try:
-        return float(name.rsplit("miou", 1)[1].removesuffix(".ckpt"))
-    except (IndexError, ValueError):
-        return -1.0
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but CUDA is not available; use device=cpu")
-    return torch.device(name)
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device={self.device!r} but CUDA is not available; use "
+                              "device=cpu")
+        return torch.device(self.device)
 
 
 def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:
-    """Predict ``cfg.image`` into ``cfg.output`` with the run ``cfg.run``.
+    """Predict ``cfg.image`` into ``cfg.output`` with ``cfg.run`` or ``cfg.model``.
 
-    With ``processes`` x ``nodes`` > 1 this process launches (or joins) the ranks and
-    returns rank 0's result. ``fork=True`` (the command line) forks the local CPU ranks
-    from this process, which has run no torch computation yet, instead of re-running the
-    command for each (Python's start costs ~7 s here); a caller that has already run torch
-    code keeps the default, since OpenMP does not survive a fork.
+    Every check runs here, in this process, before any rank starts. With ``processes`` x
+    ``nodes`` > 1 this process then launches (or joins) the ranks and returns rank 0's
+    result. ``fork=True`` (the command line) forks the local CPU ranks from this process,
+    which has run no torch computation yet; a caller that has already run torch code keeps
+    the default, since OpenMP does not survive a fork.
     """
-    processes, nodes = _positive(cfg, "processes"), _positive(cfg, "nodes")
-    output_kind(Path(cfg.output))  # the extension names a format, before any work
-    image = Path(cfg.image)
-    if not image.exists():
-        raise InputError(f"image='{image}' does not exist; give the path of a TIFF to predict")
-    device = _device(cfg.device)
-    if processes * nodes > 1:
-        return _launch(cfg, processes, nodes, device, fork)
-    return _predict(cfg, device)
+    job = PredictJob.from_config(cfg)
+    device = job.torch_device()
+    ranks = job.processes * job.nodes
+    if job.nodes > 1:
+        _check_cluster(job.nodes)
+    card, source = peek_card(job.run, job.model, job.ckpt)
+    check_scene(Path(job.image), Path(job.output), job.options, card=card, source=source,
+                model_files=model_files(job.run, job.model, job.ckpt),
+                mask=Path(job.mask) if job.mask else None, ranks=ranks,
+                cuda=device.type == "cuda")
+    if ranks > 1:
+        return _launch(job, device, fork)
+    return _predict(job, device)
 
 
-def _predict(cfg: DictConfig, device: torch.device) -> dict[str, Any]:
+def _check_cluster(nodes: int) -> None:
+    """``nodes > 1`` needs a cluster that starts the ranks (SLURM, torchrun); else it hangs."""
+    from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    if not (SLURMEnvironment.detect() or TorchElasticEnvironment.detect()):
+        raise ConfigError(f"nodes={nodes} but this is not a SLURM job or a torchrun launch, so "
+                          "no other node would ever join; run it inside sbatch / srun (or "
+                          "hydra/launcher=slurm_predict), or use nodes=1 processes=<N>")
+
+
+def _predict(job: PredictJob, device: torch.device) -> dict[str, Any]:
     """This rank's share of the prediction (everything, with one process)."""
-    train_cfg, model, ckpt = load_run(cfg.run, cfg.ckpt)
-    model = model.to(device)
-    fp = model_footprint(model, train_cfg.tiling.halo)
-    names = train_cfg.data.get("class_names")
-    res = predict_scene(model, fp, image=Path(cfg.image), output=Path(cfg.output),
-                        normalizer=normalizer_of(train_cfg.data),
-                        tile_size=cfg.tile_size, q=cfg.q, fast=cfg.fast,
-                        overwrite=cfg.overwrite, nodata=cfg.nodata,
-                        mask=Path(cfg.mask) if cfg.mask else None,
-                        num_classes=train_cfg.data.num_classes,
-                        ignore_index=train_cfg.data.ignore_index, preview=cfg.preview,
-                        class_names=list(names) if names else None,
-                        probabilities=cfg.probabilities, tta=cfg.tta,
-                        batch_size=cfg.batch_size, resume=cfg.resume,
-                        progress=cfg.progress, keep_store=cfg.keep_store)
-    res["checkpoint"] = str(ckpt)
-    res["halo"] = fp.halo
+    trained = load_trained(job.run, job.model, ckpt=job.ckpt, trust=job.trust_run)
+    trained.model.to(device)
+    res = predict_scene(trained, Path(job.image), Path(job.output), job.options,
+                        mask=Path(job.mask) if job.mask else None, checked=True)
+    res["model"] = trained.source
+    if trained.checkpoint is not None:
+        res["checkpoint"] = str(trained.checkpoint)
+    res["halo"] = trained.footprint.halo
     res["threads"] = torch.get_num_threads()  # per process
     if "miou" in res:
-        log.info("scores:\n%s", format_iou(res, list(names or [])))
+        log.info("scores:\n%s", format_iou(res, trained.class_names))
     return res
 
 
-def _positive(cfg: DictConfig, key: str) -> int:
-    value = cfg.get(key, 1)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{key}={value!r}: give a whole number >= 1 (e.g. {key}=2)")
-    return value
-
-
-def _launch(cfg: DictConfig, processes: int, nodes: int, device: torch.device,
-            fork: bool) -> dict[str, Any]:
+def _launch(job: PredictJob, device: torch.device, fork: bool) -> dict[str, Any]:
     """Start (or join) the ranks of a multi-process prediction; rank 0's result.
 
     Lightning Fabric launches them: on one machine's CPU (and ``fork``) by forking this
-    process (``ddp_fork``); otherwise its DDP launcher re-runs this command for local ranks
-    1..N-1, and on a SLURM allocation (or under torchrun) the cluster environment gives
-    every rank instead. gloo on CPU, NCCL on GPUs; on CPU each process gets its share of
-    the cores.
+    process; otherwise its DDP launcher re-runs this command for local ranks 1..N-1, and
+    on a SLURM allocation (or under torchrun) the cluster environment gives every rank.
     """
     from lightning_fabric import Fabric
     from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+    from lightning_fabric.strategies import DDPStrategy
 
     external = SLURMEnvironment.detect() or TorchElasticEnvironment.detect()
-    forked = (fork and device.type == "cpu" and nodes == 1 and not external
+    forked = (fork and device.type == "cpu" and job.nodes == 1 and not external
               and "fork" in multiprocessing.get_all_start_methods())
-    fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu", devices=processes,
-                    num_nodes=nodes, strategy="ddp_fork" if forked else "ddp")
+    strategy = DDPStrategy(start_method="fork" if forked else "popen",
+                           timeout=RENDEZVOUS_TIMEOUT)
+    fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu",
+                    devices=job.processes, num_nodes=job.nodes, strategy=strategy)
     if not forked:
-        return fabric.launch(_rank_main, cfg, processes, False)  # type: ignore[no-any-return]
+        return fabric.launch(_rank_main, job, False)  # type: ignore[no-any-return]
+    _LAUNCHER[:] = [os.getpid()]  # the forked ranks' parent
     try:
-        return fabric.launch(_rank_main, cfg, processes, True)  # type: ignore[no-any-return]
+        return fabric.launch(_rank_main, job, True)  # type: ignore[no-any-return]
     except torch.multiprocessing.ProcessExitedException as exc:
         if exc.exit_code in (130, 143):
             raise (Stopped(signal.SIGTERM) if exc.exit_code == 143 else KeyboardInterrupt()
@@ -184,20 +185,22 @@ def _launch(cfg: DictConfig, processes: int, nodes: int, device: torch.device,
         raise
 
 
-def _rank_main(fabric: Any, cfg: DictConfig, processes: int, forked: bool) -> dict[str, Any]:
+def _rank_main(fabric: Any, job: PredictJob, forked: bool) -> dict[str, Any]:
     """One rank of a multi-process prediction.
 
-    A forked rank ends a refused input or a stop by its exit status (rank 0 prints the
-    message); the launching process turns that into its own. (torch's launcher has the
-    kernel send a rank SIGINT when the launching process dies, even by SIGKILL.)
+    A forked rank dies with the launching process (even a SIGKILLed one: the kernel sends it
+    SIGKILL, and its output lock goes with it), and ends a refused input or a stop by its
+    exit status (rank 0 prints the message); the launcher turns that into its own.
     """
+    if forked:
+        die_with_parent(_LAUNCHER[0] if _LAUNCHER else None)
     if fabric.device.type == "cpu":  # OMP_NUM_THREADS, or this process's share of the cores
         threads = int(os.environ.get("OMP_NUM_THREADS") or 0)
-        torch.set_num_threads(threads or max(1, _cores() // processes))
+        torch.set_num_threads(threads or max(1, _cores() // job.processes))
     if not forked:
-        return _predict(cfg, fabric.device)
+        return _predict(job, fabric.device)
     try:
-        return _predict(cfg, fabric.device)
+        return _predict(job, fabric.device)
     except SegAtScaleError as exc:
         if fabric.global_rank == 0:
             print(f"seg-predict: error: {exc}", file=sys.stderr, flush=True)
@@ -225,12 +228,7 @@ def _terminate(signum: int, _: Any) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="predict")
 @reports_errors("seg-predict")
-def main(cfg: DictConfig) -> None:
-    """Console entry point ``seg-predict``.
-
-    On SIGTERM or Ctrl-C the run unwinds: temporary files are removed, the store keeps every
-    finished tile, and the same command resumes (exit 143 / 130).
-    """
+def _main(cfg: DictConfig) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         res = run_prediction(cfg, fork=True)
@@ -241,6 +239,18 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(143 if isinstance(exc, Stopped) else 130) from None
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         print(json.dumps(res, indent=2))
+
+
+def main() -> None:
+    """Console entry point ``seg-predict``.
+
+    On SIGTERM or Ctrl-C the run unwinds: temporary files are removed, the store keeps every
+    finished tile, and the same command resumes (exit 143 / 130).
+    """
+    from seg_at_scale.cli.overrides import precheck
+
+    precheck("seg-predict", "predict")
+    _main()
 
 
 if __name__ == "__main__":

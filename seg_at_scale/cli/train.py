@@ -31,14 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from seg_at_scale.cli.common import (
-    class_names_of,
-    format_iou,
-    model_footprint,
-    normalizer_of,
-    predict_scene,
-    reports_errors,
-)
+from seg_at_scale.cli.common import class_names_of, format_iou, reports_errors
 from seg_at_scale.cli.data_setup import (
     check_grids,
     checked_groups,
@@ -61,6 +54,7 @@ from seg_at_scale.memory import (
     pipe_checkpoint_mode,
 )
 from seg_at_scale.models.registry import build_model
+from seg_at_scale.models.trained import TrainedModel, card_of_config, footprint_with_halo
 from seg_at_scale.parallel.pipe import PipelineConfig
 from seg_at_scale.parallel.setup import (
     pipeline_group,
@@ -68,6 +62,8 @@ from seg_at_scale.parallel.setup import (
     resolve_pipeline,
     setup_pipeline,
 )
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.scene import predict_scene
 from seg_at_scale.tasks.interrupt import (
     SaveOnStop,
     SIGTERMException,
@@ -105,14 +101,15 @@ def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_di
                  loggers: list[Any]) -> list[dict[str, Any]]:
     """Predict each test scene whole (streaming, tiled) and score it against its mask."""
     results = []
+    trained = TrainedModel(task.model, card_of_config(cfg, fp), f"run '{out_dir}'", cfg)
+    nodata = cfg.data.nodata
+    options = PredictOptions(tile_size=cfg.predict.tile_size, fast=cfg.predict.fast,
+                             overwrite=True, preview=cfg.predict.preview, progress=False,
+                             nodata=None if nodata is None else float(nodata))
     for scene in dm.scenes_of("test"):
-        res = predict_scene(
-            task.model, fp, scene.image, out_dir / "predictions" / f"{scene.name}_pred.tif",
-            normalizer=normalizer_of(cfg.data), tile_size=cfg.predict.tile_size, q=None,
-            fast=cfg.predict.fast, overwrite=True, nodata=cfg.data.nodata, mask=scene.mask,
-            num_classes=cfg.data.num_classes, ignore_index=cfg.data.ignore_index,
-            preview=cfg.predict.preview, progress=False,
-            class_names=list(cfg.data.class_names) if cfg.data.get("class_names") else None)
+        res = predict_scene(trained, scene.image,
+                            out_dir / "predictions" / f"{scene.name}_pred.tif", options,
+                            mask=scene.mask)
         results.append(res)
         for lg in loggers:
             if hasattr(lg, "log_image") and "preview" in res:
@@ -208,7 +205,7 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
     model = build_model(OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
                         where="the model group", trust=bool(cfg.get("trust_run", False)))
-    fp = model_footprint(model, cfg.tiling.halo)
+    fp = footprint_with_halo(model, cfg.tiling.halo)
     memory = check_memory(cfg, run)  # memory mode + precision
     report = run_preflight(data, run, bool(cfg.predict_after_fit))  # every split's files
     computed: dict[str, Any] = {}

@@ -13,6 +13,7 @@ import torch
 from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.io.cog import class_colors, write_cog
+from seg_at_scale.prediction.checks import probabilities_path
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling.geometry import Tile, Window
 
@@ -21,10 +22,7 @@ __all__ = ["finalize", "cog_outputs"]
 
 def cog_outputs(out_path: Path, probabilities: str | None) -> list[Path]:
     """The files a ``.tif`` output makes: the labels, and ``NAME_probabilities.tif``."""
-    paths = [out_path]
-    if probabilities:
-        paths.append(out_path.with_name(f"{out_path.stem}_probabilities{out_path.suffix}"))
-    return paths
+    return [out_path, probabilities_path(out_path)] if probabilities else [out_path]
 
 
 def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterReader,

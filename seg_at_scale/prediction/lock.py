@@ -2,7 +2,9 @@
 
 A second run writing the same output is refused at once, naming the lock file, instead of
 both writing one file (``filelock``: an ``flock`` on a hidden file beside the output,
-released by the kernel if the holder dies, so a killed run never blocks the next).
+released by the kernel if the holder dies, so a killed run never blocks the next). The
+file is removed when the run ends; a killed run's stays, empty and unlocked, and the next
+run takes it.
 """
 
 from __future__ import annotations
@@ -47,4 +49,8 @@ def output_lock(output: Path) -> Iterator[Path]:
     try:
         yield path
     finally:
+        # Unlinked while still held: a waiter that opened the old file finds it unlinked
+        # once it gets the flock and retries on a new one (filelock checks st_nlink), so
+        # removing it is safe and leaves nothing beside the output.
+        path.unlink(missing_ok=True)
         lock.release()

@@ -1,6 +1,6 @@
 """Whole-raster prediction at any scale: one process or many, resumable, zarr or COG out.
 
-``predict_raster(model, "scene.tif", "mask.tif")`` walks the tiles of a uniform grid
+``predict_raster(model, "scene.tif", "mask.tif", options)`` walks the tiles of a uniform grid
 through the tile engine (:mod:`seg_at_scale.tiling.engine`) and writes each tile's core
 into a Zarr store whose chunks are those cores (:mod:`.store`). Under ``torch.distributed``
 (``seg-predict processes=N``, or a multi-node launch) every rank takes its share of the
@@ -36,8 +36,10 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.windows import RasterWindows
 from seg_at_scale.errors import ConfigError, OutputExistsError
 from seg_at_scale.io import RasterReader
+from seg_at_scale.prediction.checks import check_outputs, store_path
 from seg_at_scale.prediction.finalize import cog_outputs, finalize
 from seg_at_scale.prediction.lock import output_lock
+from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.progress import progress_bar
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, footprint, make_grid
@@ -96,9 +98,9 @@ def output_kind(path: Path) -> str:
                       "this writes; use .tif (Cloud-Optimized GeoTIFF) or .zarr (Zarr v3)")
 
 
-def default_batch_size(grid: TileGrid, device: torch.device) -> int:
+def default_batch_size(grid: TileGrid, device: torch.device | str) -> int:
     """Tiles per forward: 1 on CPU (no gain), else about 16 Mpix of input per batch."""
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return 1
     area = grid.tiles[0].read.area
     return int(max(1, min(16, (16 << 20) // area)))
@@ -142,60 +144,48 @@ def _georeference(path: Path) -> dict[str, Any]:
 
 
 def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str | os.PathLike[str],
-                   *, q: int | None = None, tile_size: int | None = None,
-                   fp: Footprint | None = None, normalizer: Normalizer | None = None,
-                   autocast: torch.dtype | None = None, channels_last: bool = False,
-                   nodata: float | None = None, overwrite: bool = False,
-                   batch_size: int | None = None, probabilities: str | None = None,
-                   tta: str | None = None, resume: bool = True,
-                   class_names: Sequence[str] | None = None, progress: bool | None = None,
-                   keep_store: bool = False) -> PredictionStats:
+                   options: PredictOptions | None = None, *, fp: Footprint | None = None,
+                   normalizer: Normalizer | None = None,
+                   class_names: Sequence[str] | None = None) -> PredictionStats:
     """Predict class labels (and optionally probabilities) for a whole raster file.
 
     Args:
         model: network in eval mode, on the device it should run on.
         image: input raster path.
         output: ``.tif`` (COG) or ``.zarr``; see the module docstring.
-        q: tiles per side, or
-        tile_size: largest input window per tile (the usual choice for huge images).
+        options: tiles, precision, TTA, probabilities, resume, ... (:class:`PredictOptions`;
+            the default is the exact fp32 path with 1024-pixel windows).
         fp: footprint; computed from the model when omitted.
         normalizer: raw samples to model input; defaults to ``x / 255``.
-        autocast: e.g. ``torch.bfloat16`` for the fast path; None = exact fp32.
-        channels_last: run convolutions in NHWC layout (faster on CPU).
-        nodata: input no-data value (overrides the file's tag); such pixels get 255.
-        overwrite: replace an existing output.
-        batch_size: tiles per forward pass (default :func:`default_batch_size`).
-        probabilities: ``"uint8"`` (round(255 p)) or ``"float16"``: also write the
-            per-class softmax (``<name>_probabilities.tif`` or the store's array).
-        tta: ``"flips"`` or ``"d4"``: exact test-time augmentation (mean softmax).
-        resume: continue from a matching store left by an interrupted run.
         class_names: written into the store's attributes and the COG band descriptions.
-        progress: a progress bar on rank 0 (default: on unless ``CI`` is set).
-        keep_store: keep the working store beside a ``.tif`` output.
 
     Returns:
         :class:`PredictionStats` of this process (class histogram on rank 0).
     """
+    o = options or PredictOptions()
     t_start = time.perf_counter()
     out_path = Path(output)
     kind = output_kind(out_path)
     rank, world = _rank_world()
     image = Path(image)
-    if out_path.resolve() == image.resolve():
-        raise ConfigError(f"output='{out_path}' is the input image; choose another path")
-    reader = RasterReader(image, nodata=nodata)
+    check_outputs({"output": out_path, "working store": store_path(out_path)},
+                  {"image": image}, overwrite=True)  # existing outputs: _open_store
+    reader = RasterReader(image, nodata=o.nodata)
     fp = fp or footprint(model)
-    grid = make_grid(reader.height, reader.width, fp, q=q, tile_size=tile_size, uniform=True)
+    grid = make_grid(reader.height, reader.width, fp, q=o.q, tile_size=o.tile_size,
+                     uniform=True)
     device = next(model.parameters()).device
-    batches = plan_batches(grid.tiles, batch_size or default_batch_size(grid, device))
+    batches = plan_batches(grid.tiles, o.batch_size or default_batch_size(grid, device))
     if world > len(batches):
         raise ConfigError(f"processes={world} but the grid of '{image}' has only "
                           f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
                           f"processes <= {len(batches)} or a smaller tile_size")
+    autocast, channels_last, tta, probabilities = o.autocast, o.channels_last, o.tta, \
+        o.probabilities
     norm = normalizer or Normalizer()
     num_classes = int(getattr(model, "num_classes", 0)) or _classes_of(model, reader, fp)
     names = list(class_names) if class_names else [f"class_{k}" for k in range(num_classes)]
-    store_path = out_path if kind == "zarr" else out_path.with_name(f".{out_path.name}.zarr")
+    working = store_path(out_path)
     fingerprint = {"model": model_digest(model), "input": _file_id(image), "grid":
                    [grid.height, grid.width, *grid.shape, grid.tiles[0].core.height,
                     grid.tiles[0].core.width, fp.halo, fp.align, fp.padding],
@@ -204,22 +194,22 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
                    "normalizer": [norm.scale, list(norm.mean), list(norm.std)],
                    "nodata": reader.nodata if reader.nodata is None else float(reader.nodata)}
     stats = PredictionStats(out_path, reader.height, reader.width, len(grid), grid.efficiency,
-                            processes=world, store=str(store_path))
+                            processes=world, store=str(working))
     lock = output_lock(out_path) if rank == 0 else contextlib.nullcontext()
     with lock:
         if rank == 0:
-            store = _open_store(out_path, kind, store_path, grid, fingerprint, num_classes,
-                                probabilities, names, image, overwrite, resume)
+            store = _open_store(out_path, kind, working, grid, fingerprint, num_classes,
+                                probabilities, names, image, o.overwrite, o.resume)
         _barrier()
         if rank != 0:
-            store = PredictionStore.attach(store_path)
+            store = PredictionStore.attach(working)
         todo = [b for b in batches if not all(store.done(t) for t in b.tiles)]
         _barrier()  # nobody writes before every rank has listed what is left
         stats.tiles_resumed = len(grid) - sum(len(b.tiles) for b in todo)
         mine = todo[rank::world]
         stats.batches = len(mine)
         source = RasterWindows(reader, norm, fill_of(fp))
-        show = progress if progress is not None else not os.environ.get("CI")
+        show = o.progress if o.progress is not None else not os.environ.get("CI")
         pool_ctx = _image_pool(model, source, grid, batches[rank::world], device, autocast,
                                channels_last, stats, show and rank == 0, world)
         with pool_ctx, progress_bar(sum(len(b.tiles) for b in todo), show and rank == 0,
@@ -230,7 +220,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         if rank == 0:
             t0 = time.perf_counter()
             stats.class_pixels = finalize(store, out_path, kind, reader, names, probabilities,
-                                           overwrite, keep_store)
+                                           o.overwrite, o.keep_store)
             stats.finalize_s = time.perf_counter() - t0
         _barrier()
     stats.total_s = time.perf_counter() - t_start
