@@ -57,7 +57,7 @@ from seg_at_scale.memory import GIB
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, close_pipe
 from seg_at_scale.parallel.planner import balance_by, predict
 from seg_at_scale.parallel.profile import profile_layers
-from seg_at_scale.prediction import predict_raster
+from seg_at_scale.prediction import PredictOptions, predict_raster
 from seg_at_scale.tiling import make_grid
 
 TIMES = ("total_s", "model_s", "read_s", "write_s", "finalize_s")  # PredictionStats fields
@@ -146,9 +146,9 @@ def prediction(dev: torch.device, sz: Sizes) -> dict[str, Any]:
                              rng.integers(0, 255, (4, side, side), dtype=np.uint8))
         runs = []
         for k in range(2):  # the first run plans the kernels
-            stats = predict_raster(net, image, Path(tmp) / f"mask{k}.tif", tile_size=tile,
-                                   normalizer=Normalizer(), autocast=torch.bfloat16,
-                                   channels_last=True, overwrite=True)
+            stats = predict_raster(net, image, Path(tmp) / f"mask{k}.tif",
+                                   PredictOptions(tile_size=tile, fast=True, overwrite=True),
+                                   normalizer=Normalizer())
             runs.append(stats)
     best = max(runs, key=lambda s: s.mpix_per_s)
     out["streaming"] = {"mpix_per_s": round(best.mpix_per_s, 3),

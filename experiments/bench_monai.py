@@ -40,7 +40,7 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.io import RasterReader, write_raster_bands
 from seg_at_scale.models import UNet
-from seg_at_scale.prediction import predict_raster
+from seg_at_scale.prediction import PredictOptions, predict_raster
 from seg_at_scale.tiling import Window, make_grid
 
 SCALE = 1 / 255
@@ -68,9 +68,9 @@ def run_ours(cfg: dict[str, Any], fast: bool) -> dict[str, Any]:
     if fast:
         net = net.to(memory_format=torch.channels_last)
     out = Path(cfg["workdir"]) / f"ours_{'bf16_cl' if fast else 'fp32'}.tif"
-    stats = predict_raster(net, cfg["image"], out, tile_size=cfg["tile"],
-                           normalizer=Normalizer(scale=SCALE), overwrite=True,
-                           autocast=torch.bfloat16 if fast else None, channels_last=fast)
+    stats = predict_raster(net, cfg["image"], out,
+                           PredictOptions(tile_size=cfg["tile"], overwrite=True, fast=fast),
+                           normalizer=Normalizer(scale=SCALE))
     return {"labels": str(out), "tiles": stats.tiles, "efficiency": stats.efficiency,
             "total_s": stats.total_s, "read_s": stats.read_s, "read_wait_s": stats.read_wait_s,
             "model_s": stats.model_s, "write_s": stats.write_s, "mpix_per_s": stats.mpix_per_s,

@@ -43,7 +43,7 @@ from seg_at_scale.data.sources.synthetic import write_scene
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.io import write_raster_bands
 from seg_at_scale.models import UNet
-from seg_at_scale.prediction import predict_raster
+from seg_at_scale.prediction import PredictOptions, predict_raster
 from seg_at_scale.tiling import Window
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bench" / "moonshot"
@@ -105,19 +105,18 @@ def load_model(run: str) -> tuple[torch.nn.Module, Normalizer]:
     """A trained run's network and normaliser (``--run``), else the untrained tiny U-Net."""
     if not run:
         return tiny_model(), Normalizer(scale=1 / 255)
-    from seg_at_scale.cli.common import normalizer_of
-    from seg_at_scale.cli.predict import load_run
+    from seg_at_scale.models.trained import load_run
 
-    cfg, net, _ = load_run(run)
-    return net.to(memory_format=torch.channels_last), normalizer_of(cfg.data)
+    trained = load_run(run)
+    return trained.model.to(memory_format=torch.channels_last), trained.normalizer
 
 
 def predict_child(image: str, out: str, tile: int, run: str = "") -> dict[str, Any]:
     """``predict_raster`` in the fast path (a COG out); stats and this process's peak RSS."""
     net, norm = load_model(run)
-    s = predict_raster(net, image, out, tile_size=tile, autocast=torch.bfloat16,
-                       channels_last=True, normalizer=norm, overwrite=True, resume=False,
-                       progress=False)
+    s = predict_raster(net, image, out, PredictOptions(tile_size=tile, fast=True, overwrite=True,
+                                                       resume=False, progress=False),
+                       normalizer=norm)
     return {"height": s.height, "width": s.width, "tile_size": tile, "tiles": s.tiles,
             "efficiency": round(s.efficiency, 4), "total_s": round(s.total_s, 1),
             "mpix_per_s": round(s.mpix_per_s, 3), "read_s": round(s.read_s, 1),

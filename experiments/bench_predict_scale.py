@@ -45,12 +45,11 @@ import psutil
 import torch
 from common import save
 
-from seg_at_scale.cli.common import normalizer_of
-from seg_at_scale.cli.predict import load_run
 from seg_at_scale.data.sources.synthetic import write_scene
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.data.windows import RasterWindows
 from seg_at_scale.io import RasterReader
+from seg_at_scale.models.trained import load_run
 from seg_at_scale.tiling import fill_of, footprint, make_grid
 from seg_at_scale.tiling.engine import plan_batches, run_batches
 
@@ -92,12 +91,12 @@ def fake_run(folder: Path) -> Path:
 def first_rows(run: Path, image: Path, tile: int, rows: int) -> Iterator[SimpleNamespace]:
     """The run's network (fast path layout), the file's grid, its first ``rows`` grid rows
     of tiles, their normalised inputs in memory, and the open file's windows."""
-    cfg, net, _ = load_run(run)
-    net = net.to(memory_format=torch.channels_last)
+    trained = load_run(run)
+    net = trained.model.to(memory_format=torch.channels_last)
     with RasterReader(image) as reader:
         grid = make_grid(reader.height, reader.width, footprint(net), tile_size=tile,
                          uniform=True)
-        src = RasterWindows(reader, normalizer_of(cfg.data), fill_of(grid.footprint))
+        src = RasterWindows(reader, trained.normalizer, fill_of(grid.footprint))
         tiles = grid.tiles[: rows * grid.shape[1]]
         inputs = [torch.from_numpy(src.read(t.read)[0])[None].contiguous(
             memory_format=torch.channels_last) for t in tiles]

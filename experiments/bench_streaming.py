@@ -41,7 +41,7 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.sources.synthetic import write_scene
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.models import UNet
-from seg_at_scale.prediction import predict_raster
+from seg_at_scale.prediction import PredictOptions, predict_raster
 from seg_at_scale.tiling import Window, make_grid
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bench"
@@ -89,8 +89,9 @@ def baseline_child(tile: int, path: str, repeats: int) -> dict[str, Any]:
 def predict_child(image: str, out: str, tile: int, path: str) -> dict[str, Any]:
     """``predict_raster`` file to file; stats plus this process's peak RSS."""
     autocast, cl = PATHS[path]
-    s = predict_raster(tiny_model(cl), image, out, tile_size=tile, autocast=autocast,
-                       channels_last=cl, normalizer=Normalizer(scale=1 / 255), overwrite=True)
+    opts = PredictOptions(tile_size=tile, fast=autocast is not None, overwrite=True,
+                          layout="channels_last" if cl else "contiguous")
+    s = predict_raster(tiny_model(cl), image, out, opts, normalizer=Normalizer(scale=1 / 255))
     return {"height": s.height, "width": s.width, "tile_size": tile, "tiles": s.tiles,
             "efficiency": round(s.efficiency, 4), "total_s": round(s.total_s, 2),
             "mpix_per_s": round(s.mpix_per_s, 3), "read_s": round(s.read_s, 2),

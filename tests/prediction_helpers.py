@@ -33,12 +33,16 @@ def make_model(padding: str = "same", levels: int = 3, width: int = 8, seed: int
 def make_run(folder: Path, model: UNet) -> Path:
     """A run folder as seg-train leaves it: run_config.yaml and checkpoints/last.ckpt."""
     (folder / "checkpoints").mkdir(parents=True, exist_ok=True)
+    fp = model.footprint()
     cfg = {"model": {"_target_": "seg_at_scale.models.UNet", "in_channels": 4,
                      "num_classes": 5, "levels": model.levels,
                      "base_width": model.base_width, "padding": model.padding},
-           "data": {"num_classes": 5, "class_names": CLASSES, "ignore_index": 255,
+           "data": {"bands": 4, "num_classes": 5, "class_names": CLASSES, "ignore_index": 255,
                     "nodata": None, **NORM},
-           "tiling": {"halo": "auto"}}
+           "tiling": {"halo": "auto"},
+           "computed": {"halo": fp.halo, "align": fp.align, "padding": fp.padding,
+                        "out_residue": fp.out_residue,
+                        "input": {"dtype": "uint8", "high": 230.0}}}
     (folder / "run_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
     state = {f"model.{k}": v for k, v in model.state_dict().items()}
     torch.save({"state_dict": state}, folder / "checkpoints" / "last.ckpt")

@@ -14,10 +14,11 @@ from cli_helpers import run_train
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from seg_at_scale.cli.predict import load_run, run_prediction
+from seg_at_scale.cli.predict import run_prediction
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import OutputExistsError
 from seg_at_scale.io import RasterReader, read_raster
+from seg_at_scale.models.trained import load_run
 from seg_at_scale.tiling import predict_full
 
 CONF_PATH = Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf"
@@ -61,7 +62,7 @@ def test_prediction_file_equals_untiled_model(tmp_path):
     cfg = _predict_cfg(tmp_path / "run", image, tmp_path / "pred.tif", "fast=false",
                        "tile_size=64")
     res = run_prediction(cfg)
-    train_cfg, model, _ = load_run(tmp_path / "run")
+    model = load_run(tmp_path / "run").model
     x = torch.from_numpy(Normalizer(1 / 255, (0.5,), (0.25,))(read_raster(image)))[None]
     ref = predict_full(model, x).argmax(1)[0].numpy()
     assert res["tiles"] > 4
@@ -93,7 +94,7 @@ def test_exact_grid_training_runs_and_multirun_sweeps(tmp_path):
 
 
 def _predict_cfg(run: Path, image: Path, output: Path, *extra: str):
-    with initialize_config_dir(CONF, version_base="1.3"):
+    with initialize_config_dir(str(CONF_PATH.with_name("conf_predict")), version_base="1.3"):
         return compose("predict", overrides=[f"run={run}", f"image={image}",
                                              f"output={output}", "preview=false", *extra])
 

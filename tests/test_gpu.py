@@ -27,13 +27,14 @@ from hydra import compose, initialize_config_dir
 from test_cli import CONF, TINY
 from torch import nn
 
-from seg_at_scale.cli.predict import load_run, run_prediction
+from seg_at_scale.cli.predict import run_prediction
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import read_raster
 from seg_at_scale.memory import MemoryConfig, StepSpec, apply_memory_mode, find_largest_tile
 from seg_at_scale.memory.probe import StepMeasure, measure_step
 from seg_at_scale.memory.sides import legal_side
 from seg_at_scale.models import UNet
+from seg_at_scale.models.trained import load_run
 from seg_at_scale.parallel.launch import spawn
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, close_pipe
 from seg_at_scale.parallel.strategy import all_reduce_gradients
@@ -350,14 +351,14 @@ def test_cli_train_resume_predict(device, tmp_path):
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     assert (ckpt["epoch"], ckpt["global_step"]) == (2, 4)
     # four steps leave one class everywhere: predict with lively weights in the same format
-    _, model, _ = load_run(tmp_path / "run", "last")
+    model = load_run(tmp_path / "run", "last").model
     lively(model)
     ckpt["state_dict"] = {f"model.{k}": v for k, v in model.state_dict().items()}
     torch.save(ckpt, tmp_path / "lively.ckpt")
     image = next((tmp_path / "data").glob("*/test/scene_0_image.tif"))
     labels = {}
     for fast in ("false", "true"):
-        with initialize_config_dir(CONF, version_base="1.3"):
+        with initialize_config_dir(CONF.replace("/conf", "/conf_predict"), version_base="1.3"):
             cfg = compose("predict", overrides=[
                 f"run={tmp_path / 'run'}", f"ckpt={tmp_path / 'lively.ckpt'}", f"image={image}",
                 f"output={tmp_path}/{fast}.tif", "preview=false", "tile_size=64",

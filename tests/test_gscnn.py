@@ -312,6 +312,7 @@ def test_streaming_raster_prediction_takes_the_two_pass_route(tmp_path):
     raster in a first pass: its labels equal the untiled network's; one pass would not."""
     from seg_at_scale.io import read_raster, write_raster
     from seg_at_scale.prediction import predict_raster
+    from seg_at_scale.prediction.options import PredictOptions
 
     net = tiny().eval()
     with torch.no_grad():
@@ -324,7 +325,8 @@ def test_streaming_raster_prediction_takes_the_two_pass_route(tmp_path):
         net.decoder.classify.bias[0] += (ref[1] - ref[0]).median()
         ref = predict_full(net, x)[0]
     write_raster(tmp_path / "scene.tif", raw, tile=(64, 64))
-    stats = predict_raster(net, tmp_path / "scene.tif", tmp_path / "labels.tif", q=2)
+    stats = predict_raster(net, tmp_path / "scene.tif", tmp_path / "labels.tif",
+                           PredictOptions(q=2, progress=False))
     got = torch.from_numpy(read_raster(tmp_path / "labels.tif")[0].astype(np.int64))
     top2 = ref.topk(2, dim=0).values
     clear = (top2[0] - top2[1]) > 1e-4  # fp32 summation order may flip near-ties only

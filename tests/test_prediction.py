@@ -29,9 +29,11 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import ConfigError, OutputExistsError
 from seg_at_scale.io import read_raster
 from seg_at_scale.prediction import predict_raster
+from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.tiling import predict_full, predict_full_tta, predict_tiled
 
 NORMALIZER = Normalizer(NORM["scale"], tuple(NORM["mean"]), tuple(NORM["std"]))
+FAST64 = PredictOptions(tile_size=64, progress=False)
 
 
 def _reference(model, image, tta=None):
@@ -49,8 +51,9 @@ def test_file_prediction_equals_untiled_forward(tmp_path, padding, one_torch_thr
     raw pixels before normalising, as the file path did, changed ~0.4 % of the labels.)"""
     model = make_model(padding, levels=4, width=4)
     image = make_image(tmp_path / "a.tif")
-    stats = predict_raster(model, image, tmp_path / "a.zarr", tile_size=120,
-                           normalizer=NORMALIZER, probabilities="float16", progress=False)
+    stats = predict_raster(model, image, tmp_path / "a.zarr",
+                           PredictOptions(tile_size=120, probabilities="float16", progress=False),
+                           normalizer=NORMALIZER)
     ref = _reference(model, image)
     store = zarr.open_group(tmp_path / "a.zarr", mode="r")
     assert stats.tiles > 20 and store.attrs["complete"]
@@ -74,8 +77,9 @@ def test_tta_equals_tta_of_the_untiled_image(padding, tta, one_torch_thread):
 def test_file_tta_equals_untiled_tta(tmp_path, one_torch_thread):
     model = make_model("same", levels=3, width=4)
     image = make_image(tmp_path / "a.tif", 141, 97)
-    predict_raster(model, image, tmp_path / "a.zarr", tile_size=64, normalizer=NORMALIZER,
-                   probabilities="float16", tta="d4", progress=False)
+    predict_raster(model, image, tmp_path / "a.zarr",
+                   PredictOptions(tile_size=64, probabilities="float16", tta="d4",
+                                  progress=False), normalizer=NORMALIZER)
     ref = _reference(model, image, tta="d4")
     got = zarr.open_group(tmp_path / "a.zarr", mode="r")["probabilities"][:]
     np.testing.assert_allclose(got.astype(np.float32), ref.numpy(), atol=1e-3)
@@ -189,14 +193,13 @@ def test_a_store_of_another_model_is_refused(tmp_path, one_torch_thread):
     out = tmp_path / "a.zarr"
     first = make_model(seed=0)
     with pytest.raises(KeyboardInterrupt):
-        predict_raster(first, image, out, tile_size=64, progress=False,
-                       normalizer=_Interrupt(after=2))
+        predict_raster(first, image, out, FAST64, normalizer=_Interrupt(after=2))
     before = sorted(p.name for p in out.rglob("*"))
     with pytest.raises(OutputExistsError, match="differs in: model.*resume=false"):
-        predict_raster(make_model(seed=1), image, out, tile_size=64, progress=False)
+        predict_raster(make_model(seed=1), image, out, FAST64)
     assert sorted(p.name for p in out.rglob("*")) == before
-    predict_raster(make_model(seed=1), image, out, tile_size=64, progress=False,
-                   resume=False)
+    predict_raster(make_model(seed=1), image, out,
+                   PredictOptions(tile_size=64, progress=False, resume=False))
     assert zarr.open_group(out, mode="r").attrs["complete"]
 
 
@@ -216,7 +219,7 @@ class _Interrupt(Normalizer):
 
 @pytest.mark.parametrize(("output", "extra", "message"), [
     ("mask.png", (), "extension '.png' names no format"),
-    ("scene.tif", ("overwrite=true",), "is the input image"),
+    ("scene.tif", ("overwrite=true",), "is the image"),
     ("mask.tif", ("mask={image}",), None),
     ("mask.tif", ("processes=0",), "processes=0: give a whole number >= 1"),
     ("mask.tif", ("processes=2", "q=1", "device=cpu"), "only 1 batches of tiles"),
@@ -263,7 +266,7 @@ def test_slurm_prediction_launcher_takes_processes_and_nodes():
 
     import seg_at_scale
 
-    conf = str(Path(seg_at_scale.__file__).parent / "conf")
+    conf = str(Path(seg_at_scale.__file__).parent / "conf_predict")
     with initialize_config_dir(conf, version_base="1.3"):
         cfg = compose("predict", overrides=["hydra/launcher=slurm_predict", "processes=4",
                                             "nodes=3", "run=r", "image=i.tif", "output=o.zarr"],
@@ -276,8 +279,9 @@ def test_slurm_prediction_launcher_takes_processes_and_nodes():
 def test_zarr_output_opens_in_xarray_with_coordinates(tmp_path, one_torch_thread):
     xr = pytest.importorskip("xarray")
     image = make_image(tmp_path / "a.tif", 97, 131)
-    predict_raster(make_model(), image, tmp_path / "a.zarr", tile_size=64, progress=False,
-                   probabilities="uint8", class_names=CLASSES)
+    predict_raster(make_model(), image, tmp_path / "a.zarr",
+                   PredictOptions(tile_size=64, progress=False, probabilities="uint8"),
+                   class_names=CLASSES)
     ds = xr.open_zarr(tmp_path / "a.zarr", consolidated=False, mask_and_scale=False)
     labels = zarr.open_group(tmp_path / "a.zarr", mode="r")["labels"][:]
     np.testing.assert_array_equal(ds["labels"].values, labels)

@@ -185,6 +185,7 @@ def test_masked_pixels_are_predicted_255_and_ignored_in_training(tmp_path: Path)
     from seg_at_scale.io import write_raster
     from seg_at_scale.models import UNet
     from seg_at_scale.prediction import predict_raster
+    from seg_at_scale.prediction.options import PredictOptions
 
     rng = np.random.default_rng(0)
     image = rng.integers(0, 255, (4, 90, 70)).astype(np.uint8)
@@ -193,7 +194,8 @@ def test_masked_pixels_are_predicted_255_and_ignored_in_training(tmp_path: Path)
     path = write_with_gdal_mask(tmp_path / "m_image.tif", image, valid, compress="deflate")
     torch.manual_seed(0)
     net = UNet(4, 3, levels=2, base_width=4).eval()
-    predict_raster(net, path, tmp_path / "m.zarr", tile_size=48, progress=False)
+    predict_raster(net, path, tmp_path / "m.zarr",
+                   PredictOptions(tile_size=48, progress=False))
     labels = zarr.open_group(tmp_path / "m.zarr", mode="r")["labels"][:]
     assert (labels[~valid] == 255).all() and (labels[valid] < 3).all()
     mask = write_raster(tmp_path / "m_mask.tif", np.ones((90, 70), np.uint8))

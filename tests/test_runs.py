@@ -13,11 +13,11 @@ import yaml
 from cli_helpers import run_train
 from omegaconf import OmegaConf
 
-from seg_at_scale.cli.common import normalizer_of, reports_errors
-from seg_at_scale.cli.predict import load_run
+from seg_at_scale.cli.common import reports_errors
 from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import write_raster
+from seg_at_scale.models.trained import load_run
 
 TINY = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=157",
         "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
@@ -50,8 +50,8 @@ def test_rerun_with_another_config_is_refused_and_changes_no_file(tmp_path: Path
     assert "model.base_width: 8 in the run, 16 now" in message
     assert "leave out hydra.run.dir" in message
     assert snapshot(run) == before  # bytes and mtimes: nothing rewritten, nothing added
-    cfg, model, _ = load_run(run)  # seg-predict still loads the finished run
-    assert cfg.model.base_width == 8 and model.num_classes == 5
+    trained = load_run(run)  # seg-predict still loads the finished run
+    assert trained.config.model.base_width == 8 and trained.model.num_classes == 5
 
 
 def write_uint16_scenes(root: Path) -> None:
@@ -79,8 +79,7 @@ def test_readme_own_tiffs_command_trains_predicts_and_saves_its_numbers(tmp_path
     assert norm["dtype"] == "uint16" and 1 / 4000 < norm["scale"] < 1 / 2000
     assert all(0.3 < m < 0.9 for m in norm["mean"]) and all(0.05 < s < 0.3 for s in norm["std"])
     assert saved["computed"]["filled"]["data.scale"] == "auto"
-    cfg, _, _ = load_run(tmp_path / "run")  # what seg-predict normalises with
-    n = normalizer_of(cfg.data)
+    n = load_run(tmp_path / "run").normalizer  # what seg-predict normalises with
     assert (n.scale, list(n.mean), list(n.std)) == (norm["scale"], norm["mean"], norm["std"])
     assert "test scene s0:\n  class_0" in summary["log"]
 

@@ -18,7 +18,6 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from source_fixtures import CS_EXPECTED, write_cityscapes, write_taco
 
-from seg_at_scale.cli.common import model_footprint
 from seg_at_scale.cli.data_setup import checked_groups, synthesize
 from seg_at_scale.data.sources.cityscapes import CITYSCAPES_CLASSES, Cityscapes, label_lut
 from seg_at_scale.data.sources.streets import (
@@ -31,6 +30,7 @@ from seg_at_scale.data.sources.streets import (
 from seg_at_scale.data.sources.taco import Taco, load_taco
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import read_raster
+from seg_at_scale.models.trained import footprint_with_halo
 
 CONF = str(Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf")
 
@@ -161,7 +161,7 @@ def _fast_fit(tmp_path: Path, overrides: list[str], epochs: int = 6) -> dict[str
     data, tiling = checked_groups(cfg)
     model = instantiate(cfg.model)
     dm = instantiate(cfg.data, _partial_=True, _convert_="all")(
-        tiling=tiling, footprint=model_footprint(model, cfg.tiling.halo), seed=cfg.seed)
+        tiling=tiling, footprint=footprint_with_halo(model, cfg.tiling.halo), seed=cfg.seed)
     task = instantiate(cfg.task, model=model)
     losses: list[float] = []
 

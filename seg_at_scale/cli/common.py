@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -16,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from seg_at_scale.errors import ConfigError, SegAtScaleError
 from seg_at_scale.models.trained import RUN_CONFIG
 
-__all__ = ["format_iou", "save_run_config", "RUN_CONFIG", "reports_errors", "class_names_of",
-           "USER_ERROR_EXIT"]
+__all__ = ["disk_full", "format_iou", "save_run_config", "RUN_CONFIG", "reports_errors",
+           "class_names_of", "USER_ERROR_EXIT"]
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,28 @@ def _own_error(exc: BaseException) -> SegAtScaleError | None:
     return exc
 
 
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> SegAtScaleError | None:
+    """A disk-full error behind ``exc`` as one line (the work done so far is kept)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL:
+            where = f" writing '{seen.filename}'" if seen.filename else ""
+            return SegAtScaleError(f"no space left{where} ({seen.strerror}); free space or "
+                                   "choose another output folder, then run the same command "
+                                   "again: what was finished is kept")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def reports_errors(prog: str) -> Callable[[F], F]:
     """Decorate an entry point: the project's own errors print as one line, exit status 2.
 
     A :class:`~seg_at_scale.errors.SegAtScaleError` already names the file or key, the value
-    and the fix; the 30-60 lines of Hydra and library frames above it only bury it.
+    and the fix; the 30-60 lines of Hydra and library frames above it only bury it. A full
+    disk (``ENOSPC``, ``EFBIG``, ``EDQUOT``, however deep) is one line too.
     ``HYDRA_FULL_ERROR=1`` lets it through with its whole traceback. Put it *under*
     ``@hydra.main`` (Hydra unwraps ``__wrapped__`` to name the job)::
 
@@ -53,8 +71,8 @@ def reports_errors(prog: str) -> Callable[[F], F]:
         def run(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
-            except (SegAtScaleError, InstantiationException) as exc:
-                own = _own_error(exc)
+            except (SegAtScaleError, InstantiationException, OSError) as exc:
+                own = _own_error(exc) or disk_full(exc)
                 if own is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
                 print(f"{prog}: error: {own}", file=sys.stderr, flush=True)

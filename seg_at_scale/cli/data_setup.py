@@ -13,12 +13,14 @@ validated.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from filelock import FileLock
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
@@ -34,7 +36,7 @@ from seg_at_scale.tiling import Footprint, make_grid
 from seg_at_scale.tiling.geometry import TilingError
 
 __all__ = ["checked_groups", "make_synthetic", "source_of", "synthesize", "run_preflight",
-           "resolve_normalization", "check_grids"]
+           "resolve_normalization", "check_grids", "record_training_data", "training_sample"]
 
 log = logging.getLogger("seg_at_scale.train")
 DEFAULT_SOURCE = "seg_at_scale.data.sources.synthetic.SyntheticScenes"
@@ -130,17 +132,8 @@ def resolve_normalization(cfg: DictConfig, run: RunFolder, report: PreflightRepo
 
     @functools.cache
     def numbers() -> dict[str, Any]:
-        cache = FactCache(Path(d.root) / CACHE_NAME)
-        total: BandSums | None = None
-        for scene in report.scenes["train"]:
-            with RasterReader(scene.image, nodata=d.nodata) as r:
-                part = BandSums.from_json(cache.facts(scene.image, f"sample:{d.nodata}",
-                                                      lambda r=r: sample_sums(r).to_json()))
-            total = part if total is None else total + part
-        cache.save()
-        assert total is not None
-        return auto_normalization(report.dtype, total, d.scale, _plain_or(d.mean),
-                                  _plain_or(d.std))
+        return auto_normalization(report.dtype, training_sample(cfg, report), d.scale,
+                                  _plain_or(d.mean), _plain_or(d.std))
 
     for key in ("scale", "mean", "std"):
         run.fill(cfg, f"data.{key}", lambda key=key: numbers()[key])
@@ -148,6 +141,40 @@ def resolve_normalization(cfg: DictConfig, run: RunFolder, report: PreflightRepo
                                  "from": f"{len(report.scenes['train'])} training scenes"}
     log.info("data.scale/mean/std=auto for %s imagery: scale %.6g, mean %s, std %s",
              report.dtype, numbers()["scale"], numbers()["mean"], numbers()["std"])
+
+
+def training_sample(cfg: DictConfig, report: PreflightReport) -> BandSums:
+    """Band sums of a spread sample of the training scenes (cached with the preflight)."""
+    d = cfg.data
+    cache = FactCache(Path(d.root) / CACHE_NAME)
+    total: BandSums | None = None
+    for scene in report.scenes["train"]:
+        with RasterReader(scene.image, nodata=d.nodata) as r:
+            part = BandSums.from_json(cache.facts(scene.image, f"sample:{d.nodata}",
+                                                  lambda r=r: sample_sums(r).to_json()))
+        total = part if total is None else total + part
+    cache.save()
+    assert total is not None
+    return total
+
+
+def record_training_data(cfg: DictConfig, report: PreflightReport,
+                         computed: dict[str, Any]) -> None:
+    """What the model was trained on, for the checks of ``seg-predict`` and the model card.
+
+    ``computed.input``: the imagery's sample type and its typical high (the largest band's
+    mean + 3 std in raw units, of the training sample); ``computed.data_fingerprint``: the
+    SHA-256 of every split's scene names and file sizes.
+    """
+    mean, std = training_sample(cfg, report).mean_std()
+    computed["input"] = {"dtype": str(report.dtype),
+                         "high": round(float(np.max(mean + 3 * std)), 6)}
+    h = hashlib.sha256()
+    for split in sorted(report.scenes):
+        for scene in report.scenes[split]:
+            sizes = [p.stat().st_size for p in (scene.image, scene.mask) if p is not None]
+            h.update(f"{split}/{scene.image.name}:{sizes}\n".encode())
+    computed["data_fingerprint"] = f"sha256:{h.hexdigest()}"
 
 
 def _plain_or(value: Any) -> Any:

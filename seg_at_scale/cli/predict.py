@@ -39,7 +39,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from seg_at_scale.cli.common import USER_ERROR_EXIT, format_iou, reports_errors
+from seg_at_scale.cli.common import USER_ERROR_EXIT, disk_full, format_iou, reports_errors
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError, SegAtScaleError
 from seg_at_scale.models.trained import load_trained, model_files, peek_card
@@ -201,9 +201,12 @@ def _rank_main(fabric: Any, job: PredictJob, forked: bool) -> dict[str, Any]:
         return _predict(job, fabric.device)
     try:
         return _predict(job, fabric.device)
-    except SegAtScaleError as exc:
-        if fabric.global_rank == 0:
-            print(f"seg-predict: error: {exc}", file=sys.stderr, flush=True)
+    except (SegAtScaleError, OSError) as exc:
+        own = exc if isinstance(exc, SegAtScaleError) else disk_full(exc)
+        if own is None:
+            raise
+        if fabric.global_rank == 0 or not isinstance(exc, SegAtScaleError):
+            print(f"seg-predict: error: {own}", file=sys.stderr, flush=True)
         status = USER_ERROR_EXIT
     except KeyboardInterrupt as exc:
         status = 143 if isinstance(exc, Stopped) else 130

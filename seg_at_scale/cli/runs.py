@@ -22,12 +22,14 @@ them here instead: ``.hydra/`` for a new run, ``.hydra/resume_<k>/`` for each re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning.utilities import rank_zero_only
@@ -35,7 +37,7 @@ from pytorch_lightning.utilities import rank_zero_only
 from seg_at_scale.cli.common import RUN_CONFIG, save_run_config
 from seg_at_scale.errors import ConfigError
 
-__all__ = ["RunFolder", "RESUME_KEYS", "config_diff"]
+__all__ = ["RunFolder", "RESUME_KEYS", "config_diff", "run_lock", "LOCK_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ RESUME_KEYS = ("trainer.max_epochs", "trainer.max_steps", "trainer.max_time",
                "trainer.enable_progress_bar", "trainer.log_every_n_steps", "data.num_workers",
                "ckpt_path", "predict", "predict_after_fit", "logger", "slurm", "trust_run")
 MAX_LISTED = 8  # differences named in the refusal
+LOCK_NAME = ".seg_train.lock"  # held by the run's global rank 0 while it trains
 _ABSENT = object()  # a key one of two configs lacks
 
 
@@ -73,6 +76,36 @@ def config_diff(saved: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, A
             if not _free(k) and old.get(k, _ABSENT) != now.get(k, _ABSENT)]
 
 
+def _saved_dir(saved: dict[str, Any]) -> str | None:
+    """The folder a saved run was written in (recorded, or the trainer's root dir)."""
+    recorded = (saved.get("computed") or {}).get("run_dir")
+    return recorded or (saved.get("trainer") or {}).get("default_root_dir")
+
+
+def _moved(saved: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A moved or copied run's saved config with its own old paths read as the new folder.
+
+    A run's config holds its folder (checkpoint and log dirs, the trainer's root): copied
+    elsewhere, those are its only differences, and they must not block the resume.
+    """
+    old = _saved_dir(saved)
+    new = str(path)
+    if not old or old == new:
+        return saved
+
+    def swap(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: swap(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [swap(x) for x in v]
+        if isinstance(v, str) and (v == old or v.startswith(old + "/")):
+            return new + v[len(old):]
+        return v
+
+    log.info("the run was saved in %s and is now in %s: its own paths follow it", old, new)
+    return swap(saved)  # type: ignore[no-any-return]
+
+
 def _show(v: Any) -> str:
     return "(absent)" if v is _ABSENT else repr(v)
 
@@ -81,6 +114,37 @@ def _resolved(cfg: DictConfig, key: str) -> Any:
     """The value of ``key`` with interpolations resolved, as plain Python."""
     return OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}),
                                   resolve=True)["v"]  # type: ignore[index]
+
+
+@contextlib.contextmanager
+def run_lock(path: Path) -> Iterator[None]:
+    """Hold the run folder's lock while training; a second ``seg-train`` is refused at once.
+
+    Only global rank 0 locks (the other DDP ranks, started by Lightning or by SLURM, run in
+    the same folder on purpose). The lock is an ``flock`` (``filelock``): the kernel drops
+    it when the holder dies, so a killed run never blocks its own resume.
+    """
+    if rank_zero_only.rank != 0:
+        yield
+        return
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"hydra.run.dir='{path}': cannot create the run folder ({exc}); "
+                          "choose a writable place") from None
+    file = path / LOCK_NAME
+    lock = FileLock(file, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ConfigError(f"hydra.run.dir='{path}' is in use by another seg-train (its lock "
+                          f"'{file}' is held); wait for it to finish, or start a new run "
+                          "(leave out hydra.run.dir)") from None
+    try:
+        yield
+    finally:
+        file.unlink(missing_ok=True)  # while held: a waiter retries on a new file
+        lock.release()
 
 
 class RunFolder:
@@ -118,6 +182,7 @@ class RunFolder:
             return cls(path, None, requested)
         saved = OmegaConf.to_container(OmegaConf.load(file))
         assert isinstance(saved, dict)
+        saved = _moved(saved, path)
         run = cls(path, saved, requested)
         candidate = copy.deepcopy(cfg)
         diffs = run._apply_fills(candidate)
@@ -182,7 +247,8 @@ class RunFolder:
             k = 1 + len(list(hydra_dir.glob("resume_*")))
             hydra_dir = hydra_dir / f"resume_{k}"
         else:
-            save_run_config(cfg, self.path, {**computed, "filled": self.filled})
+            save_run_config(cfg, self.path, {**computed, "filled": self.filled,
+                                             "run_dir": str(self.path)})
         self._save_hydra(self._requested if self._requested is not None else cfg, hydra_dir)
 
     @staticmethod

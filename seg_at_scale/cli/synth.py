@@ -16,12 +16,17 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from seg_at_scale.cli.common import reports_errors
 from seg_at_scale.data.sources.synthetic import make_dataset, write_scene
 from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.errors import ConfigError, OutputExistsError
+from seg_at_scale.prediction.checks import same_path
 
 __all__ = ["build_parser", "main"]
+
+COMPRESSIONS = ("none", "zlib", "deflate", "lzma", "zstd", "lzw", "packbits")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--test", type=int, default=1, help="test scenes")
     p.add_argument("--band-rows", type=int, default=1024,
                    help="rows rendered per step in --single mode (bounds memory)")
-    p.add_argument("--compression", default="zlib",
+    p.add_argument("--compression", default="zlib", choices=COMPRESSIONS,
                    help="TIFF compression in --single mode ('none' for raw: fastest)")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     return p
@@ -48,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     if args.single:
+        image, mask = (Path(p) for p in args.single)
+        if same_path(image, mask):
+            raise ConfigError(f"--single: the image and the mask are the same file '{image}'; "
+                              "give two paths (e.g. scene.tif scene_mask.tif)")
+        for path in (image, mask):
+            if path.exists() and not args.overwrite:
+                raise OutputExistsError(f"'{path}' already exists; pass --overwrite to "
+                                        "replace it (or choose another path)")
         gen = SceneGenerator(args.seed, args.height, args.width)
         compression = None if args.compression.lower() == "none" else args.compression
         paths = write_scene(*args.single, gen, band_rows=args.band_rows,

@@ -30,16 +30,18 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.utilities import rank_zero_only
 
 from seg_at_scale.cli.common import class_names_of, format_iou, reports_errors
 from seg_at_scale.cli.data_setup import (
     check_grids,
     checked_groups,
+    record_training_data,
     resolve_normalization,
     run_preflight,
     synthesize,
 )
-from seg_at_scale.cli.runs import RunFolder
+from seg_at_scale.cli.runs import RunFolder, run_lock
 from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
@@ -53,8 +55,14 @@ from seg_at_scale.memory import (
     memory_config,
     pipe_checkpoint_mode,
 )
+from seg_at_scale.models.checkpoint import load_checkpoint
 from seg_at_scale.models.registry import build_model
-from seg_at_scale.models.trained import TrainedModel, card_of_config, footprint_with_halo
+from seg_at_scale.models.trained import (
+    RUN_CONFIG,
+    TrainedModel,
+    card_of_config,
+    footprint_with_halo,
+)
 from seg_at_scale.parallel.pipe import PipelineConfig
 from seg_at_scale.parallel.setup import (
     pipeline_group,
@@ -87,14 +95,29 @@ def computed_values(dm: TileDataModule, fp: Any, cfg: DictConfig) -> dict[str, A
             "efficiency": round(grid.efficiency, 4)}
 
 
-def resolve_ckpt(cfg: DictConfig, out_dir: Path) -> str | None:
-    """Checkpoint to resume from: ``auto`` = the run folder's newest (last.ckpt, hpc_ckpt)."""
+def resolve_ckpt(cfg: DictConfig, run: RunFolder) -> str | None:
+    """Checkpoint to resume from, checked before anything is written.
+
+    ``auto``: the run folder's newest checkpoint that loads (last.ckpt, the best ones,
+    hpc_ckpt); none for a new run. A folder that holds a run but no usable checkpoint is
+    refused, naming what is missing (training it again from scratch while logging
+    "resuming" would replace its checkpoints). A path is loaded to check it.
+    """
+    trust = bool(cfg.get("trust_run", False))
     if cfg.ckpt_path in (None, "none"):
         return None
-    if cfg.ckpt_path == "auto":
-        newest = newest_checkpoint(out_dir)
-        return str(newest) if newest else None
-    return str(cfg.ckpt_path)
+    if cfg.ckpt_path != "auto":
+        load_checkpoint(Path(cfg.ckpt_path), trust=trust)
+        return str(cfg.ckpt_path)
+    newest = newest_checkpoint(run.path, trust=trust)
+    # DDP ranks other than 0 start after rank 0 saved the run's config: a "resume" to them
+    if newest is None and run.resuming and rank_zero_only.rank == 0:
+        raise ConfigError(
+            f"hydra.run.dir='{run.path}' holds a run ({RUN_CONFIG}) but no checkpoint to "
+            f"resume from ({run.path / 'checkpoints'} has no .ckpt: deleted, or the run was "
+            "stopped before its first one); to train it again from the start in this folder "
+            "pass ckpt_path=none, or start a new run (leave out hydra.run.dir)")
+    return str(newest) if newest else None
 
 
 def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_dir: Path,
@@ -210,6 +233,7 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     report = run_preflight(data, run, bool(cfg.predict_after_fit))  # every split's files
     computed: dict[str, Any] = {}
     resolve_normalization(cfg, run, report, computed)  # data.scale/mean/std=auto
+    record_training_data(cfg, report, computed)  # dtype, range, fingerprint: for seg-predict
     # the data group's _target_ is the DataModule (its keys plain values, the rest objects)
     dm: TileDataModule = instantiate(cfg.data, _partial_=True, _convert_="all")(
         tiling=tiling, footprint=fp, seed=cfg.seed, scenes=report.scenes)
@@ -221,7 +245,8 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
 
 
 def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConfig,
-        dm: TileDataModule, computed: dict[str, Any]) -> tuple[pl.Trainer, Any, list[Any]]:
+        dm: TileDataModule, computed: dict[str, Any], ckpt: str | None
+        ) -> tuple[pl.Trainer, Any, list[Any]]:
     """Build the task, callbacks, loggers and trainer; fit (resuming when asked)."""
     pipeline = resolve_run_pipeline(cfg, model, dm, memory)  # pipeline=manual|auto
     if pipeline is not None:
@@ -245,7 +270,8 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
                                       logger=loggers or False, plugins=plugins or None,
                                       **pipeline_strategy(cfg.trainer, pipeline))
     try:
-        trainer.fit(task, datamodule=dm, ckpt_path=resolve_ckpt(cfg, run.path))
+        trainer.fit(task, datamodule=dm, ckpt_path=ckpt,  # plain data unless trusted
+                    weights_only=not bool(cfg.get("trust_run", False)))
     except SIGTERMException:  # checkpoint saved by SaveOnStop; exit as the signal asks
         raise SystemExit(128 + (stop.signal or signal.SIGTERM)) from None
     return trainer, task, loggers
@@ -256,9 +282,16 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
 def main(cfg: DictConfig) -> float | None:
     """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
     synthesize(cfg)  # the scenes first: data.class_weights may be read from their masks
-    run = RunFolder.open(Path(HydraConfig.get().runtime.output_dir), cfg)  # before any write
+    folder = Path(HydraConfig.get().runtime.output_dir)
+    with run_lock(folder):  # one seg-train per run folder
+        return _train(cfg, folder)
+
+
+def _train(cfg: DictConfig, folder: Path) -> float | None:
+    run = RunFolder.open(folder, cfg)  # before any write
+    ckpt = resolve_ckpt(cfg, run)
     model, fp, memory, dm, computed = prepare(cfg, run)
-    trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed)
+    trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed, ckpt)
     if not trainer.is_global_zero:  # sample parallelism: rank 0 predicts and reports
         return None
     metric = trainer.callback_metrics.get("val/miou")
@@ -276,7 +309,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _state_dict(path: str) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return load_checkpoint(path)["state_dict"]  # written by this run: plain data
 
 
 if __name__ == "__main__":

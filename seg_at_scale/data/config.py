@@ -159,8 +159,12 @@ class DataConfig:
         if len(values) not in (1, self.bands):
             raise ConfigError(f"data.{key} has {len(values)} values for data.bands="
                               f"{self.bands}: {fix}")
-        for v in values:
-            _number(f"data.{key}", v, fix, positive=key == "std")
+        for band, v in enumerate(values):
+            _number(f"data.{key}", v, fix)
+            if key == "std" and v <= 0:
+                raise ConfigError(f"data.std has {v} for band {band}: a standard deviation "
+                                  "divides the band, so it must be > 0; give the band's spread "
+                                  "(e.g. 0.25) or data.std=auto")
 
 
 def data_config(values: Mapping[str, Any]) -> DataConfig:

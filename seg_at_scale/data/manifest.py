@@ -7,7 +7,10 @@ larcv3 / Cityscapes / TACO converters) records what it was asked for in
 * same parameters (and every recorded file present): reuse, write nothing;
 * other parameters: refused naming each differing key (value on disk, value asked) and the
   fix, unless ``overwrite`` (then rebuilt);
-* no manifest but scene files present (someone's own data): refused unless ``overwrite``.
+* no manifest but scene files present (someone's own data): refused unless ``overwrite``;
+* no manifest, but a build of the same parameters was interrupted there (killed: its
+  ``.building.json`` record, written by :func:`begin` before the first scene): resumed, not
+  refused — the files it wrote are its own.
 
 The manifest is written last (:func:`save`, atomically), so it only ever describes a
 complete folder.
@@ -35,11 +38,13 @@ from typing import Any
 
 from seg_at_scale.errors import InputError, OutputExistsError
 
-__all__ = ["reuse", "save", "listed", "MANIFEST"]
+__all__ = ["reuse", "save", "listed", "begin", "interrupted_build", "clear_partials",
+           "MANIFEST", "BUILDING"]
 
 MANIFEST = "manifest.json"
+BUILDING = ".building.json"  # a build in progress: its parameters, removed by save()
 _SCENES = ("*/*_image.tif", "*/*_mask.tif")
-_FIX = "pass overwrite=true (seg-train: data.synthetic.overwrite=true)"
+_FIX = "pass overwrite=true (seg-train: data.synthetic.overwrite=true; seg-synth: --overwrite)"
 
 
 def _read(root: Path, source: str, overwrite: bool) -> dict[str, Any] | None:
@@ -76,6 +81,8 @@ def reuse(root: str | os.PathLike[str], source: str, params: Mapping[str, Any], 
     doc = _read(root, source, overwrite)
     if doc is None:
         found = [p for pattern in _SCENES for p in root.glob(pattern)]
+        if found and _interrupted(root) == want:
+            return False  # our own interrupted build: the builder completes it
         if found and not overwrite:
             raise OutputExistsError(
                 f"{source}: '{root}' holds scene files ({found[0].name}, ...) but no "
@@ -91,6 +98,40 @@ def reuse(root: str | os.PathLike[str], source: str, params: Mapping[str, Any], 
     shown = ", ".join(f"{k}: {old.get(k)!r} there, {want.get(k)!r} asked" for k in diff[:4])
     raise InputError(f"{source}: '{root}' holds a dataset made with other parameters "
                      f"({shown}); {_FIX} to rebuild it, or choose another data.root")
+
+
+def _interrupted(root: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads((root / BUILDING).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc.get("parameters") if isinstance(doc, dict) else None
+
+
+def interrupted_build(root: str | os.PathLike[str], params: Mapping[str, Any]) -> bool:
+    """Whether ``root`` holds an interrupted build of these parameters (no manifest yet)."""
+    root = Path(root)
+    want = json.loads(json.dumps(dict(params)))
+    return not (root / MANIFEST).exists() and _interrupted(root) == want
+
+
+def begin(root: str | os.PathLike[str], source: str, params: Mapping[str, Any]) -> None:
+    """Record a build in progress, before its first file (:func:`save` removes it)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{BUILDING}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"source": source, "parameters": dict(params)}) + "\n")
+    os.replace(tmp, root / BUILDING)
+
+
+def clear_partials(files: Sequence[Path]) -> int:
+    """Remove the temporary files a killed writer left for ``files`` (see ``io.writer``)."""
+    gone = 0
+    for f in files:
+        for junk in Path(f).parent.glob(f".{Path(f).name}.partial.*.tmp"):
+            junk.unlink(missing_ok=True)
+            gone += 1
+    return gone
 
 
 def listed(root: str | os.PathLike[str]) -> list[Path]:
@@ -110,4 +151,5 @@ def save(root: str | os.PathLike[str], source: str, params: Mapping[str, Any],
     tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     os.replace(tmp, root / MANIFEST)
+    (root / BUILDING).unlink(missing_ok=True)
     return root / MANIFEST

@@ -28,11 +28,15 @@ from torch import Tensor
 from seg_at_scale.errors import InputError
 from seg_at_scale.models.registry import TRUST_HINT
 
-__all__ = ["load_checkpoint", "model_state", "checkpoint_problem"]
+__all__ = ["load_checkpoint", "model_state", "checkpoint_problem", "UnsafeCheckpointError"]
 
 log = logging.getLogger(__name__)
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+class UnsafeCheckpointError(InputError):
+    """A checkpoint that holds Python objects: loading it would run code from the file."""
 
 
 def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
@@ -72,9 +76,10 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> dic
         found = _GLOBAL.search(str(exc))
         if found is None:
             raise _unreadable(path, exc) from None
-        raise InputError(f"checkpoint '{path}' holds a Python object ({found.group(1)}) that "
-                         f"loading would run; refused. {TRUST_HINT.capitalize()}, or ask for "
-                         "a model exported with seg-export (weights as safetensors)") from None
+        raise UnsafeCheckpointError(
+            f"checkpoint '{path}' holds a Python object ({found.group(1)}) that "
+            f"loading would run; refused. {TRUST_HINT.capitalize()}, or ask for a model "
+            "exported with seg-export (weights as safetensors)") from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
         raise _unreadable(path, exc) from None
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):

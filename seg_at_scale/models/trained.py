@@ -37,6 +37,7 @@ from seg_at_scale.tiling.halo import footprint as measured_footprint
 
 __all__ = ["TrainedModel", "load_run", "load_trained", "footprint_with_halo",
            "pick_checkpoint", "card_of_config", "load_weights", "model_files", "peek_card",
+           "normalizer_of_card",
            "RUN_CONFIG", "CARD_FORMAT"]
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,7 @@ class TrainedModel:
 
     @property
     def normalizer(self) -> Normalizer:
-        n = self.card["data"]["normalization"]
-        return Normalizer(float(n["scale"]), tuple(n["mean"]), tuple(n["std"]))
+        return normalizer_of_card(self.card, self.source)
 
     @property
     def num_classes(self) -> int:
@@ -94,6 +94,17 @@ class TrainedModel:
     def input(self) -> dict[str, Any]:
         """The training imagery: ``dtype`` and ``high`` (mean + 3 std, raw), where recorded."""
         return dict(self.card["data"].get("input") or {})
+
+
+def normalizer_of_card(card: dict[str, Any], source: str) -> Normalizer:
+    """The card's input normalisation; a scale or std that is not > 0 is refused."""
+    n = card["data"]["normalization"]
+    bad = [i for i, v in enumerate(n["std"]) if not v > 0]
+    if bad or not n["scale"] > 0:
+        what = f"std {n['std'][bad[0]]} for band {bad[0]}" if bad else f"scale {n['scale']}"
+        raise InputError(f"{source}: the normalisation has {what}, which must be > 0 (it "
+                         "divides); the config was edited: restore it")
+    return Normalizer(float(n["scale"]), tuple(n["mean"]), tuple(n["std"]))
 
 
 def footprint_with_halo(model: nn.Module, halo: Any) -> Footprint:
@@ -190,7 +201,9 @@ def card_of_config(cfg: DictConfig, fp: Footprint) -> dict[str, Any]:
         "model": {"family": fam.name if fam else None, **node},
         "footprint": {"halo": fp.halo, "align": fp.align, "padding": fp.padding,
                       "out_residue": fp.out_residue},
-        "data": {"bands": int(data.bands), "num_classes": k, "class_names": names,
+        "data": {"bands": int(data.get("bands") or node.get("in_channels")
+                              or node.get("planes")),
+                 "num_classes": k, "class_names": names,
                  "colours": [list(c) for c in default_palette(k)],
                  "ignore_index": int(data.ignore_index),
                  "nodata": "nan" if isinstance(nodata, float) and math.isnan(nodata)

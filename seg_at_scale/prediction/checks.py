@@ -190,6 +190,9 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Map
         raise InputError(f"image='{image}' does not exist; give the path of a raster to "
                          "predict" if not image.exists() else f"image='{image}' is a folder; "
                          "give a raster file (images=<folder> predicts every raster in it)")
+    from seg_at_scale.models.trained import normalizer_of_card
+
+    normalizer_of_card(dict(card), source)  # a std or scale that is not > 0
     inputs = {"image": image, **model_files, **({"mask": mask} if mask is not None else {})}
     check_outputs(scene_outputs(output, options), inputs, overwrite=options.overwrite)
     data = card["data"]

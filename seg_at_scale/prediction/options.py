@@ -49,6 +49,8 @@ class PredictOptions:
         progress: a progress bar on rank 0 (None: on unless ``CI`` is set).
         keep_store: keep the working Zarr store beside a ``.tif`` output.
         check_dtype: refuse an image whose sample type differs from the training data's.
+        layout: the convolutions' memory layout: ``auto`` (channels_last on the fast path),
+            ``channels_last`` or ``contiguous``; the labels are the same either way.
     """
 
     tile_size: int | None = 1024
@@ -64,6 +66,7 @@ class PredictOptions:
     progress: bool | None = None
     keep_store: bool = False
     check_dtype: bool = True
+    layout: Literal["auto", "channels_last", "contiguous"] = "auto"
 
     def __post_init__(self) -> None:
         check_types("", {f.name: getattr(self, f.name) for f in fields(self)},
@@ -88,7 +91,8 @@ class PredictOptions:
 
     @property
     def channels_last(self) -> bool:
-        return self.fast
+        """Whether tiles run in the channels-last (NHWC) memory layout."""
+        return self.layout == "channels_last" or (self.layout == "auto" and self.fast)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> PredictOptions:

@@ -102,12 +102,44 @@ def slurm_plugins(auto_requeue: bool, requeue_signal: str) -> list[Any]:
     return [SLURMEnvironment(auto_requeue=auto_requeue, requeue_signal=sig)]
 
 
-def newest_checkpoint(run: Path) -> Path | None:
-    """The newest checkpoint a run saved to resume from, or None.
+def checkpoints_of(run: Path) -> list[Path]:
+    """Every checkpoint a run saved, newest first.
 
-    ``checkpoints/last.ckpt`` (end of an epoch, or a stop by SIGTERM / Ctrl+C) or
-    Lightning's ``hpc_ckpt_<n>.ckpt`` in the run folder (SLURM requeue), by time written.
+    ``checkpoints/last.ckpt`` (end of an epoch, or a stop by SIGTERM / Ctrl+C), the best
+    ones ``checkpoints/*.ckpt`` and Lightning's ``hpc_ckpt_<n>.ckpt`` in the run folder
+    (SLURM requeue), by time written.
     """
-    found = [p for p in [run / "checkpoints" / "last.ckpt", *run.glob("hpc_ckpt_*.ckpt")]
-             if p.exists()]
-    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+    found = {p for p in [*(run / "checkpoints").glob("*.ckpt"), *run.glob("hpc_ckpt_*.ckpt")]
+             if p.is_file()}
+    return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+
+
+def newest_checkpoint(run: Path, *, trust: bool = False) -> Path | None:
+    """The newest checkpoint of a run that loads (see :func:`checkpoints_of`), or None.
+
+    A damaged one (empty, truncated) is skipped with a warning naming it; the next newest
+    is taken. One that holds Python objects is refused outright: it was not written by
+    this project, and resuming from an older one would hide that.
+
+    Raises:
+        InputError: the run has checkpoints but none loads (each one's problem named).
+        UnsafeCheckpointError: a checkpoint holds Python objects (and ``trust`` is off).
+    """
+    from seg_at_scale.errors import InputError
+    from seg_at_scale.models.checkpoint import UnsafeCheckpointError, load_checkpoint
+
+    problems = []
+    for path in checkpoints_of(run):
+        try:
+            load_checkpoint(path, trust=trust)
+        except UnsafeCheckpointError:
+            raise
+        except InputError as exc:
+            problems.append(str(exc))
+            log.warning("skipping a checkpoint that cannot be resumed from: %s", exc)
+            continue
+        return path
+    if problems:
+        raise InputError(f"no checkpoint of the run in '{run}' can be resumed from: "
+                         + " | ".join(problems))
+    return None

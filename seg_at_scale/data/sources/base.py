@@ -113,6 +113,9 @@ class Source(ABC):
         files = scene_files(root, names)
         for stale in set(manifest.listed(root)) - set(files):  # an older dataset's scenes
             stale.unlink(missing_ok=True)
+        if manifest.interrupted_build(root, params):
+            manifest.clear_partials(files)  # a killed writer's temporary files
+        manifest.begin(root, self.name, params)  # a killed build is resumed, not refused
         for split, scenes in names.items():
             for k, name in enumerate(scenes):
                 self.write(root / split, name, scene_seed(self.seed, split, k))

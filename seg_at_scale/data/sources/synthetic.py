@@ -238,9 +238,14 @@ class SyntheticScenes(Source):
         """The folder rule, resuming missing files (module docstring); the manifest."""
         want = self._planned(Path(root))
         # the one rule (data/manifest.py); missing files of a matching dataset are made below
+        resumed = manifest.interrupted_build(want.root, want.parameters)
         same = manifest.reuse(want.root, self.name, want.parameters, overwrite=overwrite,
-                              files=[])
+                              files=[]) or resumed
         old = None if same else _existing(want, overwrite=True)  # its stale files go below
+        if not same or resumed:
+            manifest.begin(want.root, self.name, want.parameters)  # before the first scene
+        if resumed:
+            manifest.clear_partials(want.all_files())  # a killed writer's temporary files
         written = 0
         for split, pairs in want.files.items():
             for k, pair in enumerate(pairs):
@@ -252,7 +257,8 @@ class SyntheticScenes(Source):
         if old is not None:  # files of an older, different dataset that no longer belong
             for stale in set(old.all_files()) - set(want.all_files()):
                 stale.unlink(missing_ok=True)
-        if written or not same:
+        if written or not same or resumed:
             want.root.mkdir(parents=True, exist_ok=True)
             want.save()
+            (want.root / manifest.BUILDING).unlink(missing_ok=True)
         return want

@@ -1,0 +1,114 @@
+"""seg-export: a portable model (safetensors + card + checksums) predicts as its run does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from prediction_helpers import env, make_image, make_model, make_run, seg_predict
+
+from seg_at_scale.errors import InputError, OutputExistsError
+from seg_at_scale.models.segmodel import read_model, write_model
+from seg_at_scale.models.trained import load_run
+
+
+def seg_export(run: Path, output: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.export", f"run={run}", f"output={output}",
+           *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=120)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export")
+    run = make_run(tmp / "run", make_model("same", levels=3, width=8))
+    out = seg_export(run, tmp / "unet.segmodel", "ckpt=last")
+    assert out.returncode == 0, out.stderr
+    return run, tmp / "unet.segmodel", make_image(tmp / "scene.tif", 211, 173)
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    if path.is_file():
+        return {path.name: path.read_bytes()}
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("suffix", [".tif", ".zarr"])
+def test_predicting_with_the_exported_model_equals_the_run_byte_for_byte(exported, tmp_path,
+                                                                          suffix):
+    run, model, image = exported
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    opts = ("probabilities=uint8", "tile_size=96", "fast=false")
+    res_run = seg_predict(run, image, a / f"pred{suffix}", "ckpt=last", *opts)
+    cmd_model = [sys.executable, "-m", "seg_at_scale.cli.predict", f"model={model}",
+                 f"image={image}", f"output={b / f'pred{suffix}'}", "progress=false", *opts]
+    out = subprocess.run(cmd_model, capture_output=True, text=True, env=env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert res_run["tiles"] > 4
+    files_a = {k: v for p in sorted(a.iterdir()) for k, v in _files(p).items()}
+    files_b = {k: v for p in sorted(b.iterdir()) for k, v in _files(p).items()}
+    assert files_a.keys() == files_b.keys() and len(files_a) >= 3
+    assert [k for k in files_a if files_a[k] != files_b[k]] == []
+
+
+def test_the_card_describes_what_prediction_needs(exported):
+    run, model, _ = exported
+    with zipfile.ZipFile(model) as zf:
+        assert sorted(zf.namelist()) == ["SHA256SUMS", "card.json", "weights.safetensors"]
+        card = json.loads(zf.read("card.json"))
+    trained = load_run(run, "last")
+    assert card["model"]["family"] == "unet" and card["model"]["levels"] == 3
+    assert card["footprint"] == {"halo": trained.model.footprint().halo, "align": 4,
+                                 "padding": "same", "out_residue": 0}
+    assert card["data"]["class_names"] == trained.class_names
+    assert len(card["data"]["colours"]) == card["data"]["num_classes"] == 5
+    assert card["data"]["normalization"] == {"scale": 1 / 255, "mean": [0.5], "std": [0.25]}
+    assert card["training"]["checkpoint"] == "last.ckpt" and card["seg_at_scale_version"]
+
+
+@pytest.mark.parametrize("part", ["weights.safetensors", "card.json"])
+def test_a_flipped_byte_is_refused_naming_the_part(exported, tmp_path, part):
+    run, _, _ = exported
+    folder = write_model(load_run(run, "last"), tmp_path / "model")
+    data = bytearray((folder / part).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (folder / part).write_bytes(bytes(data))
+    with pytest.raises(InputError, match=rf"{part} does not match its checksum in SHA256SUMS"):
+        read_model(folder)
+
+
+def test_a_flipped_byte_in_a_segmodel_file_is_refused(exported, tmp_path):
+    _, model, _ = exported
+    with zipfile.ZipFile(model) as zf:
+        parts = {n: zf.read(n) for n in zf.namelist()}
+    weights = bytearray(parts["weights.safetensors"])
+    weights[-5] ^= 0x10
+    parts["weights.safetensors"] = bytes(weights)
+    bad = tmp_path / "bad.segmodel"
+    with zipfile.ZipFile(bad, "w") as zf:
+        for name, data in parts.items():
+            zf.writestr(name, data)
+    with pytest.raises(InputError, match=r"weights.safetensors does not match its checksum"):
+        read_model(bad)
+    del parts["card.json"]
+    with zipfile.ZipFile(bad, "w") as zf:
+        for name, data in parts.items():
+            zf.writestr(name, data)
+    with pytest.raises(InputError, match=r"lacks card.json"):
+        read_model(bad)
+
+
+def test_export_refuses_to_replace_without_overwrite_or_to_write_over_the_run(exported,
+                                                                              tmp_path):
+    run, model, _ = exported
+    with pytest.raises(OutputExistsError, match="pass overwrite=true"):
+        write_model(load_run(run, "last"), model)
+    out = seg_export(run, run / "checkpoints" / "last.ckpt", "ckpt=last", "overwrite=true")
+    assert out.returncode == 2
+    assert "is the checkpoint" in out.stderr.strip().splitlines()[-1]
