@@ -143,7 +143,7 @@ def main() -> None:
                 raise SystemExit(f"{kind} q={q} failed: {res['result']}")
             row = res["result"] | {"peak_rss_mib": round(res["peak_rss_mib"], 1)}
             row["above_baseline_mib"] = round(row["peak_rss_mib"] - row["rss_before_mib"], 1)
-            outputs[(kind, q)] = torch.load(path)
+            outputs[(kind, q)] = torch.load(path, weights_only=True)
             print(row, flush=True)
             rows.append(row)
     _compare(rows, outputs)

@@ -50,7 +50,7 @@ def build_model(cfg: dict[str, Any]) -> UNet:
     net = random_feature_init(UNet(cfg["bands"], cfg["classes"], levels=cfg["levels"],
                                    convs_per_level=2, base_width=cfg["width"], padding="same"))
     if "weights" in cfg:
-        net.load_state_dict(torch.load(cfg["weights"]))
+        net.load_state_dict(torch.load(cfg["weights"], weights_only=True))
     return net.eval()
 
 

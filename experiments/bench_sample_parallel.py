@@ -76,7 +76,7 @@ def main() -> None:
         for world in (1, 2):
             out = str(Path(tmp) / f"w{world}.pt")
             spawn(worker, world, args.side, args.q, args.repeats, out, threads=1)
-            runs[world] = torch.load(out)
+            runs[world] = torch.load(out, weights_only=True)
             t = statistics.median(runs[world]["step_s"])
             res[f"processes_{world}"] = {"step_s": t, "mpix_per_s": args.side**2 / t / 1e6}
             print(f"{world} process(es) x 1 thread: {t:.2f} s per exact step", flush=True)

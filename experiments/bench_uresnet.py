@@ -165,14 +165,9 @@ def _metrics_csv(run: Path) -> list[dict[str, str]]:
 
 def evaluate_real(run: Path, ckpt: str, ds: int) -> dict[str, Any]:
     """The trained model on the real file's events (max-pooled by ``ds``): cosmic metrics."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
+    from seg_at_scale.models.trained import load_run
 
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    net = instantiate(OmegaConf.load(run / "run_config.yaml").model)
-    net.load_state_dict({k[len("model."):]: v for k, v in state["state_dict"].items()
-                         if k.startswith("model.")})
-    net.eval()
+    net = load_run(run, ckpt).model  # the registry's network, the checkpoint as plain data
     cm = torch.zeros(3, 3, 3, dtype=torch.int64)
     per_event = []
     for ev in read_cosmic_h5(REAL, downsample=ds):

@@ -8,6 +8,21 @@ import sys
 from pathlib import Path
 
 
+def assert_plain_checkpoints(folder: Path) -> int:
+    """Every checkpoint under ``folder`` loads with ``weights_only=True`` (plain data only).
+
+    Every test that trains through ``seg-train`` checks it: each model family, pipeline,
+    memory mode and precision the suite trains writes checkpoints that open without running
+    code from the file.
+    """
+    from seg_at_scale.models.checkpoint import load_checkpoint
+
+    found = sorted(folder.rglob("*.ckpt"))
+    for path in found:
+        load_checkpoint(path)  # raises naming the Python global it would need
+    return len(found)
+
+
 def run_train(tmp: Path, run: str, *overrides: str, timeout: int = 400,
               env: dict[str, str] | None = None) -> dict:
     """``seg-train`` in a subprocess (data under ``tmp/data``); its summary plus its log.
@@ -21,4 +36,5 @@ def run_train(tmp: Path, run: str, *overrides: str, timeout: int = 400,
            "WANDB_MODE": "offline"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert_plain_checkpoints(tmp / run)
     return json.loads((tmp / run / "summary.json").read_text()) | {"log": out.stdout + out.stderr}

@@ -61,7 +61,7 @@ def make_image(path: Path, height: int = 517, width: int = 743, seed: int = 1) -
 
 def predict_cmd(run: Path, image: Path, output: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "seg_at_scale.cli.predict", f"run={run}", f"image={image}",
-            f"output={output}", f"hydra.run.dir={output.parent / 'hydra'}", "progress=false",
+            f"output={output}", "progress=false",
             *overrides]
 
 

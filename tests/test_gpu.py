@@ -348,7 +348,7 @@ def test_cli_train_resume_predict(device, tmp_path):
     assert f"used: {device.type == 'cuda'}" in first["log"]  # Lightning: "GPU available: ..."
     again = run_train(tmp_path, "run", *args, "trainer.max_epochs=2", timeout=300, env=env)
     assert "Restoring states from the checkpoint" in again["log"]
-    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert (ckpt["epoch"], ckpt["global_step"]) == (2, 4)
     # four steps leave one class everywhere: predict with lively weights in the same format
     model = load_run(tmp_path / "run", "last").model

@@ -28,7 +28,7 @@ def train(tmp: Path, run: str, *overrides: str) -> dict:
 
 
 def params(run: Path) -> dict[str, torch.Tensor]:
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     return {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
 
 
@@ -41,7 +41,7 @@ def test_pipeline_manual_fits_checkpoints_resumes_and_predicts(tmp_path: Path) -
     assert saved["computed"]["pipeline"]["balance"] == [9, 18]
     again = train(tmp_path, "run", *args, "trainer.max_epochs=2", "predict_after_fit=true")
     assert "Restoring states from the checkpoint" in again["log"]
-    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert (ckpt["epoch"], ckpt["global_step"]) == (2, 4)
     assert 0.0 <= again["test"][0]["miou"] <= 1.0
 

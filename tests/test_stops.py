@@ -59,10 +59,10 @@ def test_ctrl_c_saves_a_checkpoint_and_a_rerun_resumes_from_it(tmp_path: Path) -
     log = (tmp_path / "out.txt").read_text()
     assert "stopped by SIGINT" in log and "Traceback" not in log
     assert last.stat().st_mtime_ns > epoch_end  # saved by the stop, not the epoch's end
-    saved = torch.load(last, map_location="cpu", weights_only=False)
+    saved = torch.load(last, map_location="cpu", weights_only=True)
     again = run_train(tmp_path, "run", *TINY, f"trainer.max_epochs={saved['epoch'] + 2}")
     assert f"Restoring states from the checkpoint path at {last}" in again["log"]
-    resumed = torch.load(last, map_location="cpu", weights_only=False)
+    resumed = torch.load(last, map_location="cpu", weights_only=True)
     assert resumed["global_step"] > saved["global_step"]  # it went on from there (how far
     # depends on where in an epoch the signal landed: a mid-epoch stop resumes mid-epoch)
 
@@ -96,13 +96,13 @@ def test_slurm_requeue_then_sigterm_then_the_requeued_job_resumes(tmp_path: Path
     log = (tmp_path / "out.txt").read_text()
     assert "stopped by SIGTERM" in log and "Traceback" not in log
     assert newest_checkpoint(run) == last  # written after the HPC checkpoint
-    saved = torch.load(last, map_location="cpu", weights_only=False)
+    saved = torch.load(last, map_location="cpu", weights_only=True)
 
     requeued = start(tmp_path, f"trainer.max_epochs={saved['epoch'] + 2}", env=slurm)
     assert requeued.wait(timeout=300) == 0
     log = (tmp_path / "out.txt").read_text()
     assert f"Restoring states from the checkpoint path at {last}" in log
-    resumed = torch.load(last, map_location="cpu", weights_only=False)
+    resumed = torch.load(last, map_location="cpu", weights_only=True)
     assert resumed["global_step"] > saved["global_step"]  # it went on from there (how far
     # depends on where in an epoch the signal landed: a mid-epoch stop resumes mid-epoch)
     os.utime(run / "hpc_ckpt_1.ckpt")

@@ -172,6 +172,12 @@ def test_killed_sweep_reruns_only_unfinished_trials(killed_sweep):
     assert (folder / "0" / "summary.json").stat().st_mtime == killed_sweep.done_before
 
 
+def test_every_trials_checkpoints_are_plain_data(killed_sweep):
+    from cli_helpers import assert_plain_checkpoints
+
+    assert assert_plain_checkpoints(killed_sweep.folder) >= 3  # trials 0, 2, 3 at least
+
+
 def test_sweep_report_rows_hold_each_runs_best_val_miou(killed_sweep):
     folder = killed_sweep.folder
     with open(folder / "sweep_report.csv") as f:

@@ -50,12 +50,22 @@ def disk_full(exc: BaseException) -> SegAtScaleError | None:
     return None
 
 
+def file_system(exc: BaseException) -> SegAtScaleError | None:
+    """An OS error about a named path (a file where a folder goes, no permission) as one line."""
+    if isinstance(exc, OSError) and exc.filename:
+        return SegAtScaleError(f"{exc.strerror or type(exc).__name__}: '{exc.filename}'; check "
+                               "that path (SEG_DATA_DIR, data.root, output, run folders): a file "
+                               "where a folder must be, a missing folder or no permission")
+    return None
+
+
 def reports_errors(prog: str) -> Callable[[F], F]:
     """Decorate an entry point: the project's own errors print as one line, exit status 2.
 
     A :class:`~seg_at_scale.errors.SegAtScaleError` already names the file or key, the value
     and the fix; the 30-60 lines of Hydra and library frames above it only bury it. A full
-    disk (``ENOSPC``, ``EFBIG``, ``EDQUOT``, however deep) is one line too.
+    disk (``ENOSPC``, ``EFBIG``, ``EDQUOT``, however deep) and an OS error about a named path
+    (a file where a folder must be, no permission) are one line too.
     ``HYDRA_FULL_ERROR=1`` lets it through with its whole traceback. Put it *under*
     ``@hydra.main`` (Hydra unwraps ``__wrapped__`` to name the job)::
 
@@ -72,7 +82,7 @@ def reports_errors(prog: str) -> Callable[[F], F]:
             try:
                 return fn(*args, **kwargs)
             except (SegAtScaleError, InstantiationException, OSError) as exc:
-                own = _own_error(exc) or disk_full(exc)
+                own = _own_error(exc) or disk_full(exc) or file_system(exc)
                 if own is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
                 print(f"{prog}: error: {own}", file=sys.stderr, flush=True)

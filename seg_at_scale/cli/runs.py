@@ -127,6 +127,7 @@ def run_lock(path: Path) -> Iterator[None]:
     if rank_zero_only.rank != 0:
         yield
         return
+    created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -145,6 +146,8 @@ def run_lock(path: Path) -> Iterator[None]:
     finally:
         file.unlink(missing_ok=True)  # while held: a waiter retries on a new file
         lock.release()
+        if created and not any(path.iterdir()):  # a refused new run leaves no folder
+            path.rmdir()
 
 
 class RunFolder:

@@ -16,9 +16,11 @@ every split's files are checked before the first step (:mod:`seg_at_scale.data.p
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import signal
+import typing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from seg_at_scale.cli.data_setup import (
     synthesize,
 )
 from seg_at_scale.cli.runs import RunFolder, run_lock
+from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
@@ -142,6 +145,21 @@ def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_di
     return results
 
 
+def check_trainer(cfg: DictConfig) -> None:
+    """The ``trainer`` group's plain keys against ``pl.Trainer``'s parameters and types.
+
+    ``trainer.max_epochs=abc`` failed deep in the scheduler's step count with a
+    ``ValueError``; it is refused here naming the key and the type.
+    """
+    values = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert isinstance(values, dict)
+    plain = {k: v for k, v in values.items()
+             if not str(k).startswith("_") and not (isinstance(v, dict) and "_target_" in v)}
+    params = [k for k in inspect.signature(pl.Trainer.__init__).parameters if k != "self"]
+    known_keys("trainer", plain, params)
+    check_types("trainer", plain, typing.get_type_hints(pl.Trainer.__init__))
+
+
 def check_memory(cfg: DictConfig, run: RunFolder | None = None) -> MemoryConfig:
     """The memory mode of ``cfg.memory``; refuses a precision this machine cannot run."""
     (run or RunFolder.detached()).fill(cfg, "trainer.precision", lambda: check_precision(
@@ -224,6 +242,7 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
         ``(model, footprint, memory mode, DataModule, computed values)``.
     """
     data, tiling = checked_groups(cfg)  # data / tiling keys: type, range, unknown keys
+    check_trainer(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
     model = build_model(OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]

@@ -135,19 +135,22 @@ def check_nodata_fits(nodata: float | None, dtype: np.dtype, image: Path) -> Non
                           "of that range")
 
 
-def check_dtype(reader: RasterReader, trained: Mapping[str, Any], source: str) -> None:
+def check_dtype(reader: RasterReader, trained: Mapping[str, Any], source: str, *,
+                strict: bool = True) -> None:
     """Refuse an image whose samples are not the kind the model was trained on.
 
     ``trained`` is the card's ``data.input`` (``dtype``, ``high``: the training sample's
     largest band mean + 3 std, raw units). A float image of the training dtype is also
     sampled, and refused when its typical high is :data:`DTYPE_HIGH_RATIO` x off.
+    Boolean and complex samples are refused always; the rest only when ``strict``
+    (``check_dtype=false`` vouches for the values).
     """
     kind = reader.dtype.kind
     if kind in "cbV":
         raise InputError(f"image '{reader.path}' has {reader.dtype} samples, which no model "
                          "reads; convert it to the training data's type")
     want = trained.get("dtype")
-    if not want:
+    if not want or not strict:
         return
     fix = ("rescale the image to the training data's type and range, or pass "
            "check_dtype=false if its values already match what the model was trained on")
@@ -205,8 +208,7 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Map
                              f"trained on {data['bands']}; predict an image with "
                              f"{data['bands']} bands")
         check_nodata_fits(options.nodata, reader.dtype, image)
-        if options.check_dtype:
-            check_dtype(reader, data.get("input") or {}, source)
+        check_dtype(reader, data.get("input") or {}, source, strict=options.check_dtype)
         if mask is not None:
             _check_mask(mask, reader, int(data["num_classes"]), int(data["ignore_index"]))
         fp = Footprint(**card["footprint"])

@@ -1,0 +1,162 @@
+"""seg-train's run folders under faults: lost checkpoints, two runs at once, a moved folder.
+
+Before: a run whose last.ckpt was deleted trained again from scratch while logging
+"resuming"; a truncated last.ckpt gave a raw EOFError and added a .hydra/resume_k each
+try; two seg-train into one folder both ran (last-v1.ckpt, two CSV versions); a copied or
+moved run folder could never be resumed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import run_train
+
+from seg_at_scale.data.config import data_config
+from seg_at_scale.errors import ConfigError
+
+TINY = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=97",
+        "data.synthetic.width=101", "data.synthetic.splits={train:1,val:1,test:1}",
+        "tiling.tile_size=64", "predict_after_fit=false"]
+
+
+def _cmd(run: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "seg_at_scale.cli.train", f"hydra.run.dir={run}", *TINY,
+            *overrides]
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    return {"SEG_DATA_DIR": str(tmp / "data"), "PATH": "/usr/bin:/bin", "WANDB_MODE": "offline",
+            "OMP_NUM_THREADS": "1", "CI": "true"}
+
+
+def _train(tmp: Path, run: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(_cmd(run, *overrides), capture_output=True, text=True,
+                          env=_env(tmp), timeout=300)
+
+
+def _epoch(path: Path) -> int:
+    return int(torch.load(path, weights_only=True)["epoch"])
+
+
+def _step(path: Path) -> int:
+    return int(torch.load(path, weights_only=True)["global_step"])
+
+
+def test_resume_takes_the_newest_checkpoint_that_loads_or_refuses_naming_what_is_missing(
+        tmp_path):
+    run_train(tmp_path, "run", *TINY)
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    last = ckpts / "last.ckpt"
+    best = next(p for p in ckpts.glob("*.ckpt") if p.name != "last.ckpt")
+    last.write_bytes(last.read_bytes()[:1000])  # cut off while being copied
+    out = _train(tmp_path, run, "trainer.max_epochs=2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    log = out.stdout + out.stderr
+    assert f"checkpoint '{last}' cannot be read" in log  # skipped, named
+    assert f"Restoring states from the checkpoint path at {best}" in log
+    assert _epoch(best) == 0 and _epoch(last) == 2  # rewritten: trained on to max_epochs
+    for p in ckpts.glob("*.ckpt"):
+        p.unlink()
+    hydra = sorted(p.name for p in (run / ".hydra").iterdir())
+    out = _train(tmp_path, run, "trainer.max_epochs=3")
+    assert out.returncode == 2
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"seg-train: error: hydra.run.dir='{run}' holds a run")
+    assert "no checkpoint to resume from" in line and "ckpt_path=none" in line
+    assert sorted(p.name for p in (run / ".hydra").iterdir()) == hydra  # no resume_k added
+    assert not list(ckpts.glob("*.ckpt"))  # nothing trained from scratch
+
+
+def test_a_second_seg_train_into_the_same_folder_is_refused(tmp_path):
+    run = tmp_path / "run"
+    first = subprocess.Popen(_cmd(run, "trainer.max_epochs=500"), env=_env(tmp_path),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "last.ckpt").exists():  # the first one is training
+        assert first.poll() is None and time.time() < deadline, first.stderr.read()[-2000:]
+        time.sleep(0.05)
+    second = _train(tmp_path, run, "trainer.max_epochs=500")
+    assert second.returncode == 2
+    assert "is in use by another seg-train" in second.stderr.strip().splitlines()[-1]
+    assert first.poll() is None  # still training: the refusal came while it held the lock
+    first.send_signal(signal.SIGTERM)  # it saves last.ckpt and stops
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 143, err[-2000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("last*.ckpt")) == ["last.ckpt"]
+    assert len(list((run / "csv").rglob("metrics.csv"))) == 1
+    assert not (run / ".seg_train.lock").exists()
+
+
+def test_a_moved_run_folder_resumes(tmp_path):
+    run_train(tmp_path, "run", *TINY)
+    moved = tmp_path / "elsewhere" / "run"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "run", moved)
+    steps = _step(moved / "checkpoints" / "last.ckpt")
+    out = _train(tmp_path, moved, "trainer.max_epochs=2")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"Restoring states from the checkpoint path at {moved}" in out.stdout + out.stderr
+    assert _step(moved / "checkpoints" / "last.ckpt") > steps  # trained on, in its new place
+    assert not (tmp_path / "run").exists()  # nothing written where it was
+
+
+def test_a_zero_std_is_named_with_its_band():
+    values = {"root": "x", "bands": 4, "num_classes": 3, "class_names": None,
+              "ignore_index": 255, "nodata": None, "scale": 1.0, "mean": [0.5] * 4,
+              "std": [0.25, 0.25, 0.0, 0.25], "class_weights": None, "num_workers": 0,
+              "synthetic": {}}
+    with pytest.raises(ConfigError, match=r"data.std has 0.0 for band 2: a standard deviation"):
+        data_config(values)
+
+
+def _synth(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "seg_at_scale.cli.synth", *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+
+
+def test_a_killed_dataset_synthesis_is_completed_by_the_same_command(tmp_path):
+    """Before: the rerun demanded data.synthetic.overwrite=true over the killed run's files."""
+    root = tmp_path / "ds"
+    args = ["--out", str(root), "--height", "600", "--width", "600", "--train", "4", "--val",
+            "1", "--test", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "seg_at_scale.cli.synth", *args],
+                            env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not list(root.glob("train/scene_0_mask.tif")):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert not (root / "manifest.json").exists()
+    out = _synth(*args)
+    assert out.returncode == 0, out.stderr
+    assert (root / "manifest.json").exists() and not (root / ".building.json").exists()
+    assert len(list(root.glob("*/*_image.tif"))) == 6 and not list(root.rglob(".*.tmp"))
+    again = _synth(*args, "--seed", "0")
+    assert again.returncode == 0 and "a reused dataset is not rewritten" in again.stdout
+
+
+def test_seg_synth_refusals_are_one_line(tmp_path):
+    same = _synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "./a.tif"),
+                  "--height", "40", "--width", "40")
+    assert same.returncode == 2 and "the image and the mask are the same file" in same.stderr
+    bad = _synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "b.tif"),
+                 "--compression", "foo")
+    assert bad.returncode == 2 and "invalid choice: 'foo'" in bad.stderr
+    ok = _synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "b.tif"), "--height", "40",
+                "--width", "40")
+    assert ok.returncode == 0, ok.stderr
+    again = _synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "b.tif"), "--height",
+                   "40", "--width", "40")
+    assert again.returncode == 2 and "pass --overwrite" in again.stderr
+    assert "overwrite=true" not in again.stderr
