@@ -120,7 +120,7 @@ def test_tiling_values_are_refused_with_key_and_fix(values, fragment) -> None:
 @pytest.mark.parametrize("values, fragment", [
     ({"bands": "four"}, "data.bands='four'"),
     ({"mean": [0.5, 0.5]}, "data.mean has 2 values for data.bands=4"),
-    ({"std": [0.0]}, "data.std=0.0"),
+    ({"std": [0.0]}, "data.std has 0.0 for band 0: a standard deviation"),
     ({"scale": "1/255"}, "data.scale='1/255': give a positive factor"),
     ({"num_classes": 300}, "at most 254 classes"),
     ({"class_weights": [1.0]}, "data.class_weights has 1 values but data.num_classes=5"),

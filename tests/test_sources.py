@@ -121,7 +121,8 @@ def test_seg_train_rebuilds_another_dataset_only_with_data_synthetic_overwrite(t
     make_synthetic(str(tmp_path / "d"), node)
     made = _state(tmp_path / "d")
     with pytest.raises(InputError, match=r"\(seed: 0 there, 1 asked\); pass overwrite=true "
-                                         r"\(seg-train: data.synthetic.overwrite=true\)"):
+                                         r"\(seg-train: data.synthetic.overwrite=true; "
+                                         r"seg-synth: --overwrite\)"):
         make_synthetic(str(tmp_path / "d"), {**node, "seed": 1})
     assert _state(tmp_path / "d") == made
     make_synthetic(str(tmp_path / "d"), {**node, "seed": 1, "overwrite": True})

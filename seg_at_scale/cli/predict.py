@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import typing
+import warnings
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
@@ -127,12 +128,19 @@ def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:
 
 def _check_cluster(nodes: int) -> None:
     """``nodes > 1`` needs a cluster that starts the ranks (SLURM, torchrun); else it hangs."""
-    from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-
-    if not (SLURMEnvironment.detect() or TorchElasticEnvironment.detect()):
+    if not _in_cluster():
         raise ConfigError(f"nodes={nodes} but this is not a SLURM job or a torchrun launch, so "
                           "no other node would ever join; run it inside sbatch / srun (or "
                           "hydra/launcher=slurm_predict), or use nodes=1 processes=<N>")
+
+
+def _in_cluster() -> bool:
+    """Inside a SLURM job step or a torchrun launch (Lightning's detection, quietly)."""
+    from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+
+    with warnings.catch_warnings():  # "srun is available but not used": we say it better
+        warnings.simplefilter("ignore")
+        return bool(SLURMEnvironment.detect() or TorchElasticEnvironment.detect())
 
 
 def _predict(job: PredictJob, device: torch.device) -> dict[str, Any]:
@@ -159,10 +167,9 @@ def _launch(job: PredictJob, device: torch.device, fork: bool) -> dict[str, Any]
     on a SLURM allocation (or under torchrun) the cluster environment gives every rank.
     """
     from lightning_fabric import Fabric
-    from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
     from lightning_fabric.strategies import DDPStrategy
 
-    external = SLURMEnvironment.detect() or TorchElasticEnvironment.detect()
+    external = _in_cluster()
     forked = (fork and device.type == "cpu" and job.nodes == 1 and not external
               and "fork" in multiprocessing.get_all_start_methods())
     strategy = DDPStrategy(start_method="fork" if forked else "popen",
