@@ -160,7 +160,9 @@ class SeamMerger:
         key = np.full(m + n, -1, np.int64)
         key[alive] = np.arange(alive.size)
         self._seam_labels = labels[-1].copy()
-        self._seam_keys = np.where(last > 0, key[group[m + np.maximum(last, 1) - 1]], -1)
+        self._seam_keys = np.full(self.width, -1, np.int64)
+        on_seam = last > 0
+        self._seam_keys[on_seam] = key[group[m + last[on_seam] - 1]]
         alive_set = set(alive.tolist())
         done = [self._finish(acc) for g, acc in merged.items() if g not in alive_set]
         self._count(done, strip=True)
