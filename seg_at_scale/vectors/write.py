@@ -266,15 +266,36 @@ def _coverage_simplified(regions: list[Region], transform: Affine, tolerance: fl
 
 def _write(batches: Iterator[pa.RecordBatch], path: Path, driver: str, layer: str,
            layout: _Layout, crs: CRS | None) -> None:
-    reader = pa.RecordBatchReader.from_batches(layout.schema, batches)
-    if driver == "Parquet":
-        _write_geoparquet(reader, path, layout, crs)
-        return
-    import pyogrio
+    source = _Source(batches)
+    reader = pa.RecordBatchReader.from_batches(layout.schema, iter(source))
+    try:
+        if driver == "Parquet":
+            _write_geoparquet(reader, path, layout, crs)
+            return
+        import pyogrio
 
-    pyogrio.write_arrow(reader, path, layer=layer, driver=driver, geometry_name="geometry",
-                        geometry_type=layout.geometry_type,
-                        crs=crs.to_wkt() if crs else None)
+        pyogrio.write_arrow(reader, path, layer=layer, driver=driver, geometry_name="geometry",
+                            geometry_type=layout.geometry_type,
+                            crs=crs.to_wkt() if crs else None)
+    except Exception:
+        if source.error is not None:  # GDAL reports "Error while accessing batch": say why
+            raise source.error from None
+        raise
+
+
+class _Source:
+    """The batches, keeping the exception that stopped them (the Arrow C stream hides it)."""
+
+    def __init__(self, batches: Iterator[pa.RecordBatch]) -> None:
+        self.batches = batches
+        self.error: Exception | None = None
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        try:
+            yield from self.batches
+        except Exception as exc:
+            self.error = exc
+            raise
 
 
 def _write_geoparquet(reader: pa.RecordBatchReader, path: Path, layout: _Layout,
