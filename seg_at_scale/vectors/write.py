@@ -12,10 +12,11 @@ FlatGeobuf, ``pyarrow.parquet.ParquetWriter`` for GeoParquet, which this GDAL bu
 so memory stays at one strip, the open regions and one batch. Coordinates are pixel
 integers until here; the affine transform is applied once per batch.
 
-``simplify`` uses ``shapely.coverage_simplify``: neighbouring polygons keep one shared edge,
-so no gaps or overlaps appear between classes (per-polygon ``simplify`` would open slivers
-between every pair of neighbours). It needs every polygon at once, so with ``simplify > 0``
-memory grows with the number of vertices of the whole output; ``simplify=0`` streams.
+``simplify`` uses ``shapely.coverage_simplify`` (:mod:`seg_at_scale.vectors.simplify`):
+neighbouring polygons keep one shared edge, so no gaps or overlaps open between classes
+(per-polygon ``simplify`` would open slivers between every pair of neighbours). It needs
+every polygon at once, so with ``simplify > 0`` memory grows with the vertices of the whole
+output; ``simplify=0`` streams.
 
 The file is written under a hidden temporary name beside ``output`` and renamed onto it when
 complete: a killed run leaves nothing under the final name (its temporary is removed by the
@@ -41,6 +42,7 @@ from rasterio.crs import CRS
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io.writer import check_output_path, temporary_path
 from seg_at_scale.vectors.polygonize import MergeStats, Region, check_options, polygonize
+from seg_at_scale.vectors.simplify import coverage_simplified
 from seg_at_scale.vectors.sources import Source, georeference, store_class_names
 
 __all__ = ["FORMATS", "VectorStats", "write_vectors", "vector_format", "to_map"]
@@ -209,15 +211,27 @@ class _Layout:
         """Record batches of the kept regions (all at once when simplifying)."""
         kept = self.large_enough(regions, stats)
         if simplify > 0:
-            kept = iter(_coverage_simplified(list(kept), self.transform, simplify))
+            kept = iter(self.simplified(list(kept), simplify))
         batch: list[Region] = []
         for region in kept:
             batch.append(region)
             if len(batch) == BATCH:
-                yield self.record_batch(batch, stats, simplified=simplify > 0)
+                yield self.record_batch(batch, stats)
                 batch = []
         if batch:
-            yield self.record_batch(batch, stats, simplified=simplify > 0)
+            yield self.record_batch(batch, stats)
+
+    def simplified(self, regions: list[Region], tolerance: float) -> list[Region]:
+        """All regions coverage-simplified together (see the module docstring).
+
+        Done in pixel coordinates: Visvalingam-Whyatt removes triangles by area, and an
+        affine transform scales every area by ``|det|``, so ``tolerance / sqrt(|det|)``
+        pixels removes what ``tolerance`` would in map units.
+        """
+        geoms = np.array([r.geometry for r in regions], dtype=object)
+        pixels = tolerance / abs(self.transform.determinant) ** 0.5
+        return [Region(r.class_id, g, r.pixels, r.probability)
+                for r, g in zip(regions, coverage_simplified(geoms, pixels))]
 
     def large_enough(self, regions: Iterable[Region], stats: VectorStats) -> Iterator[Region]:
         """The regions of at least ``min_area`` (the others are counted as dropped)."""
@@ -228,16 +242,13 @@ class _Layout:
             else:
                 stats.dropped += 1
 
-    def record_batch(self, regions: list[Region], stats: VectorStats, simplified: bool
-                     ) -> pa.RecordBatch:
+    def record_batch(self, regions: list[Region], stats: VectorStats) -> pa.RecordBatch:
         ids = np.array([r.class_id for r in regions], np.int32)
         names = [self.name(int(c)) for c in ids]
         for name in names:
             stats.features[name] = stats.features.get(name, 0) + 1
         pixels = np.array([r.pixels for r in regions], np.int64)
-        geoms = np.array([r.geometry for r in regions], dtype=object)
-        if not simplified:  # simplified ones are in map coordinates already
-            geoms = to_map(geoms, self.transform)
+        geoms = to_map(np.array([r.geometry for r in regions], dtype=object), self.transform)
         if self.connectivity == 8:
             parts, index = shapely.get_parts(geoms, return_index=True)
             geoms = shapely.multipolygons(parts, indices=index)
@@ -247,21 +258,6 @@ class _Layout:
             columns.append(pa.array([r.probability for r in regions], pa.float64()))
         columns.append(pa.array(shapely.to_wkb(geoms), pa.binary()))
         return pa.record_batch(columns, schema=self.schema)
-
-
-def _coverage_simplified(regions: list[Region], transform: Affine, tolerance: float
-                         ) -> list[Region]:
-    """The regions simplified together, in map coordinates, keeping shared edges shared."""
-    if not regions:
-        return regions
-    geoms = np.array([r.geometry for r in regions], dtype=object)
-    # coverage_simplify needs edge-matched neighbours (identical vertices along a shared
-    # edge); GDAL leaves out vertices where a third region meets a straight edge, so put a
-    # vertex on every pixel corner of every boundary (rounded: segmentize interpolates).
-    lattice = shapely.transform(shapely.segmentize(geoms, 1.0), np.rint)
-    simplified = shapely.coverage_simplify(to_map(lattice, transform), tolerance)
-    return [Region(r.class_id, g, r.pixels, r.probability)
-            for r, g in zip(regions, simplified)]
 
 
 def _write(batches: Iterator[pa.RecordBatch], path: Path, driver: str, layer: str,

@@ -107,20 +107,6 @@ def test_array_input_min_area_in_crs_units(tmp_path):
     assert stats.dropped == small and len(df) == len(reference(LABELS, 4)) - small
 
 
-def test_simplify_keeps_a_coverage(store, tmp_path):
-    write_vectors(store, tmp_path / "e.gpkg")
-    write_vectors(store, tmp_path / "s.gpkg", simplify=2.0)
-    exact, simple = read(tmp_path / "e.gpkg"), read(tmp_path / "s.gpkg")
-    assert len(simple) == len(exact)
-    geoms = simple.geometry.to_numpy()
-    assert shapely.is_valid(geoms).all() and not shapely.is_empty(geoms).any()
-    assert shapely.coverage_is_valid(geoms)  # neighbours share edges: no gaps or overlaps
-    assert shapely.get_num_coordinates(geoms).sum() < 0.9 * shapely.get_num_coordinates(
-        exact.geometry.to_numpy()).sum()
-    # per-polygon simplification would not be a coverage
-    assert not shapely.coverage_is_valid(shapely.simplify(exact.geometry.to_numpy(), 2.0))
-
-
 def test_existing_output_is_refused_unless_overwrite(store, tmp_path):
     out = tmp_path / "scene.gpkg"
     out.write_text("precious")
