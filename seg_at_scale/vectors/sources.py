@@ -84,8 +84,21 @@ def _open(source: Source, array: str, name: str) -> BandReader:
     if isinstance(source, np.ndarray):
         return ArrayRaster(source, name)
     if Path(source).suffix.lower() == ".zarr":
-        return ZarrRaster(source, array=array)
+        reader = ZarrRaster(source, array=array)
+        _check_complete(Path(source))
+        return reader
     return open_raster(source)
+
+
+def _check_complete(path: Path) -> None:
+    """Refuse a prediction store whose run has not finished.
+
+    Its missing tiles would read as no data and silently become holes in the polygons.
+    """
+    attrs = zarr.open_group(path, mode="r").attrs
+    if "complete" in attrs and not attrs["complete"]:
+        raise InputError(f"'{path}' is an unfinished prediction (complete=false); rerun the "
+                         "prediction to finish it, then polygonize")
 
 
 def open_labels(labels: Source) -> BandReader:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+
 import geopandas as gpd
 import numpy as np
 import pytest
 import shapely
+import zarr
 from scipy import ndimage
 from vector_helpers import (
     GEO,
@@ -145,6 +148,11 @@ def test_bad_inputs_are_refused(store, tmp_path):
         write_vectors(store, tmp_path / "b.gpkg", probabilities=np.zeros((5, 9, 9), np.uint8))
     with pytest.raises(InputError, match="have 2 bands"):
         write_vectors(store, tmp_path / "c.gpkg", probabilities=probabilities(LABELS, 2))
+    unfinished = write_store(tmp_path / "u.zarr", LABELS)
+    zarr.open_group(unfinished, mode="r+").attrs["complete"] = False
+    with pytest.raises(InputError, match="u.zarr' is an unfinished prediction"):
+        write_vectors(unfinished, tmp_path / "e.gpkg")
+    shutil.rmtree(unfinished)
     floats = write_tiff(tmp_path / "f.tif", LABELS.astype(np.float32))
     with pytest.raises(InputError, match="f.tif' has 1 band.* of float32; a label raster is"):
         write_vectors(floats, tmp_path / "d.gpkg")
