@@ -39,6 +39,7 @@ from shapely.geometry import shape
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.vectors.sources import (
     NODATA,
+    BandReader,
     Source,
     open_labels,
     open_probabilities,
@@ -267,12 +268,13 @@ def polygonize(labels: Source, *, connectivity: int = 4, classes: Iterable[int] 
         strip_rows: rows per strip (memory); default about 4 Mpx per strip.
         stats: filled with strips read and the peak regions / pieces held open.
 
-    Yields:
-        :class:`Region` in pixel coordinates, in the order they close.
+    Returns:
+        An iterator of :class:`Region` in pixel coordinates, in the order they close.
 
     Raises:
-        InputError: unreadable or mismatched inputs, or a class id with no probability band.
-        ConfigError: a bad option.
+        InputError: unreadable or mismatched inputs (at once); a class id with no
+            probability band (when reached).
+        ConfigError: a bad option (at once).
     """
     kept = check_options(connectivity, classes, strip_rows)
     reader = open_labels(labels)
@@ -284,6 +286,11 @@ def polygonize(labels: Source, *, connectivity: int = 4, classes: Iterable[int] 
     merger = SeamMerger(reader.width, connectivity, kept, scale)
     if stats is not None:
         merger.stats = stats
+    return _stream(merger, readers, strip_rows)  # inputs checked above, before any read
+
+
+def _stream(merger: SeamMerger, readers: list[BandReader], strip_rows: int | None
+            ) -> Iterator[Region]:
     for row, strips in row_bands(readers, strip_rows):
         lab = strips[0][0]
         own = _own_probability(lab, strips[1], readers[1]) if len(strips) > 1 else None

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import shapely
 import zarr
+from affine import Affine
 from scipy import ndimage
 from vector_helpers import (
     GEO,
@@ -22,6 +23,7 @@ from vector_helpers import (
 )
 
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError
+from seg_at_scale.io import write_raster
 from seg_at_scale.vectors import georeference, write_vectors
 
 LABELS = make_labels(203, 171, seed=5)
@@ -47,6 +49,8 @@ def test_georeference_of_store_and_tiff(store, tmp_path):
         transform, crs = georeference(source)
         assert transform == GEO
         assert crs.to_epsg() == 32633
+    plain = write_raster(tmp_path / "plain.tif", LABELS)  # no GeoTIFF tags
+    assert georeference(plain) == (Affine.identity(), None)
 
 
 @pytest.mark.parametrize("ext", [".gpkg", ".parquet", ".fgb"])
@@ -96,7 +100,6 @@ def test_tiff_input_with_float_probabilities_and_pixel_area(tmp_path):
 
 
 def test_array_input_min_area_in_crs_units(tmp_path):
-    from affine import Affine
     from rasterio.crs import CRS
 
     transform = Affine(10.0, 0.0, 300000.0, 0.0, -10.0, 5000000.0)  # 100 m² pixels
