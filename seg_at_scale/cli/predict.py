@@ -30,7 +30,6 @@ import os
 import signal
 import sys
 import typing
-import warnings
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
@@ -135,12 +134,15 @@ def _check_cluster(nodes: int) -> None:
 
 
 def _in_cluster() -> bool:
-    """Inside a SLURM job step or a torchrun launch (Lightning's detection, quietly)."""
-    from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+    """Inside a SLURM job (not an interactive shell) or a torchrun launch.
 
-    with warnings.catch_warnings():  # "srun is available but not used": we say it better
-        warnings.simplefilter("ignore")
-        return bool(SLURMEnvironment.detect() or TorchElasticEnvironment.detect())
+    Lightning's own rules (``SLURMEnvironment.detect``, ``TorchElasticEnvironment.detect``),
+    read from the environment directly: importing them costs seconds before a refusal.
+    """
+    env = os.environ
+    slurm = "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    elastic = all(k in env for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    return slurm or elastic
 
 
 def _predict(job: PredictJob, device: torch.device) -> dict[str, Any]:
