@@ -67,8 +67,12 @@ def test_prediction_file_equals_untiled_model(tmp_path):
     ref = predict_full(model, x).argmax(1)[0].numpy()
     assert res["tiles"] > 4
     np.testing.assert_array_equal(read_raster(tmp_path / "pred.tif")[0], ref)
-    with pytest.raises(OutputExistsError, match="pass overwrite=true"):
-        run_prediction(cfg)
+    again = run_prediction(cfg)  # the same command: its finished output is recognised
+    assert again["tiles_computed"] == 0 and again["tiles_resumed"] == res["tiles"]
+    other = _predict_cfg(tmp_path / "run", image, tmp_path / "pred.tif", "fast=false",
+                         "tile_size=96")
+    with pytest.raises(OutputExistsError, match="made by another prediction.*overwrite=true"):
+        run_prediction(other)
 
 
 def test_interrupted_run_resumes_from_last_checkpoint(tmp_path):

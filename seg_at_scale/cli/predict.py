@@ -65,6 +65,7 @@ class PredictJob:
     ckpt: str = "best"
     trust_run: bool = False
     mask: str | None = None
+    vector: str | None = None
     device: str = "auto"
     processes: int = 1
     nodes: int = 1
@@ -119,7 +120,7 @@ def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:
     check_scene(Path(job.image), Path(job.output), job.options, card=card, source=source,
                 model_files=model_files(job.run, job.model, job.ckpt),
                 mask=Path(job.mask) if job.mask else None, ranks=ranks,
-                cuda=device.type == "cuda")
+                cuda=device.type == "cuda", vector=Path(job.vector) if job.vector else None)
     if ranks > 1:
         return _launch(job, device, fork)
     return _predict(job, device)
@@ -150,7 +151,8 @@ def _predict(job: PredictJob, device: torch.device) -> dict[str, Any]:
     trained = load_trained(job.run, job.model, ckpt=job.ckpt, trust=job.trust_run)
     trained.model.to(device)
     res = predict_scene(trained, Path(job.image), Path(job.output), job.options,
-                        mask=Path(job.mask) if job.mask else None, checked=True)
+                        mask=Path(job.mask) if job.mask else None, checked=True,
+                        vector=Path(job.vector) if job.vector else None)
     res["model"] = trained.source
     if trained.checkpoint is not None:
         res["checkpoint"] = str(trained.checkpoint)

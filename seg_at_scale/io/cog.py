@@ -16,7 +16,7 @@ onto ``path`` when complete.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from functools import partial
 from pathlib import Path
@@ -41,7 +41,8 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
               bands: Iterable[np.ndarray], *, geotags: GeoTags | None = None,
               nodata: float | None = None, colormap: dict[int, Sequence[int]] | None = None,
               resampling: str = "mode", overwrite: bool = False, blocksize: int = 512,
-              compress: str = "DEFLATE", descriptions: Sequence[str] | None = None) -> Path:
+              compress: str = "DEFLATE", descriptions: Sequence[str] | None = None,
+              tags: Callable[[], dict[str, str]] | None = None) -> Path:
     """Write a COG from row bands ``[C, h, W]`` (top to bottom); memory: one band.
 
     Args:
@@ -57,6 +58,8 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
         blocksize: internal tile side.
         compress: GDAL compression.
         descriptions: per-band descriptions (e.g. class names of probability bands).
+        tags: GDAL metadata to write, asked for once every band has been consumed (so it
+            may hold what the bands taught, e.g. a class histogram).
 
     Returns:
         ``path``.
@@ -78,8 +81,10 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
                            compression=None, geotags=geotags, nodata=nodata, overwrite=True,
                            atomic=False, overviews=levels)
         with rasterio.Env(GDAL_CACHEMAX=256, GDAL_NUM_THREADS="ALL_CPUS"):
-            if colormap is not None or descriptions is not None:
+            if colormap is not None or descriptions is not None or tags is not None:
                 with rasterio.open(plain, "r+") as ds:
+                    if tags is not None:
+                        ds.update_tags(**tags())
                     if colormap is not None:
                         ds.write_colormap(1, colormap)
                     for k, d in enumerate(descriptions or ()):

@@ -70,7 +70,8 @@ def store_path(output: Path) -> Path:
         output.with_name(f".{output.name}.zarr")
 
 
-def scene_outputs(output: Path, options: PredictOptions) -> dict[str, Path]:
+def scene_outputs(output: Path, options: PredictOptions,
+                  vector: Path | None = None) -> dict[str, Path]:
     """Every path a prediction of one scene writes, by the key users know it by."""
     outs = {"output": output}
     if output.suffix.lower() != ".zarr":
@@ -79,7 +80,16 @@ def scene_outputs(output: Path, options: PredictOptions) -> dict[str, Path]:
             outs["probabilities"] = probabilities_path(output)
     if options.preview:
         outs["preview"] = preview_path(output)
+    if vector is not None:
+        outs["vector"] = vector
+    if options.stac:
+        from seg_at_scale.catalog.items import item_path
+
+        outs["stac"] = item_path(output)
     return outs
+
+
+COMPANIONS = ("probabilities", "preview", "vector", "stac")  # written after the output
 
 
 def same_path(a: Path, b: Path) -> bool:
@@ -98,7 +108,14 @@ def _inside(inner: Path, folder: Path) -> bool:
 
 def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
                   overwrite: bool) -> None:
-    """Refuse outputs that are inputs, folders where files go, or exist (see module doc)."""
+    """Refuse outputs that are inputs, folders where files go, or exist (see module doc).
+
+    An output that is a finished seg_at_scale prediction may exist, and so may its
+    companions: the rank that opens it reuses it if this very prediction made it, and
+    refuses it otherwise (:mod:`seg_at_scale.prediction.finished`).
+    """
+    from seg_at_scale.prediction.finished import finished
+
     for okey, out in outputs.items():
         for ikey, inp in inputs.items():
             if same_path(out, inp) or _inside(inp, out):
@@ -112,13 +129,16 @@ def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
         if not zarr and out.is_dir():
             raise ConfigError(f"{okey} '{out}' is a folder; a file is written there, and "
                               "folders are never replaced: remove it or choose another path")
-    out = outputs["output"]
-    if out.suffix.lower() != ".zarr" and not overwrite:
-        for key in ("output", "probabilities", "preview"):
-            path = outputs.get(key)
-            if path is not None and path.exists():
-                raise OutputExistsError(f"{key} '{path}' already exists; pass overwrite=true "
-                                        "to replace it (or choose another path)")
+    if overwrite or "output" not in outputs or finished(outputs["output"]) is not None:
+        return
+    for key in ("output", *COMPANIONS):
+        path = outputs.get(key)
+        if path is None or not path.exists():
+            continue
+        if key == "output" and path.suffix.lower() == ".zarr":
+            continue  # an interrupted store: resumed, or refused by its fingerprint
+        raise OutputExistsError(f"{key} '{path}' already exists; pass overwrite=true "
+                                "to replace it (or choose another path)")
 
 
 def check_nodata_fits(nodata: float | None, dtype: np.dtype, image: Path) -> None:
@@ -172,7 +192,7 @@ def check_dtype(reader: RasterReader, trained: Mapping[str, Any], source: str, *
 
 def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Mapping[str, Any],
                 source: str, model_files: Mapping[str, Path], mask: Path | None = None,
-                ranks: int = 1, cuda: bool = False) -> SceneCheck:
+                ranks: int = 1, cuda: bool = False, vector: Path | None = None) -> SceneCheck:
     """All checks of one scene before any tile (see the module docstring).
 
     Args:
@@ -185,6 +205,7 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Map
         mask: optional ground truth to score against.
         ranks: processes that will share the grid's batches.
         cuda: whether the model runs on a GPU (the default batch size).
+        vector: a vector output (``.gpkg``, ``.parquet``, ``.fgb``) of the labels' polygons.
     """
     from seg_at_scale.prediction.raster import default_batch_size, output_kind
 
@@ -197,7 +218,13 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Map
 
     normalizer_of_card(dict(card), source)  # a std or scale that is not > 0
     inputs = {"image": image, **model_files, **({"mask": mask} if mask is not None else {})}
-    check_outputs(scene_outputs(output, options), inputs, overwrite=options.overwrite)
+    if vector is not None:
+        from seg_at_scale.vectors.polygonize import check_options
+        from seg_at_scale.vectors.write import vector_format
+
+        vector_format(vector, "vector")
+        check_options(options.vector_connectivity, options.vector_classes, None)
+    check_outputs(scene_outputs(output, options, vector), inputs, overwrite=options.overwrite)
     data = card["data"]
     with RasterReader(image, nodata=options.nodata) as reader:
         if reader.height == 0 or reader.width == 0:

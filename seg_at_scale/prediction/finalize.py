@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.io.cog import class_colors, write_cog
 from seg_at_scale.prediction.checks import probabilities_path
+from seg_at_scale.prediction.finished import CLASS_PIXELS_TAG, FINGERPRINT_TAG, digest
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling.geometry import Tile, Window
 
@@ -43,10 +45,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
 
     h, w = store.labels.shape
     if kind == "cog":
-        write_cog(out_path, (1, h, w), "uint8", counted(), geotags=reader.geotags,
-                  nodata=NODATA, colormap=class_colors(len(names)), resampling="mode",
-                  overwrite=True)
-        if store.probabilities is not None:
+        if store.probabilities is not None:  # first: the labels' file, last, marks "done"
             k = store.probabilities.shape[0]
             write_cog(cog_outputs(out_path, probabilities)[1], (k, h, w),
                       str(store.probabilities.dtype).replace("float16", "float32"),
@@ -54,6 +53,12 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
                        for b in store.row_bands(store.probabilities)),
                       geotags=reader.geotags, resampling="average", overwrite=True,
                       descriptions=names[:k])
+        done = digest(dict(store.group.attrs["fingerprint"]))
+        write_cog(out_path, (1, h, w), "uint8", counted(), geotags=reader.geotags,
+                  nodata=NODATA, colormap=class_colors(len(names)), resampling="mode",
+                  overwrite=True, tags=lambda: {
+                      FINGERPRINT_TAG: done,
+                      CLASS_PIXELS_TAG: json.dumps([int(v) for v in hist[:NODATA]])})
     else:
         for _ in counted():
             pass

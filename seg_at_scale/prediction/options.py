@@ -51,6 +51,11 @@ class PredictOptions:
         check_dtype: refuse an image whose sample type differs from the training data's.
         layout: the convolutions' memory layout: ``auto`` (channels_last on the fast path),
             ``channels_last`` or ``contiguous``; the labels are the same either way.
+        stac: write a STAC Item (``<name>.stac.json``) beside each output.
+        vector_connectivity: polygons' pixel connectivity, 4 or 8 (vector outputs).
+        vector_min_area: drop polygons smaller than this (CRS units, e.g. m²).
+        vector_simplify: coverage-simplification tolerance (CRS units; 0 = pixel edges).
+        vector_classes: polygonize only these class ids (None: all).
     """
 
     tile_size: int | None = 1024
@@ -67,6 +72,11 @@ class PredictOptions:
     keep_store: bool = False
     check_dtype: bool = True
     layout: Literal["auto", "channels_last", "contiguous"] = "auto"
+    stac: bool = True
+    vector_connectivity: Literal[4, 8] = 4
+    vector_min_area: float = 0.0
+    vector_simplify: float = 0.0
+    vector_classes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         check_types("", {f.name: getattr(self, f.name) for f in fields(self)},
@@ -80,6 +90,10 @@ class PredictOptions:
         if self.q is None and self.tile_size is None:
             raise ConfigError("q and tile_size are both null: give tile_size=<pixels> (e.g. "
                               "1024) or q=<tiles per side>")
+        for key in ("vector_min_area", "vector_simplify"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"{key}={getattr(self, key)!r}: give a number >= 0 (CRS "
+                                  "units; 0 = off)")
         if self.nodata is not None and math.isinf(self.nodata):
             raise ConfigError(f"nodata={self.nodata!r}: give a finite value or nan (infinite "
                               "samples are no data anyway)")
@@ -98,8 +112,11 @@ class PredictOptions:
     def from_mapping(cls, values: Mapping[str, Any]) -> PredictOptions:
         """Options from config keys (unknown keys refused naming the nearest valid one)."""
         keys = known_keys("", values, [f.name for f in fields(cls)])
-        if isinstance(keys.get("nodata"), int) and not isinstance(keys["nodata"], bool):
-            keys["nodata"] = float(keys["nodata"])
+        for key in ("nodata", "vector_min_area", "vector_simplify"):
+            if isinstance(keys.get(key), int) and not isinstance(keys[key], bool):
+                keys[key] = float(keys[key])
+        if isinstance(keys.get("vector_classes"), list):
+            keys["vector_classes"] = tuple(keys["vector_classes"])
         return cls(**keys)
 
     @staticmethod

@@ -38,6 +38,7 @@ from seg_at_scale.errors import ConfigError, OutputExistsError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.prediction.checks import check_outputs, store_path
 from seg_at_scale.prediction.finalize import cog_outputs, finalize
+from seg_at_scale.prediction.finished import digest, finished
 from seg_at_scale.prediction.lock import output_lock
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.progress import progress_bar
@@ -81,6 +82,7 @@ class PredictionStats:
     statistics_s: float = 0.0
     class_pixels: list[int] = field(default_factory=list)
     store: str = ""
+    reused: bool = False  # a finished output of this very prediction was found: kept
 
     @property
     def mpix_per_s(self) -> float:
@@ -197,6 +199,11 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
                             processes=world, store=str(working))
     lock = output_lock(out_path) if rank == 0 else contextlib.nullcontext()
     with lock:
+        reused = _share(_reusable(out_path, fingerprint, o.overwrite) if rank == 0 else None)
+        if reused is not None:  # this very prediction finished before: nothing to compute
+            stats.tiles_resumed, stats.class_pixels, stats.reused = len(grid), reused, True
+            stats.total_s = time.perf_counter() - t_start
+            return stats
         if rank == 0:
             store = _open_store(out_path, kind, working, grid, fingerprint, num_classes,
                                 probabilities, names, image, o.overwrite, o.resume)
@@ -225,6 +232,31 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         _barrier()
     stats.total_s = time.perf_counter() - t_start
     return stats
+
+
+def _reusable(out_path: Path, fingerprint: dict[str, Any], overwrite: bool
+              ) -> list[int] | None:
+    """Rank 0: the class histogram of this same prediction finished at ``out_path``, if any.
+
+    Another prediction's finished output is refused unless ``overwrite``.
+    """
+    state = finished(out_path)
+    if state is None or overwrite:
+        return None
+    if state[0] != digest(fingerprint):
+        raise OutputExistsError(f"output '{out_path}' was made by another prediction (another "
+                                "model, input, tiling or options); pass overwrite=true to "
+                                "replace it, or choose another path")
+    return state[1]
+
+
+def _share(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if _rank_world()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _file_id(path: Path) -> list[Any]:

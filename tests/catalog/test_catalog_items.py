@@ -7,7 +7,6 @@ import datetime as dt
 import hashlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,18 +17,16 @@ import shapely
 import tifffile
 from pyproj import Transformer
 from shapely.geometry import shape
+from vector_helpers import GEO, NAMES, make_labels, write_store, write_tiff
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vectors"))
-from vector_helpers import GEO, NAMES, make_labels, write_store, write_tiff  # noqa: E402
-
-from seg_at_scale.catalog import (  # noqa: E402
+from seg_at_scale.catalog import (
     image_hrefs,
     item_collection,
     stac_item,
     write_item,
     write_item_collection,
 )
-from seg_at_scale.errors import InputError  # noqa: E402
+from seg_at_scale.errors import InputError
 
 LABELS = make_labels(203, 171)
 MODEL = {"run": "runs/unet_s", "fingerprint": "sha256:0123abcd"}

@@ -53,8 +53,13 @@ def test_predicting_with_the_exported_model_equals_the_run_byte_for_byte(exporte
     assert res_run["tiles"] > 4
     files_a = {k: v for p in sorted(a.iterdir()) for k, v in _files(p).items()}
     files_b = {k: v for p in sorted(b.iterdir()) for k, v in _files(p).items()}
-    assert files_a.keys() == files_b.keys() and len(files_a) >= 3
-    assert [k for k in files_a if files_a[k] != files_b[k]] == []
+    assert files_a.keys() == files_b.keys() and len(files_a) >= 4
+    items = [json.loads(files.pop("pred.stac.json")) for files in (files_a, files_b)]
+    assert [k for k in files_a if files_a[k] != files_b[k]] == []  # every prediction byte
+    # the STAC Items differ in what made them (run or model file) and when, not the data
+    assert items[0]["properties"]["seg_at_scale:model"]["source"].startswith("run '")
+    assert items[1]["properties"]["seg_at_scale:model"]["source"].startswith("model '")
+    assert items[0]["assets"] == items[1]["assets"]
 
 
 def test_the_card_describes_what_prediction_needs(exported):

@@ -271,4 +271,5 @@ def test_a_prediction_leaves_only_its_outputs(cli_case, tmp_path):
     for name in ("scene.v1.tif", "scene.v2.tif"):
         seg_predict(run, image, Path(name), "tile_size=256", cwd=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "scene.v1.tif", "scene.v1_preview.png", "scene.v2.tif", "scene.v2_preview.png"]
+        "scene.v1.stac.json", "scene.v1.tif", "scene.v1_preview.png",
+        "scene.v2.stac.json", "scene.v2.tif", "scene.v2_preview.png"]
