@@ -207,7 +207,8 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Map
         cuda: whether the model runs on a GPU (the default batch size).
         vector: a vector output (``.gpkg``, ``.parquet``, ``.fgb``) of the labels' polygons.
     """
-    from seg_at_scale.prediction.raster import default_batch_size, output_kind
+    from seg_at_scale.prediction.plan import default_batch_size
+    from seg_at_scale.prediction.raster import output_kind
 
     output_kind(output)
     if not image.is_file():

@@ -17,10 +17,8 @@ Output by extension: ``.zarr`` is the store itself (readable by xarray); ``.tif`
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,17 +32,23 @@ from torch import Tensor, nn
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.windows import RasterWindows
-from seg_at_scale.errors import ConfigError, OutputExistsError
+from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.prediction.checks import check_outputs, store_path
-from seg_at_scale.prediction.finalize import cog_outputs, finalize
-from seg_at_scale.prediction.finished import digest, finished
+from seg_at_scale.prediction.finalize import finalize
 from seg_at_scale.prediction.lock import output_lock
 from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.plan import (
+    default_batch_size,
+    model_digest,
+    open_store,
+    plan_raster,
+    reusable,
+)
 from seg_at_scale.prediction.progress import progress_bar
 from seg_at_scale.prediction.store import NODATA, PredictionStore
-from seg_at_scale.tiling import Footprint, TileGrid, footprint, make_grid
-from seg_at_scale.tiling.engine import Batch, BatchOutput, plan_batches, run_batches
+from seg_at_scale.tiling import Footprint, TileGrid, footprint
+from seg_at_scale.tiling.engine import Batch, BatchOutput, run_batches
 from seg_at_scale.tiling.geometry import fill_of
 from seg_at_scale.tiling.statistics import feature_count, image_pool_sum_of, uses_image_pool
 
@@ -100,14 +104,6 @@ def output_kind(path: Path) -> str:
                       "this writes; use .tif (Cloud-Optimized GeoTIFF) or .zarr (Zarr v3)")
 
 
-def default_batch_size(grid: TileGrid, device: torch.device | str) -> int:
-    """Tiles per forward: 1 on CPU (no gain), else about 16 Mpix of input per batch."""
-    if torch.device(device).type != "cuda":
-        return 1
-    area = grid.tiles[0].read.area
-    return int(max(1, min(16, (16 << 20) // area)))
-
-
 def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -117,32 +113,6 @@ def _rank_world() -> tuple[int, int]:
 def _barrier() -> None:
     if _rank_world()[1] > 1:
         dist.barrier()
-
-
-def model_digest(model: nn.Module) -> str:
-    """SHA-256 of the model's weights and buffers (what the store's fingerprint names)."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        x = t.detach().cpu()
-        if x.dtype in (torch.bfloat16, torch.float16):
-            x = x.view(torch.int16)  # same bytes; numpy has no bfloat16
-        h.update(x.numpy().tobytes())  # C order, whatever the memory format
-    return h.hexdigest()
-
-
-def _georeference(path: Path) -> dict[str, Any]:
-    """GDAL geotransform and CRS WKT of the input (empty for an image without them)."""
-    import rasterio
-    from rasterio.errors import NotGeoreferencedWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotGeoreferencedWarning)
-        with rasterio.open(path) as ds:
-            if ds.crs is None and ds.transform.is_identity:
-                return {}
-            return {"geotransform": list(ds.transform.to_gdal()),
-                    "crs_wkt": ds.crs.to_wkt() if ds.crs else ""}
 
 
 def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str | os.PathLike[str],
@@ -166,132 +136,57 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     """
     o = options or PredictOptions()
     t_start = time.perf_counter()
-    out_path = Path(output)
-    kind = output_kind(out_path)
+    out_path, image = Path(output), Path(image)
+    output_kind(out_path)
     rank, world = _rank_world()
-    image = Path(image)
     check_outputs({"output": out_path, "working store": store_path(out_path)},
-                  {"image": image}, overwrite=True)  # existing outputs: _open_store
-    reader = RasterReader(image, nodata=o.nodata)
+                  {"image": image}, overwrite=True)  # existing outputs: open_store
     fp = fp or footprint(model)
-    grid = make_grid(reader.height, reader.width, fp, q=o.q, tile_size=o.tile_size,
-                     uniform=True)
     device = next(model.parameters()).device
-    batches = plan_batches(grid.tiles, o.batch_size or default_batch_size(grid, device))
+    norm = normalizer or Normalizer()
+    plan = plan_raster(image, out_path, o, fp=fp, normalizer=norm,
+                       names=_names(model, image, fp, class_names), weights=model_digest(model),
+                       device=device)
+    grid, batches = plan.grid, plan.batches
     if world > len(batches):
         raise ConfigError(f"processes={world} but the grid of '{image}' has only "
                           f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
                           f"processes <= {len(batches)} or a smaller tile_size")
-    autocast, channels_last, tta, probabilities = o.autocast, o.channels_last, o.tta, \
-        o.probabilities
-    norm = normalizer or Normalizer()
-    num_classes = int(getattr(model, "num_classes", 0)) or _classes_of(model, reader, fp)
-    names = list(class_names) if class_names else [f"class_{k}" for k in range(num_classes)]
-    working = store_path(out_path)
-    fingerprint = {"model": model_digest(model), "input": _file_id(image), "grid":
-                   [grid.height, grid.width, *grid.shape, grid.tiles[0].core.height,
-                    grid.tiles[0].core.width, fp.halo, fp.align, fp.padding],
-                   "batches": [len(b.tiles) for b in batches], "autocast": str(autocast),
-                   "channels_last": channels_last, "tta": tta, "probabilities": probabilities,
-                   "normalizer": [norm.scale, list(norm.mean), list(norm.std)],
-                   "nodata": reader.nodata if reader.nodata is None else float(reader.nodata)}
-    stats = PredictionStats(out_path, reader.height, reader.width, len(grid), grid.efficiency,
-                            processes=world, store=str(working))
+    stats = PredictionStats(out_path, grid.height, grid.width, len(grid), grid.efficiency,
+                            processes=world, store=str(plan.working))
     lock = output_lock(out_path) if rank == 0 else contextlib.nullcontext()
     with lock:
-        reused = _share(_reusable(out_path, fingerprint, o.overwrite) if rank == 0 else None)
+        reused = _share(reusable(plan, o.overwrite) if rank == 0 else None)
         if reused is not None:  # this very prediction finished before: nothing to compute
             stats.tiles_resumed, stats.class_pixels, stats.reused = len(grid), reused, True
             stats.total_s = time.perf_counter() - t_start
             return stats
         if rank == 0:
-            store = _open_store(out_path, kind, working, grid, fingerprint, num_classes,
-                                probabilities, names, image, o.overwrite, o.resume)
+            store = open_store(plan, o)
         _barrier()
         if rank != 0:
-            store = PredictionStore.attach(working)
+            store = PredictionStore.attach(plan.working)
         todo = [b for b in batches if not all(store.done(t) for t in b.tiles)]
         _barrier()  # nobody writes before every rank has listed what is left
         stats.tiles_resumed = len(grid) - sum(len(b.tiles) for b in todo)
         mine = todo[rank::world]
         stats.batches = len(mine)
-        source = RasterWindows(reader, norm, fill_of(fp))
+        source = RasterWindows(plan.reader, norm, fill_of(fp))
         show = o.progress if o.progress is not None else not os.environ.get("CI")
-        pool_ctx = _image_pool(model, source, grid, batches[rank::world], device, autocast,
-                               channels_last, stats, show and rank == 0, world)
+        pool_ctx = _image_pool(model, source, grid, batches[rank::world], device, o.autocast,
+                               o.channels_last, stats, show and rank == 0, world)
         with pool_ctx, progress_bar(sum(len(b.tiles) for b in todo), show and rank == 0,
                                     grid.height * grid.width / len(grid), world) as bar:
-            _predict_batches(model, source, mine, grid, store, device, autocast,
-                             channels_last, tta, probabilities, stats, bar)
+            predict_batches(model, source, mine, grid, store, o, stats, bar)
         _barrier()
         if rank == 0:
             t0 = time.perf_counter()
-            stats.class_pixels = finalize(store, out_path, kind, reader, names, probabilities,
-                                           o.overwrite, o.keep_store)
+            stats.class_pixels = finalize(store, out_path, plan.kind, plan.reader, plan.names,
+                                          o.probabilities, o.overwrite, o.keep_store)
             stats.finalize_s = time.perf_counter() - t0
         _barrier()
     stats.total_s = time.perf_counter() - t_start
     return stats
-
-
-def _reusable(out_path: Path, fingerprint: dict[str, Any], overwrite: bool
-              ) -> list[int] | None:
-    """Rank 0: the class histogram of this same prediction finished at ``out_path``, if any.
-
-    Another prediction's finished output is refused unless ``overwrite``.
-    """
-    state = finished(out_path)
-    if state is None or overwrite:
-        return None
-    if state[0] != digest(fingerprint):
-        raise OutputExistsError(f"output '{out_path}' was made by another prediction (another "
-                                "model, input, tiling or options); pass overwrite=true to "
-                                "replace it, or choose another path")
-    return state[1]
-
-
-def _share(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank."""
-    if _rank_world()[1] == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _file_id(path: Path) -> list[Any]:
-    st = path.stat()
-    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
-
-
-def _classes_of(model: nn.Module, reader: RasterReader, fp: Footprint) -> int:
-    with torch.inference_mode():
-        x = torch.zeros(1, reader.bands, fp.align * 4, fp.align * 4,
-                        device=next(model.parameters()).device)
-        return int(model(x).shape[1])
-
-
-def _open_store(out_path: Path, kind: str, store_path: Path, grid: TileGrid,
-                fingerprint: dict[str, Any], num_classes: int, probabilities: str | None,
-                names: list[str], image: Path, overwrite: bool, resume: bool
-                ) -> PredictionStore:
-    """Rank 0: refuse to replace a finished output, then resume or create the store."""
-    if kind == "cog":
-        for p in cog_outputs(out_path, probabilities):
-            if p.exists() and not overwrite:
-                raise OutputExistsError(f"output '{p}' already exists; pass overwrite=true "
-                                        "to replace it (or choose another path)")
-    elif store_path.exists() and not overwrite:
-        if PredictionStore.attach(store_path, key="output").complete:
-            raise OutputExistsError(f"output '{store_path}' is a finished prediction; "
-                                    "pass overwrite=true to replace it")
-    elif store_path.exists():
-        resume = False  # overwrite=true on a finished store: start afresh
-    attrs = {"class_names": names, "nodata": NODATA, "source": str(image),
-             **_georeference(image)}
-    return PredictionStore.open(store_path, grid, fingerprint=fingerprint,
-                                num_classes=num_classes, probabilities=probabilities,
-                                attrs=attrs, resume=resume)
 
 
 def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: list[Batch],
@@ -328,11 +223,14 @@ def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: 
     return model.fixed_image_pool(pooled)  # type: ignore[operator]
 
 
-def _predict_batches(model: nn.Module, source: RasterWindows, mine: list[Batch],
-                     grid: TileGrid, store: PredictionStore, device: torch.device,
-                     autocast: torch.dtype | None, channels_last: bool, tta: str | None,
-                     probabilities: str | None, stats: PredictionStats, bar: Any) -> None:
-    """Run this rank's batches; chunks are written on a background thread."""
+def predict_batches(model: nn.Module, source: RasterWindows, mine: list[Batch],
+                    grid: TileGrid, store: PredictionStore, options: PredictOptions,
+                    stats: PredictionStats, bar: Any) -> None:
+    """Run this rank's batches of one raster; chunks are written on a background thread."""
+    device = next(model.parameters()).device
+    autocast, channels_last, tta, probabilities = (options.autocast, options.channels_last,
+                                                   options.tta, options.probabilities)
+
     def on_read(seconds: float, waited: float) -> None:
         stats.read_s += seconds
         stats.read_wait_s += waited
@@ -357,6 +255,29 @@ def _predict_batches(model: nn.Module, source: RasterWindows, mine: list[Batch],
         if pending is not None:
             pending.result()
         stats.write_s += time.perf_counter() - t1
+
+
+def _names(model: nn.Module, image: Path, fp: Footprint,
+           class_names: Sequence[str] | None) -> list[str]:
+    """The class names: given, or ``class_<k>`` for the model's classes."""
+    if class_names:
+        return list(class_names)
+    k = int(getattr(model, "num_classes", 0))
+    if not k:
+        with RasterReader(image) as reader, torch.inference_mode():
+            x = torch.zeros(1, reader.bands, fp.align * 4, fp.align * 4,
+                            device=next(model.parameters()).device)
+            k = int(model(x).shape[1])
+    return [f"class_{i}" for i in range(k)]
+
+
+def _share(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if _rank_world()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _outputs(res: BatchOutput, probabilities: str | None
