@@ -30,15 +30,17 @@ import os
 import signal
 import sys
 import typing
+import warnings
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from seg_at_scale.cli.archive import archive_work, predict_archive_job
 from seg_at_scale.cli.common import USER_ERROR_EXIT, disk_full, format_iou, reports_errors
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError, SegAtScaleError
@@ -56,10 +58,15 @@ _LAUNCHER: list[int] = []  # pid of the process that forks the ranks
 
 @dataclass(frozen=True)
 class PredictJob:
-    """``seg-predict``'s keys, validated: the model, the scene, where it runs, how."""
+    """``seg-predict``'s keys, validated: the model, the scenes, where it runs, how."""
 
-    image: str
-    output: str
+    image: str | None = None
+    output: str | None = None
+    images: str | None = None
+    output_dir: str | None = None
+    output_format: Literal["tif", "zarr"] = "tif"
+    masks: str | None = None
+    on_error: Literal["stop", "skip"] = "stop"
     run: str | None = None
     model: str | None = None
     ckpt: str = "best"
@@ -78,10 +85,7 @@ class PredictJob:
         assert isinstance(values, dict)
         own = [f.name for f in fields(cls) if f.name != "options"]
         known_keys("", values, [*own, *PredictOptions.names()])
-        for key in ("image", "output"):
-            if values.get(key) in (None, "", "???"):
-                raise ConfigError(f"{key}= is missing: give seg-predict {key}=<path> (see "
-                                  "seg-predict --help)")
+        _check_mode(values)
         job = {k: values[k] for k in own if k in values}
         check_types("", job, typing.get_type_hints(cls))
         opts = PredictOptions.from_mapping({k: v for k, v in values.items() if k not in own})
@@ -93,6 +97,10 @@ class PredictJob:
             raise ConfigError(f"device={device!r}: use auto, cpu, cuda or cuda:<index>")
         return cls(options=opts, **job)
 
+    @property
+    def archive(self) -> bool:
+        return self.images is not None
+
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,6 +108,21 @@ class PredictJob:
             raise ConfigError(f"device={self.device!r} but CUDA is not available; use "
                               "device=cpu")
         return torch.device(self.device)
+
+
+def _check_mode(values: dict[str, Any]) -> None:
+    """One scene (``image=`` + ``output=``) or an archive (``images=`` + ``output_dir=``)."""
+    one = [k for k in ("image", "output", "mask") if values.get(k) not in (None, "")]
+    many = [k for k in ("images", "output_dir", "masks") if values.get(k) not in (None, "")]
+    if one and many:
+        raise ConfigError(f"{one[0]}= and {many[0]}= were both given: predict one scene "
+                          "(image=, output=, mask=) or an archive (images=, output_dir=, "
+                          "masks=), not both")
+    need = ("images", "output_dir") if many else ("image", "output")
+    for key in need:
+        if values.get(key) in (None, ""):
+            raise ConfigError(f"{key}= is missing: give seg-predict {key}=<path> (see "
+                              "seg-predict --help)")
 
 
 def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:
@@ -117,13 +140,19 @@ def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:
     if job.nodes > 1:
         _check_cluster(job.nodes)
     card, source = peek_card(job.run, job.model, job.ckpt)
-    check_scene(Path(job.image), Path(job.output), job.options, card=card, source=source,
-                model_files=model_files(job.run, job.model, job.ckpt),
-                mask=Path(job.mask) if job.mask else None, ranks=ranks,
-                cuda=device.type == "cuda", vector=Path(job.vector) if job.vector else None)
+    files = model_files(job.run, job.model, job.ckpt)
+    if job.archive:
+        work = archive_work(job, card, source, files, device.type == "cuda")
+    else:
+        check_scene(Path(job.image), Path(job.output), job.options,  # type: ignore[arg-type]
+                    card=card, source=source, model_files=files,
+                    mask=Path(job.mask) if job.mask else None, ranks=ranks,
+                    cuda=device.type == "cuda",
+                    vector=Path(job.vector) if job.vector else None)
+        work = None
     if ranks > 1:
-        return _launch(job, device, fork)
-    return _predict(job, device)
+        return _launch(job, device, fork, work)
+    return _predict(job, device, work)
 
 
 def _check_cluster(nodes: int) -> None:
@@ -146,10 +175,12 @@ def _in_cluster() -> bool:
     return slurm or elastic
 
 
-def _predict(job: PredictJob, device: torch.device) -> dict[str, Any]:
+def _predict(job: PredictJob, device: torch.device, work: Any = None) -> dict[str, Any]:
     """This rank's share of the prediction (everything, with one process)."""
     trained = load_trained(job.run, job.model, ckpt=job.ckpt, trust=job.trust_run)
     trained.model.to(device)
+    if work is not None:
+        return predict_archive_job(job, trained, work)
     res = predict_scene(trained, Path(job.image), Path(job.output), job.options,
                         mask=Path(job.mask) if job.mask else None, checked=True,
                         vector=Path(job.vector) if job.vector else None)
@@ -163,7 +194,7 @@ def _predict(job: PredictJob, device: torch.device) -> dict[str, Any]:
     return res
 
 
-def _launch(job: PredictJob, device: torch.device, fork: bool) -> dict[str, Any]:
+def _launch(job: PredictJob, device: torch.device, fork: bool, work: Any) -> dict[str, Any]:
     """Start (or join) the ranks of a multi-process prediction; rank 0's result.
 
     Lightning Fabric launches them: on one machine's CPU (and ``fork``) by forking this
@@ -178,13 +209,14 @@ def _launch(job: PredictJob, device: torch.device, fork: bool) -> dict[str, Any]
               and "fork" in multiprocessing.get_all_start_methods())
     strategy = DDPStrategy(start_method="fork" if forked else "popen",
                            timeout=RENDEZVOUS_TIMEOUT)
+    warnings.filterwarnings("ignore", message="The `srun` command is available")  # not SLURM
     fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu",
                     devices=job.processes, num_nodes=job.nodes, strategy=strategy)
     if not forked:
-        return fabric.launch(_rank_main, job, False)  # type: ignore[no-any-return]
+        return fabric.launch(_rank_main, job, False, work)  # type: ignore[no-any-return]
     _LAUNCHER[:] = [os.getpid()]  # the forked ranks' parent
     try:
-        return fabric.launch(_rank_main, job, True)  # type: ignore[no-any-return]
+        return fabric.launch(_rank_main, job, True, work)  # type: ignore[no-any-return]
     except torch.multiprocessing.ProcessExitedException as exc:
         if exc.exit_code in (130, 143):
             raise (Stopped(signal.SIGTERM) if exc.exit_code == 143 else KeyboardInterrupt()
@@ -196,7 +228,7 @@ def _launch(job: PredictJob, device: torch.device, fork: bool) -> dict[str, Any]
         raise
 
 
-def _rank_main(fabric: Any, job: PredictJob, forked: bool) -> dict[str, Any]:
+def _rank_main(fabric: Any, job: PredictJob, forked: bool, work: Any) -> dict[str, Any]:
     """One rank of a multi-process prediction.
 
     A forked rank dies with the launching process (even a SIGKILLed one: the kernel sends it
@@ -209,9 +241,9 @@ def _rank_main(fabric: Any, job: PredictJob, forked: bool) -> dict[str, Any]:
         threads = int(os.environ.get("OMP_NUM_THREADS") or 0)
         torch.set_num_threads(threads or max(1, _cores() // job.processes))
     if not forked:
-        return _predict(job, fabric.device)
+        return _predict(job, fabric.device, work)
     try:
-        return _predict(job, fabric.device)
+        return _predict(job, fabric.device, work)
     except (SegAtScaleError, OSError) as exc:
         own = exc if isinstance(exc, SegAtScaleError) else disk_full(exc)
         if own is None:
