@@ -1,0 +1,189 @@
+"""seg-predict images=: many scenes in one run, byte-identical to one run per scene."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import rasterio
+from prediction_helpers import env, make_model, make_run, seg_predict_here
+from rasterio.windows import from_bounds
+
+from seg_at_scale.io import example_geotags, read_raster, write_raster
+
+SIZES = {"s0": (203, 171), "s1": (97, 131), "s2": (311, 257), "s3": (64, 60)}
+OPTS = ("ckpt=last", "tile_size=96", "preview=false")
+
+
+def _scene(path: Path, height: int, width: int, seed: int, origin: tuple[float, float]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    img = np.stack([np.sin(yy / (7 + b)) * np.cos(xx / (11 + b)) for b in range(4)]) * 90
+    img = (img + 128 + rng.normal(0, 20, img.shape)).clip(0, 255).astype(np.uint8)
+    return write_raster(path, img, tile=(64, 64),
+                        geotags=example_geotags(origin=origin, pixel_size=10.0))
+
+
+def _origin(k: int) -> tuple[float, float]:
+    return (500000.0 + 3000.0 * k, 4500000.0 - 1000.0 * k)  # side by side, no overlap
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory):
+    """Four scenes of different sizes, their masks, a run, and one run per scene."""
+    tmp = tmp_path_factory.mktemp("archive")
+    run = make_run(tmp / "run", make_model("same", levels=3, width=8))
+    for k, (stem, (h, w)) in enumerate(SIZES.items()):
+        _scene(tmp / "scenes" / f"{stem}.tif", h, w, k, _origin(k))
+        (tmp / "masks").mkdir(exist_ok=True)
+        write_raster(tmp / "masks" / f"{stem}_mask.tif",
+                     (read_raster(tmp / "scenes" / f"{stem}.tif")[0] // 52).astype(np.uint8))
+        res = seg_predict_here(f"run={run}", f"image={tmp / 'scenes' / f'{stem}.tif'}",
+                               f"output={tmp / 'single' / f'{stem}.tif'}",
+                               f"mask={tmp / 'masks' / f'{stem}_mask.tif'}", *OPTS)
+        assert res.returncode == 0, res.stderr
+    return tmp, run
+
+
+def _cmd(run: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "seg_at_scale.cli.predict", f"run={run}", "progress=false",
+            *OPTS, *args]
+
+
+def _archive(run: Path, *args: str, processes: int = 1) -> dict:
+    if processes == 1:
+        res = seg_predict_here(f"run={run}", *OPTS, *args)
+    else:
+        res = subprocess.run(_cmd(run, *args, f"processes={processes}"), capture_output=True,
+                             text=True, env=env(), timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout[res.stdout.index("{"):])
+
+
+def _rows(out: Path) -> dict[str, dict]:
+    with (out / "summary.csv").open() as f:
+        return {r["stem"]: r for r in csv.DictReader(f)}
+
+
+@pytest.mark.parametrize("processes", [1, 2, 3])
+def test_an_archive_equals_one_run_per_scene_whatever_the_ranks(archive, processes):
+    tmp, run = archive
+    out = tmp / f"out{processes}"
+    res = _archive(run, f"images={tmp / 'scenes'}", f"output_dir={out}",
+                   f"masks={tmp / 'masks'}", processes=processes)
+    assert (res["scenes"], res["done"], res["failed"]) == (4, 4, 0)
+    rows = _rows(out)
+    for stem in SIZES:
+        assert (out / f"{stem}.tif").read_bytes() == (tmp / "single" / f"{stem}.tif").read_bytes()
+        single = json.loads((tmp / "single" / f"{stem}.stac.json").read_text())
+        assert single["id"] == stem and (out / f"{stem}.stac.json").exists()
+    big = json.loads(rows["s2"]["tiles_by_rank"])
+    assert len(big) == processes and all(n > 0 for n in big)  # every rank had tiles of s2
+    assert sum(int(r["tiles_computed"]) for r in rows.values()) == sum(
+        int(r["tiles"]) for r in rows.values())
+
+
+def test_scores_mosaic_and_items_of_an_archive(archive):
+    tmp, run = archive
+    out = tmp / "out1"
+    if not (out / "summary.csv").exists():
+        _archive(run, f"images={tmp / 'scenes'}", f"output_dir={out}", f"masks={tmp / 'masks'}")
+    rows = _rows(out)
+    for stem in SIZES:
+        alone = seg_predict_here(f"run={run}", f"image={tmp / 'scenes' / f'{stem}.tif'}",
+                                 f"output={tmp / 'single' / f'{stem}.tif'}",
+                                 f"mask={tmp / 'masks' / f'{stem}_mask.tif'}", *OPTS)
+        assert float(rows[stem]["miou"]) == json.loads(alone.stdout)["miou"]
+    with rasterio.open(out / "mosaic.vrt") as vrt:
+        for stem in SIZES:
+            with rasterio.open(out / f"{stem}.tif") as one:
+                window = from_bounds(*one.bounds, transform=vrt.transform)
+                np.testing.assert_array_equal(vrt.read(1, window=window), one.read(1))
+        assert vrt.crs is not None and vrt.nodata == 255
+    items = json.loads((out / "items.json").read_text())
+    assert sorted(f["id"] for f in items["features"]) == sorted(SIZES)
+
+
+def test_a_killed_archive_reruns_only_what_is_left_and_a_new_scene_alone(archive, tmp_path):
+    tmp, run = archive
+    scenes = tmp_path / "scenes"
+    scenes.mkdir()
+    for stem in SIZES:
+        (scenes / f"{stem}.tif").write_bytes((tmp / "scenes" / f"{stem}.tif").read_bytes())
+    out = tmp_path / "out"
+    proc = subprocess.Popen(_cmd(run, f"images={scenes}", f"output_dir={out}", "tile_size=64"),
+                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while not (out / "s0.tif").exists():  # the first scene is finished
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    again = _archive(run, f"images={scenes}", f"output_dir={out}", "tile_size=64")
+    rows = _rows(out)
+    assert rows["s0"]["status"] == "reused" and int(rows["s0"]["tiles_computed"]) == 0
+    assert again["reused"] >= 1 and again["done"] + again["reused"] == 4
+    ref = tmp_path / "ref"
+    _archive(run, f"images={scenes}", f"output_dir={ref}", "tile_size=64")
+    for stem in SIZES:
+        assert (out / f"{stem}.tif").read_bytes() == (ref / f"{stem}.tif").read_bytes()
+    _scene(scenes / "s4.tif", 141, 99, 9, _origin(4))  # a scene added later
+    last = _archive(run, f"images={scenes}", f"output_dir={out}", "tile_size=64")
+    rows = _rows(out)
+    assert (last["done"], last["reused"]) == (1, 4) and rows["s4"]["status"] == "done"
+    assert all(int(rows[s]["tiles_computed"]) == 0 for s in SIZES)
+
+
+def test_bad_scenes_stop_before_any_tile_or_are_skipped_and_recorded(archive, tmp_path):
+    tmp, run = archive
+    scenes = tmp_path / "scenes"
+    scenes.mkdir()
+    for stem in ("s0", "s1"):
+        (scenes / f"{stem}.tif").write_bytes((tmp / "scenes" / f"{stem}.tif").read_bytes())
+    data = (tmp / "scenes" / "s2.tif").read_bytes()
+    (scenes / "cut.tif").write_bytes(data[: len(data) // 2])  # truncated
+    write_raster(scenes / "rgb.tif", np.zeros((3, 70, 90), np.uint8))  # 3 bands, model: 4
+    out = tmp_path / "out"
+    stop = seg_predict_here(f"run={run}", *OPTS, f"images={scenes}", f"output_dir={out}")
+    assert stop.returncode == 2
+    line = stop.stderr.strip().splitlines()
+    assert len(line) == 1 and "2 of 4 scenes cannot be predicted" in line[0]
+    assert "cut: " in line[0] and "truncated" in line[0] and "rgb: " in line[0]
+    assert "has 3 bands" in line[0] and not out.exists()
+    res = _archive(run, f"images={scenes}", f"output_dir={out}", "on_error=skip")
+    assert (res["done"], res["skipped"]) == (2, 2)
+    rows = _rows(out)
+    assert rows["cut"]["status"] == rows["rgb"]["status"] == "skipped"
+    assert "truncated" in rows["cut"]["reason"] and "has 3 bands" in rows["rgb"]["reason"]
+    for stem in ("s0", "s1"):  # copies of the scenes: the same labels (their paths differ)
+        assert read_raster(out / f"{stem}.tif").tobytes() == read_raster(
+            tmp / "single" / f"{stem}.tif").tobytes()
+
+
+def test_a_stac_item_collection_names_the_scenes(archive, tmp_path):
+    tmp, run = archive
+    features = [{"type": "Feature", "stac_version": "1.0.0", "id": f"scene-{stem}",
+                 "geometry": None, "properties": {"datetime": "2026-01-01T00:00:00Z"},
+                 "links": [], "assets": {"image": {
+                     "href": f"../{tmp.name}/scenes/{stem}.tif",
+                     "type": "image/tiff; application=geotiff", "roles": ["data"]}}}
+                for stem in ("s1", "s3")]
+    (tmp_path / "items.json").write_text(json.dumps(
+        {"type": "FeatureCollection", "features": features}))
+    (tmp.parent / tmp_path.name).mkdir(exist_ok=True)  # relative hrefs resolve beside it
+    listing = tmp.parent / tmp_path.name / "items.json"
+    listing.write_text((tmp_path / "items.json").read_text())
+    out = tmp_path / "out"
+    res = _archive(run, f"images={listing}", f"output_dir={out}")
+    assert res["done"] == 2
+    for stem in ("s1", "s3"):
+        got = (out / f"scene-{stem}.tif").read_bytes()
+        assert got == (tmp / "single" / f"{stem}.tif").read_bytes()
