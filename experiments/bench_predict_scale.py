@@ -43,7 +43,7 @@ from typing import Any
 
 import psutil
 import torch
-from common import save
+from common import fake_run, save
 
 from seg_at_scale.data.sources.synthetic import write_scene
 from seg_at_scale.data.synthetic import SceneGenerator
@@ -64,27 +64,6 @@ def scene(size: int) -> Path:
         write_scene(image, image.with_name(image.stem + "_mask.tif"),
                     SceneGenerator(0, size, size), compression=None, overwrite=True)
     return image
-
-
-def fake_run(folder: Path) -> Path:
-    """A run folder holding the demo's small U-Net with random weights."""
-    from omegaconf import OmegaConf
-
-    from seg_at_scale.models import UNet
-
-    if (folder / "checkpoints" / "last.ckpt").exists():
-        return folder
-    (folder / "checkpoints").mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    net = UNet(4, 5, levels=4, convs_per_level=2, base_width=16, padding="same")
-    cfg = {"model": {"_target_": "seg_at_scale.models.UNet", "in_channels": 4, "num_classes": 5,
-                     "levels": 4, "convs_per_level": 2, "base_width": 16, "padding": "same"},
-           "data": {"num_classes": 5, "class_names": None, "ignore_index": 255, "nodata": None,
-                    "scale": 1 / 255, "mean": [0.5], "std": [0.25]}, "tiling": {"halo": "auto"}}
-    (folder / "run_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
-    torch.save({"state_dict": {f"model.{k}": v for k, v in net.state_dict().items()}},
-               folder / "checkpoints" / "last.ckpt")
-    return folder
 
 
 @contextlib.contextmanager
