@@ -38,6 +38,7 @@ from common import fake_run, save
 
 from seg_at_scale.data.sources.synthetic import write_scene
 from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.io import RasterReader
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bench" / "archive"
 COMMON = ("fast=true", "preview=false", "stac=false", "progress=false", "tile_size=1024",
@@ -130,8 +131,7 @@ def measure(name: str, run: Path, folder: Path, megapixels: float) -> dict[str, 
     t_alone, _ = seg_predict(f"run={run}", f"image={folder / 'large.tif'}",
                              f"output={work / 'large_alone.tif'}", "overwrite=true")
     t_arch, _ = archive(run, only, work / "large_archive", 1)
-    with __import__("seg_at_scale.io", fromlist=["RasterReader"]).RasterReader(
-            folder / "large.tif") as r:
+    with RasterReader(folder / "large.tif") as r:
         mp = r.height * r.width / 1e6
     figures["large"] = {"alone_s": round(t_alone, 1), "archive_s": round(t_arch, 1),
                         "alone_mpix_per_s": round(mp / t_alone, 3),
@@ -152,8 +152,6 @@ def main() -> None:
     if args.quick:
         args.scenes, args.side, args.large = 8, 400, 1200
     folder = scenes(args.scenes, args.side, args.large)
-    from seg_at_scale.io import RasterReader
-
     megapixels = 0.0
     for image in folder.glob("*.tif"):
         with RasterReader(image) as r:
