@@ -24,7 +24,7 @@ from seg_at_scale.prediction.archive import (
     predict_archive,
 )
 from seg_at_scale.prediction.lock import output_lock
-from seg_at_scale.prediction.report import score, write_report
+from seg_at_scale.prediction.report import merge_vectors, score, write_report
 
 if TYPE_CHECKING:
     from seg_at_scale.cli.predict import PredictJob
@@ -46,7 +46,8 @@ def archive_work(job: PredictJob, card: dict[str, Any], source: str,
     output_dir = Path(job.output_dir)  # type: ignore[arg-type]
     scenes = archive_scenes(job.images, output_dir,  # type: ignore[arg-type]
                             output_format=job.output_format,
-                            masks=Path(job.masks) if job.masks else None, vector=job.vector)
+                            masks=Path(job.masks) if job.masks else None, vector=job.vector,
+                            vector_merge=job.vector_merge)
     refused = check_archive(scenes, job.options, card=card, source=source, model_files=files,
                             cuda=cuda, on_error=job.on_error)
     return ArchiveWork(scenes, refused)
@@ -65,6 +66,7 @@ def predict_archive_job(job: PredictJob, trained: TrainedModel,
         if rank != 0:
             return {}
         score(records, work.scenes, trained.num_classes, trained.ignore_index)
+        merged = merge_vectors(records, work.scenes, output_dir) if job.vector_merge else None
         doc = write_report(records, output_dir, stac=job.options.stac)
     computed = sum(r.tiles_computed for r in records)
     return {"model": trained.source, "scenes": doc["scenes"],
@@ -72,6 +74,6 @@ def predict_archive_job(job: PredictJob, trained: TrainedModel,
             "tiles_computed": computed,
             "tiles_resumed": sum(r.tiles_resumed for r in records),
             "summary": str(output_dir / "summary.csv"), "mosaics": doc.get("mosaics", []),
-            "items": doc.get("items"),
+            "items": doc.get("items"), "vectors": str(merged) if merged else None,
             "problems": {r.stem: r.reason for r in records
                          if r.status in ("skipped", "failed")}}

@@ -67,6 +67,7 @@ class PredictJob:
     output_format: Literal["tif", "zarr"] = "tif"
     masks: str | None = None
     on_error: Literal["stop", "skip"] = "stop"
+    vector_merge: bool = False
     run: str | None = None
     model: str | None = None
     ckpt: str = "best"

@@ -138,18 +138,26 @@ def _mask_of(masks: Path | None, stem: str) -> Path | None:
 
 
 def archive_scenes(images: str, output_dir: Path, *, output_format: str = "tif",
-                   masks: Path | None = None, vector: str | None = None
-                   ) -> list[ArchiveScene]:
-    """The archive's scenes with their outputs (``<output_dir>/<stem>.<format>``)."""
+                   masks: Path | None = None, vector: str | None = None,
+                   vector_merge: bool = False) -> list[ArchiveScene]:
+    """The archive's scenes with their outputs (``<output_dir>/<stem>.<format>``).
+
+    Polygons go to ``<output_dir>/<stem>.<vector>``, or with ``vector_merge`` to
+    ``<output_dir>/.vectors/`` (the pieces :func:`~.report.merge_vectors` joins into one
+    file; kept, so a rerun or an added scene merges again without recomputing).
+    """
     if vector is not None and vector not in VECTOR_FORMATS:
         raise ConfigError(f"vector={vector!r} with images=: give the format of one vector "
                           f"file per scene, one of {', '.join(VECTOR_FORMATS)}")
     if masks is not None and not masks.is_dir():
         raise InputError(f"masks='{masks}' is not a folder; give the folder of ground-truth "
                          "rasters named <stem>.tif or <stem>_mask.tif")
+    if vector_merge and vector is None:
+        raise ConfigError("vector_merge=true needs vector=<gpkg | parquet | fgb>")
+    pieces = output_dir / ".vectors" if vector_merge else output_dir
     return [ArchiveScene(stem, image, output_dir / f"{stem}.{output_format}",
                          _mask_of(masks, stem),
-                         output_dir / f"{stem}.{vector}" if vector else None)
+                         pieces / f"{stem}.{vector}" if vector else None)
             for stem, image in find_images(images)]
 
 

@@ -61,6 +61,45 @@ def _atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def merge_vectors(records: Sequence[SceneRecord], scenes: Sequence[ArchiveScene],
+                  output_dir: Path) -> Path | None:
+    """Every finished scene's polygons in one file, ``vectors.<ext>``, with a ``scene`` column.
+
+    Scenes in another CRS than the first are reprojected to it (GeoPandas). GeoPackage and
+    FlatGeobuf are appended scene by scene; GeoParquet is written once (all polygons in
+    memory). Written under a temporary name and renamed when complete.
+    """
+    import geopandas as gpd
+    import pyogrio
+
+    done = {r.stem for r in records if r.status in ("done", "reused")}
+    pieces = [s.vector for s in scenes if s.stem in done and s.vector is not None
+              and s.vector.exists()]
+    if not pieces:
+        return None
+    out = output_dir / f"vectors{pieces[0].suffix}"
+    tmp = output_dir / f".vectors.{os.getpid()}.tmp{pieces[0].suffix}"
+    tmp.unlink(missing_ok=True)
+    crs, frames = None, []
+    parquet = out.suffix == ".parquet"  # GDAL here has no Parquet driver: one write
+    for k, piece in enumerate(pieces):
+        frame = gpd.read_file(piece) if not parquet else gpd.read_parquet(piece)
+        crs = crs or frame.crs
+        if crs is not None and frame.crs is not None and frame.crs != crs:
+            frame = frame.to_crs(crs)
+        frame.insert(0, "scene", piece.stem)
+        if parquet:
+            frames.append(frame)
+        else:  # streamed: one scene in memory at a time
+            pyogrio.write_dataframe(frame, tmp, layer="vectors", append=k > 0)
+    if parquet:
+        import pandas as pd
+
+        gpd.GeoDataFrame(pd.concat(frames, ignore_index=True), crs=crs).to_parquet(tmp)
+    os.replace(tmp, out)
+    return out
+
+
 def write_report(records: Sequence[SceneRecord], output_dir: Path, *,
                  stac: bool) -> dict[str, Any]:
     """Write the summary, the mosaics and the ItemCollection; what was written."""

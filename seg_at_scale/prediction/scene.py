@@ -98,6 +98,7 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
     probs = _probabilities_source(output, options)
     if vector is not None:
         if wanted(vector):
+            vector.parent.mkdir(parents=True, exist_ok=True)
             write_vectors(output, vector, class_names=trained.class_names,
                           connectivity=options.vector_connectivity,
                           min_area=options.vector_min_area, simplify=options.vector_simplify,

@@ -187,3 +187,19 @@ def test_a_stac_item_collection_names_the_scenes(archive, tmp_path):
     for stem in ("s1", "s3"):
         got = (out / f"scene-{stem}.tif").read_bytes()
         assert got == (tmp / "single" / f"{stem}.tif").read_bytes()
+
+
+def test_one_merged_vector_file_for_the_archive(archive, tmp_path):
+    import geopandas as gpd
+
+    tmp, run = archive
+    out = tmp_path / "out"
+    res = _archive(run, f"images={tmp / 'scenes'}", f"output_dir={out}", "vector=gpkg",
+                   "vector_merge=true", "vector_min_area=0")
+    merged = gpd.read_file(res["vectors"])
+    assert sorted(merged["scene"].unique()) == sorted(SIZES)
+    for stem in SIZES:  # the merged rows of a scene are that scene's own polygons
+        piece = gpd.read_file(out / ".vectors" / f"{stem}.gpkg")
+        assert int(merged.loc[merged["scene"] == stem, "pixels"].sum()) == int(
+            piece["pixels"].sum()) == int((read_raster(out / f"{stem}.tif")[0] != 255).sum())
+    assert not list(out.glob("s0.gpkg")) and merged.crs is not None
