@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cli_helpers import assert_plain_checkpoints
 from data_helpers import tiff_module
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -304,6 +305,7 @@ def test_cosmic_experiment_trains_a_fast_step(tmp_path):
     for key in ("val/miou", "val/acc_nonbg", "val/iou_neutrino", "val/plane2_miou"):
         assert key in header
     assert (tmp_path / "data" / "cosmic_96x160_ds2_s0" / "manifest.json").exists()
+    assert assert_plain_checkpoints(tmp_path / "run") >= 2  # UResNet + the cosmic task
 
 
 @pytest.mark.parametrize("name", ["seg_at_scale.models.uresnet", "seg_at_scale.data.sources.cosmic",

@@ -30,6 +30,7 @@ from seg_at_scale.data.sources.streets import (
 from seg_at_scale.data.sources.taco import Taco, load_taco
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import read_raster
+from seg_at_scale.models.checkpoint import load_checkpoint
 from seg_at_scale.models.trained import footprint_with_halo
 
 CONF = str(Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf")
@@ -176,6 +177,8 @@ def _fast_fit(tmp_path: Path, overrides: list[str], epochs: int = 6) -> dict[str
                          callbacks=[Losses()], default_root_dir=str(tmp_path))
     trainer.fit(task, datamodule=dm)
     assert data.num_classes == task.num_classes == cfg.data.num_classes
+    trainer.save_checkpoint(tmp_path / "fit.ckpt")  # what seg-train's checkpoints hold:
+    load_checkpoint(tmp_path / "fit.ckpt")  # plain data (weights_only), the task's too
     return {"first": losses[0], "last": losses[-1], "steps": len(losses),
             **{k: float(v) for k, v in trainer.callback_metrics.items()}}
 
