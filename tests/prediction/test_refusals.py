@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -273,3 +274,15 @@ def test_a_prediction_leaves_only_its_outputs(cli_case, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "scene.v1.stac.json", "scene.v1.tif", "scene.v1_preview.png",
         "scene.v2.stac.json", "scene.v2.tif", "scene.v2_preview.png"]
+
+
+def test_help_speaks_prediction():
+    """Before: --help listed the training groups (data, experiment, model_family, ...)."""
+    res = subprocess.run([sys.executable, "-m", "seg_at_scale.cli.predict", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0
+    for key in ("run=", "model=", "image=", "images=", "output_dir=", "vector=", "on_error=",
+                "processes=", "nodes=", "trust_run="):
+        assert f"\n  {key}" in res.stdout, key
+    assert "model_family" not in res.stdout and "experiment" not in res.stdout
+    assert "sbatch" in res.stdout and "vector=a_buildings.gpkg" in res.stdout
