@@ -1,0 +1,75 @@
+"""The test Slurm cluster (one per test session, i.e. per pytest-xdist worker) and what its
+jobs need: ``seg-train`` / ``seg-predict`` on the PATH running this checkout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cluster import Cluster, unavailable
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "examples" / "slurm"  # the sbatch scripts of the README, run as they are
+COMMANDS = {"seg-train": "seg_at_scale.cli.train", "seg-predict": "seg_at_scale.cli.predict"}
+
+
+def _worker_index() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(worker[2:]) if worker[2:].isdigit() else 0
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Cluster]:
+    """A started two-node cluster; stopped at the end of the session, nothing left running.
+
+    Each xdist worker has its own (own folder, free ports, ``ClusterName`` and job ids a
+    thousand apart, so Lightning's job-id-derived rendezvous ports never meet).
+    """
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    k = _worker_index()
+    root = Path(tempfile.mkdtemp(prefix=f"seg-slurm-{k}-", dir="/tmp"))  # short: socket paths
+    cluster = Cluster.create(root, name=f"segtest{k}", first_job_id=1 + 1000 * k)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    yield cluster
+    left = cluster.stop()
+    assert not left, f"still running after the cluster stopped (killed now): {left}"
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def console_scripts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ``bin/`` whose ``seg-train`` / ``seg-predict`` run this checkout with this Python
+    (the README's scripts call the installed console scripts)."""
+    folder = tmp_path_factory.mktemp("bin")
+    for name, module in COMMANDS.items():
+        script = folder / name
+        script.write_text(f'#!/bin/sh\nexec {sys.executable} -m {module} "$@"\n')
+        script.chmod(0o755)
+    return folder
+
+
+def job_env(tmp: Path, console_scripts: Path) -> dict[str, str]:
+    """The whole environment of a test's jobs (sbatch passes it on: ``--export=ALL``).
+
+    ``MASTER_ADDR``: the test nodes ``n1`` / ``n2`` are names of Slurm's only; on a real
+    cluster node names resolve and Lightning takes the first one's.
+    """
+    return {"PATH": f"{console_scripts}:/usr/bin:/bin", "PYTHONPATH": str(REPO),
+            "SEG_DATA_DIR": str(tmp / "data"), "WANDB_MODE": "offline", "CI": "true",
+            "HOME": os.environ.get("HOME", "/root"), "MASTER_ADDR": "127.0.0.1"}
+
+
+@pytest.fixture()
+def jobs_env(tmp_path: Path, console_scripts: Path) -> dict[str, str]:
+    return job_env(tmp_path, console_scripts)
