@@ -1,9 +1,12 @@
 """Stopping a training run without losing it: SIGTERM, Ctrl+C, SLURM's requeue.
 
 * **SIGTERM** (what SLURM, Kubernetes and ``kill`` send before a kill): Lightning's own
-  handler marks it and its loops raise ``SIGTERMException`` at the next batch boundary;
+  handler marks it and its loops raise ``SIGTERMException`` at the next batch boundary
+  (in grid mode the next *image* boundary: :class:`SaveOnStop` holds the stop until the
+  image's last tile, since the gradient summed so far is in memory only);
   :class:`SaveOnStop` then writes ``checkpoints/last.ckpt``, which a rerun into the run
-  folder resumes from (``ckpt_path=auto``).
+  folder resumes from (``ckpt_path=auto``) exactly: the resumed epoch leaves out the
+  batches done (:class:`~seg_at_scale.data.samplers.ResumableSampler`).
 * **SIGINT** (Ctrl+C): the first one is turned into the same orderly stop (Lightning would
   otherwise raise ``KeyboardInterrupt`` wherever the program is, e.g. inside an optimiser
   step, and save nothing); a second one interrupts at once.
@@ -35,7 +38,11 @@ log = logging.getLogger(__name__)
 
 
 class SaveOnStop(pl.Callback):
-    """Save ``<dirpath>/last.ckpt`` when SIGTERM or Ctrl+C stops training.
+    """Save ``<dirpath>/last.ckpt`` after every epoch and when SIGTERM or Ctrl+C stops.
+
+    Lightning's ``ModelCheckpoint(save_last=True)`` writes ``last.ckpt`` only in the epochs
+    its monitored metric improves (Lightning >= 2.5): without the save here a resume, or
+    ``seg-predict ckpt=last``, would go back to the best epoch.
 
     Attributes:
         signal: the signal that stopped the run (``signal.SIGTERM`` / ``SIGINT``), or None.
@@ -46,6 +53,7 @@ class SaveOnStop(pl.Callback):
         self.path = Path(dirpath) / "last.ckpt"
         self.signal: int | None = None
         self._previous: Any = None
+        self._held = False  # a stop held until the current image's last tile
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -55,6 +63,25 @@ class SaveOnStop(pl.Callback):
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Hold a stop that lands inside an image (grid mode) until the image's last tile.
+
+        Lightning stops after any batch; mid-image, the image's gradient summed so far is
+        lost with the process and the resumed run could not take the same step.
+        """
+        connector = getattr(trainer, "_signal_connector", None)  # Lightning's stop flag
+        if connector is None:
+            return
+        inside = isinstance(batch, dict) and "last" in batch and not bool(batch["last"].all())
+        if inside and connector.received_sigterm:
+            connector.received_sigterm, self._held = False, True
+        elif self._held and not inside:
+            connector.received_sigterm, self._held = True, False
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)  # collective: every rank gets here
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         """First Ctrl+C: stop like SIGTERM, at the next batch boundary; second: at once."""

@@ -251,7 +251,8 @@ PartitionName=test Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
         order = [n for n in (*(f"slurmd-{n}" for n in NODES), "slurmctld", "munged")
                  if n in self.pids]
         for name in order:
-            _end(self.pids[name], timeout)
+            if _marked(self.pids[name], self.root):  # not a pid reused by another program
+                _end(self.pids[name], timeout)
         for proc in self._procs:
             proc.poll()  # reap our own children
         left = marked_processes(self.root)
@@ -334,18 +335,26 @@ def _reap(pid: int) -> None:
         pass
 
 
-def marked_processes(root: Path) -> list[tuple[int, str]]:
-    """Live processes of this cluster: the daemons' mark or ``SLURM_CONF`` in their env."""
+def _marked(pid: int, root: Path) -> bool:
+    """The process carries this cluster's mark, or ``SLURM_CONF`` naming its config."""
     marks = (f"{MARK}={root}".encode(), f"SLURM_CONF={root}/slurm.conf".encode())
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(m in environ for m in marks)
+
+
+def marked_processes(root: Path) -> list[tuple[int, str]]:
+    """Live processes of this cluster (daemons, job steps, their children): pid, name."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            name = (entry / "comm").read_text().strip()
-        except OSError:
-            continue
-        if any(m in environ for m in marks) and _alive(int(entry.name)):
-            found.append((int(entry.name), name))
+        pid = int(entry.name)
+        if _marked(pid, root) and _alive(pid):
+            try:
+                found.append((pid, (entry / "comm").read_text().strip()))
+            except OSError:
+                continue
     return found

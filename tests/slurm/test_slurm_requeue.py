@@ -1,0 +1,69 @@
+"""Requeue for real: Slurm's time-limit signal (``--signal=USR1@90``), Lightning's HPC
+checkpoint and ``scontrol requeue``, the requeued job resuming in its run folder
+``runs/<run_name>/<job id>`` to the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from slurm_helpers import (
+    SCRIPTS,
+    SGD,
+    TINY,
+    assert_same_weights,
+    finish,
+    job_log,
+    params,
+    start_reference,
+)
+
+pytestmark = pytest.mark.slurm
+
+# 4 tiles per image (a stop can land inside an image), 2 images per epoch, SGD
+REQUEUE = ["tiling=grid", "tiling.q=2", "predict_after_fit=false", *SGD, "trainer.max_epochs=16"]
+
+
+def wait_for(check, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < end, f"no {what} after {timeout} s"
+        time.sleep(0.2)
+    return found
+
+
+def test_time_limit_signal_requeues_and_the_job_resumes_to_the_same_weights(
+        slurm_cluster, jobs_env, tmp_path: Path):
+    env = {**jobs_env, "PYTHONPATH": f"{jobs_env['PYTHONPATH']}:{Path(__file__).parent}"}
+    out = tmp_path / "job.out"
+    job = slurm_cluster.sbatch(["-N1", "--time=10", "-o", str(out), "--chdir", str(tmp_path),
+                                str(SCRIPTS / "train.sbatch"), *TINY, *REQUEUE,
+                                "+callbacks.pace._target_=pacing.PaceFirstRun"], env)
+    ref = start_reference(tmp_path, "one", jobs_env, *REQUEUE)  # meanwhile, outside Slurm
+    run = tmp_path / "runs" / "same_unet_tiny" / str(job)  # the job id names the run folder
+    wait_for(lambda: (run / "checkpoints" / "last.ckpt").exists() or
+             slurm_cluster.job(job)["JobState"] != "RUNNING", 120, "first epoch")
+    # a short time limit now that training runs: USR1 is due (90 s before the limit)
+    slurm_cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=1")
+    wait_for(lambda: slurm_cluster.job(job)["Restarts"] == "1", 90, "requeue")
+    wait_for(lambda: slurm_cluster.job(job)["JobState"] == "PENDING", 60, "pending again")
+    # Slurm holds a requeued job for 120 s (BeginTime): start it now, with its time limit
+    # back (a limit it has passed would have the new run signalled before Lightning is up)
+    slurm_cluster.client("scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10")
+    info = slurm_cluster.wait(job, timeout=240)
+    log = job_log(out)
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log[-3000:]
+    assert "Handling auto-requeue signal: 10" in log and f"Requeued SLURM job: {job}" in log
+    assert "stopped by SIGTERM" in log  # the requeue's SIGTERM: last.ckpt at an image end
+    last = run / "checkpoints" / "last.ckpt"
+    assert f"Restoring states from the checkpoint path at {last}" in log
+    assert (run / "hpc_ckpt_1.ckpt").is_file() and (run / ".hydra" / "resume_1").is_dir()
+    completions = [line for line in (slurm_cluster.root / "log" / "jobcomp.txt").read_text()
+                   .splitlines() if line.startswith(f"JobId={job} ")]
+    assert len(completions) == 2 and "JobState=COMPLETED" in completions[-1]
+    finish(ref, tmp_path / "one.log")
+    ckpt = torch.load(last, map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == 16 * 2  # every image of every epoch stepped once
+    assert_same_weights(params(tmp_path / "one"), params(run))
