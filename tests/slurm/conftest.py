@@ -16,6 +16,15 @@ from cluster import Cluster, unavailable
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "examples" / "slurm"  # the sbatch scripts of the README, run as they are
 COMMANDS = {"seg-train": "seg_at_scale.cli.train", "seg-predict": "seg_at_scale.cli.predict"}
+# what pip writes for a console script: the entry point imported from its module (run as
+# ``python -m`` instead, a submitit job would unpickle the task from ``__main__``)
+CONSOLE_SCRIPT = """#!{python}
+import sys
+from {module} import main
+if __name__ == "__main__":
+    sys.argv[0] = "{name}"
+    sys.exit(main())
+"""
 
 
 def _worker_index() -> int:
@@ -54,7 +63,7 @@ def console_scripts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("bin")
     for name, module in COMMANDS.items():
         script = folder / name
-        script.write_text(f'#!/bin/sh\nexec {sys.executable} -m {module} "$@"\n')
+        script.write_text(CONSOLE_SCRIPT.format(python=sys.executable, module=module, name=name))
         script.chmod(0o755)
     return folder
 
