@@ -41,10 +41,11 @@ def test_time_limit_signal_requeues_and_the_job_resumes_to_the_same_weights(
     job = slurm_cluster.sbatch(["-N1", "--time=10", "-o", str(out), "--chdir", str(tmp_path),
                                 str(SCRIPTS / "train.sbatch"), *TINY, *REQUEUE,
                                 "+callbacks.pace._target_=pacing.PaceFirstRun"], env)
-    ref = start_reference(tmp_path, "one", jobs_env, *REQUEUE)  # meanwhile, outside Slurm
     run = tmp_path / "runs" / "same_unet_tiny" / str(job)  # the job id names the run folder
     wait_for(lambda: (run / "checkpoints" / "last.ckpt").exists() or
-             slurm_cluster.job(job)["JobState"] != "RUNNING", 120, "first epoch")
+             slurm_cluster.job(job)["JobState"] not in ("PENDING", "RUNNING"), 120,
+             "first epoch")
+    ref = start_reference(tmp_path, "one", jobs_env, *REQUEUE)  # meanwhile, outside Slurm
     # a short time limit now that training runs: USR1 is due (90 s before the limit)
     slurm_cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=1")
     wait_for(lambda: slurm_cluster.job(job)["Restarts"] == "1", 90, "requeue")
