@@ -3,6 +3,7 @@ rank per node, against the one-process run of the same exact tiled problem."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,5 @@ def test_two_nodes_train_the_one_process_steps(slurm_cluster, jobs_env, tmp_path
     for key in ("train", "val"):
         assert got[key] == pytest.approx(ref[key], rel=1e-5)
     assert_same_weights(params(one), params(two))
+    # one torch thread per rank: the task's CPUs (OMP_NUM_THREADS), not the node's cores
+    assert json.loads((two / "trial.json").read_text())["threads"] == 1
