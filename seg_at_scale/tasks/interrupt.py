@@ -1,9 +1,10 @@
 """Stopping a training run without losing it: SIGTERM, Ctrl+C, SLURM's requeue.
 
-* **SIGTERM** (what SLURM, Kubernetes and ``kill`` send before a kill): Lightning's own
-  handler marks it and its loops raise ``SIGTERMException`` at the next batch boundary
-  (in grid mode the next *image* boundary: :class:`SaveOnStop` holds the stop until the
-  image's last tile, since the gradient summed so far is in memory only);
+* **SIGTERM** (what SLURM, Kubernetes and ``kill`` send before a kill): during training
+  :class:`SaveOnStop` holds it until the current image's last tile (grid mode: the
+  gradient summed so far is in memory only; random tiles: the batch), where all ranks
+  decide together and Lightning's handler marks the stop; its loops raise
+  ``SIGTERMException`` after that batch;
   :class:`SaveOnStop` then writes ``checkpoints/last.ckpt``, which a rerun into the run
   folder resumes from (``ckpt_path=auto``) exactly: the resumed epoch leaves out the
   batches done (:class:`~seg_at_scale.data.samplers.ResumableSampler`).
@@ -27,6 +28,8 @@ from types import FrameType
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
 from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -53,7 +56,8 @@ class SaveOnStop(pl.Callback):
         self.path = Path(dirpath) / "last.ckpt"
         self.signal: int | None = None
         self._previous: Any = None
-        self._held = False  # a stop held until the current image's last tile
+        self._lightning: Any = None  # Lightning's SIGTERM handler, called when an image ends
+        self._held: int | None = None  # a SIGTERM not acted on yet
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -64,27 +68,43 @@ class SaveOnStop(pl.Callback):
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put :meth:`_on_sigterm` in front of the SIGTERM handler Lightning has set."""
+        handler = signal.getsignal(signal.SIGTERM)
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            self._lightning = handler
+            signal.signal(signal.SIGTERM, self._on_sigterm)  # Lightning restores its own at end
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM during training: held until the current image's last tile.
+
+        Until the image's optimiser step its gradient summed so far is in memory only: a
+        stop there would lose it, and the resumed run could not take the same step. The
+        ranks decide together at the image's end (:meth:`on_train_batch_end`): Lightning's
+        handler runs a collective, which inside a signal handler met the other ranks at any
+        point (a Slurm job's ranks are each signalled) and hung or broke the job.
+        """
+        self._held = signum
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Hold a stop that lands inside an image (grid mode) until the image's last tile.
-
-        Lightning stops after any batch; mid-image, the image's gradient summed so far is
-        lost with the process and the resumed run could not take the same step.
-        """
-        connector = getattr(trainer, "_signal_connector", None)  # Lightning's stop flag
-        if connector is None:
+        """At an image's end: stop (every rank) if any rank holds a SIGTERM."""
+        if self._lightning is None or not _image_ends(batch):
             return
-        inside = isinstance(batch, dict) and "last" in batch and not bool(batch["last"].all())
-        if inside and connector.received_sigterm:
-            connector.received_sigterm, self._held = False, True
-        elif self._held and not inside:
-            connector.received_sigterm, self._held = True, False
+        held = self._held is not None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([int(held)], device=trainer.strategy.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank, at the same slot
+            held = bool(flag.item())
+        if held:
+            self._held = None
+            self._lightning(signal.SIGTERM, None)  # Lightning marks the stop, on every rank
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.save_checkpoint(self.path)  # collective: every rank gets here
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
-        """First Ctrl+C: stop like SIGTERM, at the next batch boundary; second: at once."""
+        """First Ctrl+C: stop like SIGTERM (at the image's end); the second: at once."""
         if self.signal == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal = signal.SIGINT
@@ -107,6 +127,11 @@ class SaveOnStop(pl.Callback):
                         "hydra.run.dir=%s to resume", signal.Signals(self.signal).name,
                         trainer.current_epoch, trainer.global_step, self.path,
                         self.path.parent.parent)
+
+
+def _image_ends(batch: Any) -> bool:
+    """The batch is an image's last slot (grid mode), or a batch of its own (random tiles)."""
+    return not (isinstance(batch, dict) and "last" in batch) or bool(batch["last"].all())
 
 
 def slurm_plugins(auto_requeue: bool, requeue_signal: str) -> list[Any]:

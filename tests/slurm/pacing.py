@@ -1,8 +1,10 @@
-"""A callback that slows a Slurm job's first run down (not its requeued runs).
+"""A callback that slows a Slurm job down on request, so a test's signal finds it training.
 
-The requeue test needs training still running when Slurm's time-limit signal comes (the
-controller checks limits every 30 s); sleeping after each batch of the first run keeps
-it short in CPU. ``SLURM_RESTART_COUNT`` is set in a requeued job.
+``SEG_TEST_PACE_S=<seconds>`` in the job's environment: sleep that long after each training
+batch, unless the job was requeued (``SLURM_RESTART_COUNT``): the requeue test needs its
+first run still training when the controller's time-limit check (every 30 s) signals it,
+and cheap in CPU meanwhile. The callback sits in every run's config (a resumed run must
+have its run's config); only the environment switches it on.
 """
 
 from __future__ import annotations
@@ -13,16 +15,14 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-__all__ = ["PaceFirstRun"]
+__all__ = ["Pace"]
 
 
-class PaceFirstRun(pl.Callback):
-    """Sleep ``seconds`` after each training batch unless the job was requeued."""
-
-    def __init__(self, seconds: float = 0.25) -> None:
-        self.seconds = seconds
+class Pace(pl.Callback):
+    """Sleep ``SEG_TEST_PACE_S`` seconds after each training batch of a job's first run."""
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        if int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
-            time.sleep(self.seconds)
+        seconds = float(os.environ.get("SEG_TEST_PACE_S") or 0)
+        if seconds and int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
+            time.sleep(seconds)

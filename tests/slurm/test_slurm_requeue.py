@@ -36,11 +36,12 @@ def wait_for(check, timeout: float, what: str):
 
 def test_time_limit_signal_requeues_and_the_job_resumes_to_the_same_weights(
         slurm_cluster, jobs_env, tmp_path: Path):
-    env = {**jobs_env, "PYTHONPATH": f"{jobs_env['PYTHONPATH']}:{Path(__file__).parent}"}
+    env = {**jobs_env, "PYTHONPATH": f"{jobs_env['PYTHONPATH']}:{Path(__file__).parent}",
+           "SEG_TEST_PACE_S": "0.25"}
     out = tmp_path / "job.out"
     job = slurm_cluster.sbatch(["-N1", "--time=10", "-o", str(out), "--chdir", str(tmp_path),
                                 str(SCRIPTS / "train.sbatch"), *TINY, *REQUEUE,
-                                "+callbacks.pace._target_=pacing.PaceFirstRun"], env)
+                                "+callbacks.pace._target_=pacing.Pace"], env)
     run = tmp_path / "runs" / "same_unet_tiny" / str(job)  # the job id names the run folder
     wait_for(lambda: (run / "checkpoints" / "last.ckpt").exists() or
              slurm_cluster.job(job)["JobState"] not in ("PENDING", "RUNNING"), 120,
