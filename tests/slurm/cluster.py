@@ -161,7 +161,7 @@ JobRequeue=1
 ReturnToService=2
 SlurmdTimeout=30
 MessageTimeout=10
-KillWait=5
+KillWait=15
 MinJobAge=600
 # no slurmdbd: sacct is unavailable; completions are logged here and scontrol show job
 # holds the requeue count (Restarts=)

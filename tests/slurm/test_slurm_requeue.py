@@ -1,6 +1,6 @@
-"""Requeue for real: Slurm's time-limit signal (``--signal=USR1@90``), Lightning's HPC
-checkpoint and ``scontrol requeue``, the requeued job resuming in its run folder
-``runs/<run_name>/<job id>`` to the weights of an uninterrupted run."""
+"""Requeue for real, on two nodes: Slurm's time-limit signal (``--signal=USR1@90``),
+Lightning's HPC checkpoint and ``scontrol requeue``, the requeued job resuming in its run
+folder ``runs/<run_name>/<job id>`` to the weights of an uninterrupted one-process run."""
 
 from __future__ import annotations
 
@@ -22,8 +22,12 @@ from slurm_helpers import (
 
 pytestmark = pytest.mark.slurm
 
-# 4 tiles per image (a stop can land inside an image), 2 images per epoch, SGD
-REQUEUE = ["tiling=grid", "tiling.q=2", "predict_after_fit=false", *SGD, "trainer.max_epochs=16"]
+# 4 tiles per image (2 slots on each of 2 ranks: a stop can land inside an image), 2 images
+# per epoch, SGD; the first run paced to ~2 s an epoch: still training when the signal
+# comes (within 30 s of the limit's change), the requeued run not paced
+EPOCHS = 24
+REQUEUE = ["tiling=grid", "tiling.q=2", "predict_after_fit=false", *SGD,
+           f"trainer.max_epochs={EPOCHS}"]
 
 
 def wait_for(check, timeout: float, what: str):
@@ -37,9 +41,9 @@ def wait_for(check, timeout: float, what: str):
 def test_time_limit_signal_requeues_and_the_job_resumes_to_the_same_weights(
         slurm_cluster, jobs_env, tmp_path: Path):
     env = {**jobs_env, "PYTHONPATH": f"{jobs_env['PYTHONPATH']}:{Path(__file__).parent}",
-           "SEG_TEST_PACE_S": "0.25"}
+           "SEG_TEST_PACE_S": "0.5"}
     out = tmp_path / "job.out"
-    job = slurm_cluster.sbatch(["-N1", "--time=10", "-o", str(out), "--chdir", str(tmp_path),
+    job = slurm_cluster.sbatch(["-N2", "--time=10", "-o", str(out), "--chdir", str(tmp_path),
                                 str(SCRIPTS / "train.sbatch"), *TINY, *REQUEUE,
                                 "+callbacks.pace._target_=pacing.Pace"], env)
     run = tmp_path / "runs" / "same_unet_tiny" / str(job)  # the job id names the run folder
@@ -59,13 +63,17 @@ def test_time_limit_signal_requeues_and_the_job_resumes_to_the_same_weights(
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), log[-3000:]
     assert "Handling auto-requeue signal: 10" in log and f"Requeued SLURM job: {job}" in log
     assert "stopped by SIGTERM" in log  # the requeue's SIGTERM: last.ckpt at an image end
+    assert log.count("Exited with exit code 143") == 2  # both ranks, together
     last = run / "checkpoints" / "last.ckpt"
     assert f"Restoring states from the checkpoint path at {last}" in log
-    assert (run / "hpc_ckpt_1.ckpt").is_file() and (run / ".hydra" / "resume_1").is_dir()
+    assert (run / ".hydra" / "resume_1").is_dir()
+    hpc = torch.load(run / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=True)
+    done = hpc["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"]
+    assert done % 2 == 0  # saved at an image's end (2 slots a rank), not inside one
     completions = [line for line in (slurm_cluster.root / "log" / "jobcomp.txt").read_text()
                    .splitlines() if line.startswith(f"JobId={job} ")]
     assert len(completions) == 2 and "JobState=COMPLETED" in completions[-1]
     finish(ref, tmp_path / "one.log")
     ckpt = torch.load(last, map_location="cpu", weights_only=True)
-    assert ckpt["global_step"] == 16 * 2  # every image of every epoch stepped once
+    assert ckpt["global_step"] == EPOCHS * 2  # every image of every epoch stepped once
     assert_same_weights(params(tmp_path / "one"), params(run))
