@@ -7,14 +7,13 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from cluster import Cluster, unavailable
+from slurm_helpers import EPOCHS, EXACT, REPO, finish, start_reference
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "examples" / "slurm"  # the sbatch scripts of the README, run as they are
 COMMANDS = {"seg-train": "seg_at_scale.cli.train", "seg-predict": "seg_at_scale.cli.predict"}
 # what pip writes for a console script: the entry point imported from its module (run as
 # ``python -m`` instead, a submitit job would unpickle the task from ``__main__``)
@@ -82,3 +81,23 @@ def job_env(tmp: Path, console_scripts: Path) -> dict[str, str]:
 @pytest.fixture()
 def jobs_env(tmp_path: Path, console_scripts: Path) -> dict[str, str]:
     return job_env(tmp_path, console_scripts)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory,
+              console_scripts: Path) -> Iterator[Callable[[], Path]]:
+    """The one-process run (outside Slurm) of the exact problem the training and requeue
+    tests train on Slurm (``EXACT``, ``EPOCHS`` epochs): started when first asked for, in
+    the background; calling the fixture's value waits for it and gives its run folder."""
+    tmp = tmp_path_factory.mktemp("one")
+    proc = start_reference(tmp, "one", job_env(tmp, console_scripts), *EXACT,
+                           f"trainer.max_epochs={EPOCHS}")
+
+    def done() -> Path:
+        finish(proc, tmp / "one.log")
+        return tmp / "one"
+
+    yield done
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()

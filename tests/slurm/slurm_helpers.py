@@ -19,6 +19,7 @@ TINY = ["logger=csv", "model=unet_tiny", "data.synthetic.height=157",
 SGD = ["task.optimizer._target_=torch.optim.SGD", "~task.optimizer.weight_decay",
        "task.optimizer.lr=0.05", "task.scheduler=null"]
 EXACT = ["tiling=grid", "tiling.q=3", "predict_after_fit=false", *SGD]
+EPOCHS = 5  # of the training and requeue tests (one one-process reference for both)
 
 
 def train_cmd(run: Path, *overrides: str) -> list[str]:

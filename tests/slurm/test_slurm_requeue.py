@@ -9,25 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from slurm_helpers import (
-    SCRIPTS,
-    SGD,
-    TINY,
-    assert_same_weights,
-    finish,
-    job_log,
-    params,
-    start_reference,
-)
+from slurm_helpers import EPOCHS, EXACT, SCRIPTS, TINY, assert_same_weights, job_log, params
 
 pytestmark = pytest.mark.slurm
 
-# 4 tiles per image (2 slots on each of 2 ranks: a stop can land inside an image), 2 images
-# per epoch, SGD; the first run paced to ~2 s an epoch: still training when the signal
-# comes (within 30 s of the limit's change), the requeued run not paced
-EPOCHS = 24
-REQUEUE = ["tiling=grid", "tiling.q=2", "predict_after_fit=false", *SGD,
-           f"trainer.max_epochs={EPOCHS}"]
+# the training tests' exact problem (5 slots an image on each of 2 ranks); the first run
+# paced to ~10 s an epoch: still training when the signal comes (within 30 s of the
+# limit's change), the requeued run not paced
+REQUEUE = [*TINY, *EXACT, f"trainer.max_epochs={EPOCHS}", "+callbacks.pace._target_=pacing.Pace"]
 
 
 def wait_for(check, timeout: float, what: str):
@@ -39,18 +28,17 @@ def wait_for(check, timeout: float, what: str):
 
 
 def test_time_limit_signal_requeues_and_the_job_resumes_to_the_same_weights(
-        slurm_cluster, jobs_env, tmp_path: Path):
+        slurm_cluster, jobs_env, reference, tmp_path: Path):
+    started = tmp_path / "training"
     env = {**jobs_env, "PYTHONPATH": f"{jobs_env['PYTHONPATH']}:{Path(__file__).parent}",
-           "SEG_TEST_PACE_S": "0.5"}
+           "SEG_TEST_PACE_S": "1", "SEG_TEST_STARTED": str(started)}
     out = tmp_path / "job.out"
     job = slurm_cluster.sbatch(["-N2", "--time=10", "-o", str(out), "--chdir", str(tmp_path),
-                                str(SCRIPTS / "train.sbatch"), *TINY, *REQUEUE,
-                                "+callbacks.pace._target_=pacing.Pace"], env)
+                                str(SCRIPTS / "train.sbatch"), *REQUEUE], env)
     run = tmp_path / "runs" / "same_unet_tiny" / str(job)  # the job id names the run folder
-    wait_for(lambda: (run / "checkpoints" / "last.ckpt").exists() or
+    wait_for(lambda: started.exists() or
              slurm_cluster.job(job)["JobState"] not in ("PENDING", "RUNNING"), 120,
-             "first epoch")
-    ref = start_reference(tmp_path, "one", jobs_env, *REQUEUE)  # meanwhile, outside Slurm
+             "training")
     # a short time limit now that training runs: USR1 is due (90 s before the limit)
     slurm_cluster.client("scontrol", "update", f"JobId={job}", "TimeLimit=1")
     wait_for(lambda: slurm_cluster.job(job)["Restarts"] == "1", 90, "requeue")
@@ -69,11 +57,10 @@ def test_time_limit_signal_requeues_and_the_job_resumes_to_the_same_weights(
     assert (run / ".hydra" / "resume_1").is_dir()
     hpc = torch.load(run / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=True)
     done = hpc["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["completed"]
-    assert done % 2 == 0  # saved at an image's end (2 slots a rank), not inside one
+    assert done % 5 == 0  # saved at an image's end (5 slots a rank), not inside one
     completions = [line for line in (slurm_cluster.root / "log" / "jobcomp.txt").read_text()
                    .splitlines() if line.startswith(f"JobId={job} ")]
     assert len(completions) == 2 and "JobState=COMPLETED" in completions[-1]
-    finish(ref, tmp_path / "one.log")
     ckpt = torch.load(last, map_location="cpu", weights_only=True)
     assert ckpt["global_step"] == EPOCHS * 2  # every image of every epoch stepped once
-    assert_same_weights(params(tmp_path / "one"), params(run))
+    assert_same_weights(params(reference()), params(run))

@@ -6,46 +6,25 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import job_env
 from slurm_helpers import (
+    EPOCHS,
     EXACT,
     SCRIPTS,
     TINY,
     assert_same_weights,
-    finish,
     job_log,
     losses,
     params,
-    start_reference,
 )
 
 pytestmark = pytest.mark.slurm
 
-EPOCHS = 3
 COMMON = [*TINY, *EXACT, f"trainer.max_epochs={EPOCHS}"]
 HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, console_scripts) -> Iterator[Callable[[], Path]]:
-    """The one-process run (outside Slurm) of the problem both tests train: started at
-    once, in the background; calling the fixture's value waits for it."""
-    tmp = tmp_path_factory.mktemp("one")
-    proc = start_reference(tmp, "one", job_env(tmp, console_scripts), *EXACT,
-                           f"trainer.max_epochs={EPOCHS}")
-
-    def done() -> Path:
-        finish(proc, tmp / "one.log")
-        return tmp / "one"
-
-    yield done
-    proc.kill()
-    proc.wait()
 
 
 def test_two_nodes_train_the_one_process_steps(slurm_cluster, jobs_env, reference,
