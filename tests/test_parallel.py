@@ -16,7 +16,7 @@ from seg_at_scale.data.samplers import ShardedImageSampler
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import UNet
 from seg_at_scale.models.layers import check_layers, run_layers
-from seg_at_scale.parallel.launch import spawn
+from seg_at_scale.parallel.launch import cpu_threads, spawn
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe
 from seg_at_scale.parallel.planner import bubble_fraction, partition, plan, predict
 from seg_at_scale.parallel.profile import LayerCost, profile_layers
@@ -258,3 +258,16 @@ def test_pipeline_group_is_validated_once_with_the_key_named() -> None:
         resolve_pipeline(g, net, (4, 64, 72), batch_size=4)  # no default written in code
     cfg = resolve_pipeline({**g, "chunks": 2, "checkpoint": "never"}, net, (4, 64, 72), 4)
     assert cfg is not None and (cfg.chunks, cfg.checkpoint) == (2, "never")
+
+
+def test_cpu_threads_follow_omp_num_threads_then_the_cpus_this_process_may_use(monkeypatch):
+    """A Slurm task's --cpus-per-task (OMP_NUM_THREADS), else its affinity: not the node's
+    core count, which gave every rank of a Slurm job all the node's cores."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert (cpu_threads(1), cpu_threads(2), cpu_threads(16)) == (8, 4, 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(2) == 3

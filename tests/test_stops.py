@@ -123,3 +123,44 @@ def test_first_ctrl_c_stops_like_sigterm_the_second_at_once(monkeypatch) -> None
         stop.teardown(None, None, "fit")  # type: ignore[arg-type]
         signal.signal(signal.SIGTERM, previous)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+GRID = ["logger=csv", "model=unet_tiny", "data.synthetic.height=157", "data.synthetic.width=189",
+        "data.synthetic.splits={train:2,val:1,test:1}", "trainer.enable_progress_bar=false",
+        "trainer.num_sanity_val_steps=0", "tiling=grid", "tiling.q=3", "predict_after_fit=false",
+        "task.optimizer._target_=torch.optim.SGD", "~task.optimizer.weight_decay",
+        "task.optimizer.lr=0.05", "task.scheduler=null", "trainer.max_epochs=2",
+        "+callbacks.stop._target_=stop_callbacks.SignalAt"]
+
+
+def test_a_stop_inside_an_image_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
+    """Grid mode, SIGTERM at tile 6 of epoch 1's first image (9 tiles): the stop waits for
+    the image's last tile (its gradient is in memory only), the rerun leaves out the 9
+    batches done, and the weights are the uninterrupted run's, bit for bit."""
+    env = {"SEG_DATA_DIR": str(tmp_path / "data"), "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "WANDB_MODE": "offline"}
+
+    def train(run: str, **extra: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "seg_at_scale.cli.train", *GRID,
+               f"hydra.run.dir={tmp_path / run}"]
+        return subprocess.Popen(cmd, env={**env, **extra}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    ref = train("ref")
+    stopped = train("run", SEG_TEST_STOP_AT="1:5")
+    log = stopped.communicate(timeout=300)[0]
+    assert stopped.returncode == 128 + signal.SIGTERM, log[-3000:]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=True)
+    progress = saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+    assert (saved["epoch"], saved["global_step"], progress["completed"]) == (1, 3, 9)
+    again = train("run")
+    log = again.communicate(timeout=300)[0]
+    assert again.returncode == 0 and "resuming epoch 1 after its first 9 batches" in log, log
+    assert ref.communicate(timeout=300)[0] and ref.returncode == 0
+    a, b = (torch.load(tmp_path / r / "checkpoints" / "last.ckpt", map_location="cpu",
+                       weights_only=True) for r in ("ref", "run"))
+    # last.ckpt is the end of training, whether or not val/miou improved in the last epoch
+    assert a["global_step"] == b["global_step"] == 4
+    for k, v in a["state_dict"].items():
+        assert torch.equal(b["state_dict"][k], v), k

@@ -369,3 +369,24 @@ def test_explore_sweep_notebook_shows_one_row_per_trial_and_the_best_runs(killed
     assert "legend: background, vegetation, water, road, building" in text
     assert "side by side: job" in text and text.count("job ", text.index("side by side")) == 3
     assert images == [0, 0, 1, 1]  # the report figure, the predictions side by side
+
+
+def test_a_launch_stopped_midway_queues_its_trials_again(tmp_path):
+    """Ctrl+C of the sweeper while its Slurm jobs run (or the jobs cancelled): the trials
+    are interrupted, not failed; the rerun repeats their parameters."""
+    from seg_at_scale.sweeps.optuna_sweep import StudySettings, run_study
+
+    def stopped(batch, first):
+        raise KeyboardInterrupt
+
+    space = search_space({"x": "interval(0, 1)"})
+    settings = StudySettings("s", None, "maximize", "val/miou", n_trials=2, n_jobs=2, seed=0,
+                             max_failures=0)
+    with pytest.raises(KeyboardInterrupt):
+        run_study(settings, space, tmp_path, stopped)
+    study, resume = open_study(storage_url(None, tmp_path), "s", "maximize")
+    assert [(t.state.name, t.user_attrs.get(INTERRUPTED)) for t in study.trials] == [
+        ("FAIL", True), ("FAIL", True), ("WAITING", None), ("WAITING", None)]  # queued again
+    assert (resume.finished, resume.requeued) == (0, ())  # none counted, none left running
+    again = [study.ask() for _ in range(2)]
+    assert [t.suggest_float("x", 0, 1) for t in again] == [t.params["x"] for t in study.trials[:2]]

@@ -276,15 +276,16 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
              computed["grid"])
     task = instantiate(cfg.task, model=model if pipeline else apply_memory_mode(model, memory))
     setup_pipeline(task, pipeline, batch_size=train_batch_size(cfg))
-    stop = SaveOnStop(run.path / "checkpoints")
+    slurm = cfg.get("slurm") or {}
+    plugins = slurm_plugins(bool(slurm.get("auto_requeue", True)),
+                            str(slurm.get("requeue_signal", "SIGUSR1")))
+    stop = SaveOnStop(run.path / "checkpoints", requeue_signal=next(
+        (p.requeue_signal for p in plugins if p.auto_requeue), None))
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [
         MemoryReport(memory.label), stop]
     loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
     for lg in loggers:
         lg.log_hyperparams({"computed": computed})
-    slurm = cfg.get("slurm") or {}
-    plugins = slurm_plugins(bool(slurm.get("auto_requeue", True)),
-                            str(slurm.get("requeue_signal", "SIGUSR1")))
     trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks,
                                       logger=loggers or False, plugins=plugins or None,
                                       **pipeline_strategy(cfg.trainer, pipeline))

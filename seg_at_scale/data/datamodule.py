@@ -22,6 +22,7 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.samplers import (
     EpochSampler,
     ImageGroupedSampler,
+    ResumableSampler,
     ShardedImageSampler,
     ShardedTiles,
     padded_slots,
@@ -114,12 +115,12 @@ class TileDataModule(pl.LightningDataModule):
             ds = self._grid("train")
             if world > 1:  # sample parallelism: each image's tiles round-robin over ranks
                 return DataLoader(ShardedTiles(ds), batch_size=1, num_workers=workers,
-                                  sampler=ShardedImageSampler(ds.groups, rank, world,
-                                                              seed=self.seed),
+                                  sampler=self._resumable(ShardedImageSampler(
+                                      ds.groups, rank, world, seed=self.seed)),
                                   persistent_workers=workers > 0)
             sampler = ImageGroupedSampler(ds.groups, shuffle=True, seed=self.seed)
-            return DataLoader(ds, batch_size=1, sampler=sampler, num_workers=workers,
-                              persistent_workers=workers > 0)
+            return DataLoader(ds, batch_size=1, sampler=self._resumable(sampler),
+                              num_workers=workers, persistent_workers=workers > 0)
         t, d = self.tiling, self.data
         aug = build_augment(**dict(t.augment), seed=self.seed) if t.augment else None
         if t.samples_per_epoch is None or t.core_size is None:
@@ -131,9 +132,27 @@ class TileDataModule(pl.LightningDataModule):
                           class_weights=self.class_weights, ignore_index=d.ignore_index,
                           nodata=d.nodata)
         collate = functools.partial(pad_collate, ignore_index=d.ignore_index)
-        sampler = EpochSampler(len(rnd), rank=rank, world=world)
+        sampler = self._resumable(EpochSampler(len(rnd), rank=rank, world=world), t.batch_size)
         return DataLoader(rnd, batch_size=t.batch_size, sampler=sampler, collate_fn=collate,
                           num_workers=workers, persistent_workers=workers > 0, drop_last=False)
+
+    def _resumable(self, sampler: Any, batch_size: int = 1) -> ResumableSampler:
+        """``sampler`` entering the interrupted epoch where a resumed run stopped.
+
+        Lightning restores its loops before it asks for the training data: a checkpoint
+        written mid-epoch (a stop by SIGTERM, Ctrl+C or Slurm's requeue) leaves
+        ``batch_progress`` at the batches done, which the first pass then leaves out.
+        """
+        out = ResumableSampler(sampler, batch_size)
+        trainer = getattr(self, "trainer", None)
+        loop = getattr(trainer, "fit_loop", None)
+        if loop is not None and loop.restarting:
+            done = int(loop.epoch_loop.batch_progress.current.completed)
+            if 0 < done < -(-len(out) // batch_size):  # not at an epoch's end
+                out.resume_at(int(trainer.current_epoch), done)  # type: ignore[union-attr]
+                log.info("resuming epoch %d after its first %d batches",
+                         trainer.current_epoch, done)  # type: ignore[union-attr]
+        return out
 
     def _rank_world(self) -> tuple[int, int]:
         """This process's rank and the world size (Lightning's, when distributed)."""

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 __all__ = ["EpochSampler", "ImageGroupedSampler", "ShardedImageSampler", "ShardedTiles",
-           "shard_indices", "padded_slots", "is_pad"]
+           "ResumableSampler", "shard_indices", "padded_slots", "is_pad"]
 
 PAD = -1
 
@@ -113,6 +113,51 @@ class EpochSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.n, self.world))
+
+
+class ResumableSampler(Sampler[Any]):
+    """A training sampler that a resumed run enters part-way into its interrupted epoch.
+
+    A run stopped mid-epoch (SIGTERM, Slurm's requeue) resumes with Lightning's batch
+    counter at the batches it had done; without this the epoch would start over and train
+    on its first batches twice. :meth:`resume_at` skips them once, in that epoch only;
+    the length stays the whole epoch's, which Lightning's counter expects.
+
+    >>> s = ResumableSampler(ImageGroupedSampler([[0, 1], [2, 3, 4]], shuffle=False))
+    >>> s.resume_at(epoch=0, batches=2)
+    >>> list(s), list(s), len(s)
+    ([2, 3, 4], [0, 1, 2, 3, 4], 5)
+    """
+
+    def __init__(self, sampler: Any, batch_size: int = 1) -> None:
+        self.sampler, self.batch_size = sampler, batch_size
+        self.epoch = 0
+        self._resume: tuple[int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
+
+    def resume_at(self, epoch: int, batches: int) -> None:
+        """Leave out the first ``batches`` batches of ``epoch`` (done before the stop).
+
+        The epoch is set here too: with data-loader workers, Lightning's first pass of a
+        resumed run starts drawing before it sets the sampler's epoch.
+        """
+        self.set_epoch(epoch)
+        self._resume = (epoch, batches) if batches > 0 else None
+
+    def __iter__(self) -> Iterator[Any]:
+        items = iter(self.sampler)
+        if self._resume is not None and self._resume[0] == self.epoch:
+            skip = self._resume[1] * self.batch_size
+            self._resume = None
+            for _ in range(skip):
+                next(items, None)
+        return items
+
+    def __len__(self) -> int:
+        return len(self.sampler)
 
 
 class ShardedTiles(Dataset):

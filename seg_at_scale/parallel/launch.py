@@ -1,7 +1,7 @@
 """Run a function on ``world`` local processes joined in a torch.distributed group.
 
 Used by the tests and benchmarks of sample parallelism (Lightning launches the training
-processes itself, ``trainer=ddp``). Each process gets ``cores // world`` threads.
+processes itself, ``trainer=ddp``). Each process gets :func:`cpu_threads` threads.
 """
 
 from __future__ import annotations
@@ -15,7 +15,26 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "free_port"]
+__all__ = ["spawn", "free_port", "cpu_threads"]
+
+
+def cpu_threads(processes: int = 1) -> int:
+    """Torch threads for each of ``processes`` CPU processes of this node.
+
+    ``OMP_NUM_THREADS`` when set (per process; a Slurm script sets it from
+    ``--cpus-per-task``), else the CPUs this process may run on (its affinity: what
+    Slurm's task binding, a cgroup cpuset or ``taskset`` allow, not the machine's count)
+    shared among the processes. ``os.cpu_count()`` gave every rank of a Slurm task the
+    whole node's cores.
+    """
+    given = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, processes))
 
 
 def free_port() -> int:
@@ -42,6 +61,6 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
 
     ``fn`` must be importable (a module-level function). Raises if any process fails.
     """
-    threads = threads or max(1, (os.cpu_count() or 1) // world)
+    threads = threads or cpu_threads(world)
     mp.start_processes(_entry, args=(fn, world, free_port(), backend, threads, args),
                        nprocs=world, join=True, start_method="spawn")

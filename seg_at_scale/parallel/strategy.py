@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +20,8 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor
+
+from seg_at_scale.parallel.launch import cpu_threads
 
 __all__ = ["SampleParallelStrategy", "PipelineStrategy", "all_reduce_gradients",
            "world_size"]
@@ -101,11 +102,14 @@ class SampleParallelStrategy(_KeepsPipeInPlace, DDPStrategy):
     strategy_name = "sample_parallel"
 
     def setup_environment(self) -> None:
-        """Process group as DDP; on CPU, the cores are split among this node's processes."""
+        """Process group as DDP; on CPU, this node's CPUs split among its processes.
+
+        ``OMP_NUM_THREADS`` (a Slurm task's ``--cpus-per-task``) wins; else the CPUs this
+        process may use (:func:`~seg_at_scale.parallel.launch.cpu_threads`).
+        """
         super().setup_environment()
         if self.root_device.type == "cpu":
-            local = max(1, self.num_processes)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+            torch.set_num_threads(cpu_threads(self.num_processes))
 
     def configure_ddp(self) -> None:
         """Start from rank 0's parameters; no DDP wrapper (the task reduces gradients)."""

@@ -7,7 +7,9 @@ processes, SLURM) with job numbers equal to the trial numbers (so ``<sweep dir>/
 
 * complete: the run's best monitored value (``trial.json``, the number the checkpoint kept);
 * pruned: the pruning callback stopped it (user attribute ``pruned_at_epoch``);
-* failed: the job raised, died, or recorded no value.
+* failed: the job raised, died, or recorded no value;
+* interrupted: the launcher raised (the sweep was stopped, its Slurm jobs cancelled): the
+  trials are queued again, so a rerun of the command repeats them.
 
 Rounds continue until the study holds ``n_trials`` finished trials, counting those of
 earlier, interrupted invocations (:func:`seg_at_scale.sweeps.study.open_study`).
@@ -28,7 +30,7 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.sweeps.pruning import PRUNED_AT
 from seg_at_scale.sweeps.report import read_record
 from seg_at_scale.sweeps.space import SearchSpace
-from seg_at_scale.sweeps.study import open_study, storage_url
+from seg_at_scale.sweeps.study import open_storage, open_study, requeue_running, storage_url
 
 __all__ = ["StudySettings", "run_study", "job_outcome", "RESULTS_FILE"]
 
@@ -138,10 +140,16 @@ def run_study(settings: StudySettings, space: SearchSpace, sweep_dir: str | Path
                                    "another sweeper is asking this study; run one at a time")
             if check is not None:
                 check(batch)
-            done = launch(batch, trials[0].number)
         except BaseException:
             for t in trials:
                 study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
+            raise
+        try:
+            done = launch(batch, trials[0].number)
+        except BaseException:  # stopped (Ctrl+C), or its jobs cancelled (scancel) or lost
+            numbers = requeue_running(open_storage(url), study, [t.number for t in trials])
+            log.warning("sweep stopped while trials %s ran: marked interrupted; rerun the "
+                        "same command to run them again", numbers)
             raise
         failed = _tell(study, trials, done, settings.objective)
         failures += len(failed)

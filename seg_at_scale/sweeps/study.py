@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 from seg_at_scale.errors import ConfigError
 
 __all__ = ["STUDY_FILE", "Resume", "storage_url", "open_storage", "open_study",
-           "finished_trials", "INTERRUPTED"]
+           "finished_trials", "requeue_running", "INTERRUPTED"]
 
 log = logging.getLogger("seg_at_scale.sweeps")
 
@@ -73,6 +73,36 @@ def finished_trials(study: Any) -> list[Any]:
             if not t.user_attrs.get(INTERRUPTED)]
 
 
+def requeue_running(storage: Any, study: Any, numbers: Sequence[int] | None = None
+                    ) -> list[int]:
+    """Mark running trials failed and ``interrupted``, and queue their parameters again.
+
+    Their jobs never reported (the sweep was killed, stopped, or its jobs cancelled): a
+    rerun repeats them instead of counting them as failures.
+
+    Args:
+        storage: the study's storage (:func:`open_storage`).
+        study: the optuna study.
+        numbers: only these trials (those still running among them); None: every one.
+
+    Returns:
+        The numbers of the trials requeued.
+    """
+    from optuna.trial import TrialState
+
+    study_id = storage.get_study_id_from_name(study.study_name)
+    requeued = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if numbers is not None and t.number not in numbers:
+            continue
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
+        storage.set_trial_user_attr(trial_id, INTERRUPTED, True)
+        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+        study.enqueue_trial(t.params, user_attrs={"rerun_of": t.number})
+        requeued.append(t.number)
+    return requeued
+
+
 def open_study(url: str, study_name: str, direction: str,
                sampler: Callable[[int], Any] | None = None,
                pruner: Any = None) -> tuple[Any, Resume]:
@@ -97,7 +127,6 @@ def open_study(url: str, study_name: str, direction: str,
         ConfigError: ``direction`` is neither, or differs from the stored study's.
     """
     import optuna
-    from optuna.trial import TrialState
 
     if direction not in ("maximize", "minimize"):
         raise ConfigError(f"hydra.sweeper.direction={direction!r}: use maximize or minimize")
@@ -110,14 +139,7 @@ def open_study(url: str, study_name: str, direction: str,
         raise ConfigError(f"hydra.sweeper.direction={direction}: study '{study_name}' in {url} "
                           f"was created to {study.direction.name.lower()}; keep its direction "
                           "or start a new study (hydra.sweeper.study_name=<new name>)")
-    study_id = storage.get_study_id_from_name(study_name)
-    requeued = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, t.number)
-        storage.set_trial_user_attr(trial_id, INTERRUPTED, True)
-        storage.set_trial_state_values(trial_id, TrialState.FAIL)
-        study.enqueue_trial(t.params, user_attrs={"rerun_of": t.number})
-        requeued.append(t.number)
+    requeued = requeue_running(storage, study)
     if requeued:
         log.warning("study '%s': trials %s were left running by a stopped sweep; marked "
                     "failed (interrupted) and queued again", study_name, requeued)
