@@ -215,9 +215,10 @@ def _describe(hint: Any) -> str:
 
 def _load_builtin() -> None:
     """Register the project's own families (import here: their modules import torch)."""
-    if {"unet", "uresnet", "gscnn"} <= _FAMILIES.keys():
+    if {"unet", "uresnet", "gscnn", "smp"} <= _FAMILIES.keys():
         return
     from seg_at_scale.models.gscnn import GSCNN
+    from seg_at_scale.models.smp import SMPModel
     from seg_at_scale.models.unet import UNet
     from seg_at_scale.models.uresnet import UResNet
 
@@ -226,3 +227,5 @@ def _load_builtin() -> None:
                     ("seg_at_scale.models.uresnet.UResNet",)))
     register(Family("gscnn", "seg_at_scale.models.GSCNN", GSCNN,
                     ("seg_at_scale.models.gscnn.GSCNN",)))
+    register(Family("smp", "seg_at_scale.models.SMPModel", SMPModel,
+                    ("seg_at_scale.models.smp.SMPModel",)))

@@ -1,0 +1,283 @@
+"""segmentation-models-pytorch networks (any architecture, any smp or timm encoder), tiled exactly.
+
+``SMPModel(arch="Unet", encoder="resnet34", in_channels=4, num_classes=5)`` builds
+``smp.create_model`` with random weights, makes it exactly tileable
+(:mod:`seg_at_scale.models.smp_exact`), then loads weights from files:
+``encoder_weights`` (a timm / torchvision / torchgeo state dict, a Lightning checkpoint's
+encoder) and ``weights`` (a whole smp model's state dict trained elsewhere), both matched
+by key and reported (:mod:`seg_at_scale.models.weights`), the first convolution adapted
+to the input bands by ``band_map``. The weights' own normalisation is recorded in the
+model (buffers ``input_mean`` / ``input_std`` / ``input_scale``, saved with every
+checkpoint; NaN where unknown): :meth:`SMPModel.input_normalization`.
+
+Tiling: the alignment is the encoder's output stride (32; 16 or 8 for dilated DeepLab
+encoders), the halo is measured by the empirical probe (cached per architecture), and
+whole-image statistics run in extra passes (:mod:`seg_at_scale.tiling.passes`).
+Operations no pass can fix (squeeze-excitation, attention) make :meth:`SMPModel.footprint`
+refuse exact tiling in one line naming the module; ``tiling.exact=false`` runs them with
+overlap-and-blend (:mod:`seg_at_scale.tiling.blend`).
+
+>>> net = SMPModel("Unet", "tu-test_resnet", in_channels=4, num_classes=3,
+...                options={"decoder_channels": [16, 16, 8, 8, 8]}).eval()
+>>> net(torch.zeros(1, 4, 64, 96)).shape, net.downsampling_factor
+(torch.Size([1, 3, 64, 96]), 32)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import segmentation_models_pytorch as smp
+import torch
+from torch import Tensor, nn
+
+from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.models import weights as W
+from seg_at_scale.models.smp_exact import ASPPImagePool, make_exact, non_local_modules, refusal
+from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.halo import WholeImageDependency, empirical_halo
+from seg_at_scale.tiling.sites import site_levels, statistic_sites
+
+__all__ = ["SMPModel", "ARCHITECTURES"]
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("Unet", "UnetPlusPlus", "FPN", "PSPNet", "DeepLabV3", "DeepLabV3Plus",
+                 "Linknet", "MAnet", "PAN", "UPerNet", "Segformer", "DPT")
+_HALOS: dict[tuple[Any, ...], int] = {}  # the probe's halo per architecture (not weights)
+
+
+class SMPModel(nn.Module):
+    """An smp network with this project's tiling interface.
+
+    Args:
+        arch: smp architecture (:data:`ARCHITECTURES`).
+        encoder: smp encoder name (``resnet34``) or a timm one as ``tu-<name>``.
+        in_channels: input bands (``data.bands``).
+        num_classes: output classes.
+        options: further keyword arguments of the smp architecture (``decoder_channels``,
+            ``encoder_depth``, ``encoder_output_stride``, ``decoder_atrous_rates``, ...).
+        encoder_weights: a weights file for the encoder (or a hub name, online only).
+        weights: a whole smp model's weights file (overrides ``encoder_weights``).
+        band_map: pretrained input channel for each input band (null: starts at zero).
+        align_corners: keep smp's size-dependent bilinear upsampling (not tile-exact).
+
+    Shapes:
+        ``[B, in_channels, H, W] -> [B, num_classes, H, W]``, H and W multiples of
+        :attr:`downsampling_factor`.
+    """
+
+    padding = "same"
+
+    def __init__(self, arch: str = "Unet", encoder: str = "resnet34", in_channels: int = 3,
+                 num_classes: int = 2, *, options: dict[str, Any] | None = None,
+                 encoder_weights: str | None = None, weights: str | None = None,
+                 band_map: list[int | None] | None = None, align_corners: bool = False) -> None:
+        super().__init__()
+        self.arch, self.encoder_name = arch, encoder
+        self.in_channels, self.num_classes = in_channels, num_classes
+        self.options = dict(options or {})
+        self.align_corners = align_corners
+        self.net = _create(arch, encoder, in_channels, num_classes, self.options)
+        make_exact(self.net, align_corners=align_corners)
+        self.register_buffer("input_mean", torch.full((in_channels,), math.nan))
+        self.register_buffer("input_std", torch.full((in_channels,), math.nan))
+        self.register_buffer("input_scale", torch.tensor(math.nan))
+        self.weights_report: dict[str, str] = {}
+        self._footprint: Footprint | None = None
+        if band_map is not None and encoder_weights is None and weights is None:
+            raise ConfigError(f"model.band_map={band_map} maps pretrained channels, but no "
+                              "weights are given; set model.encoder_weights or model.weights")
+        if encoder_weights is not None:
+            self._load("model.encoder_weights", encoder_weights, self.net.encoder, band_map)
+        if weights is not None:
+            self._load("model.weights", weights, self.net, band_map)
+
+    # ----- weights ----------------------------------------------------------------------
+
+    def _load(self, key: str, spec: str, module: nn.Module,
+              band_map: list[int | None] | None) -> None:
+        path = W.resolve_weights(spec, self.encoder_name, key=key)
+        tensors, meta = W.read_weights(path, key=key)
+        target = module.state_dict()
+        first = _first_conv_key(module, self.in_channels)
+        match = W.match_weights(tensors, target, first_conv=first)
+        _check_fit(key, path, match, target, tensors, self.encoder_name)
+        file_channels = tensors[match.keys[first]].shape[1] if first in match.keys else None
+        W.check_band_map(band_map, self.in_channels, file_channels)
+        state = {k: tensors[f] for k, f in match.keys.items()}
+        if first in state:
+            state[first] = W.adapt_first_conv(state[first], self.in_channels, band_map)
+        module.load_state_dict(state, strict=False)
+        self.weights_report[key] = f"{path}: {match.summary()}"
+        log.info("%s=%s: %s", key, path, match.summary())
+        norm = W.normalization_of(path, meta)
+        if norm is not None:
+            self._record_normalization(norm, band_map, file_channels)
+
+    def _record_normalization(self, norm: dict[str, Any], band_map: list[int | None] | None,
+                              file_channels: int | None) -> None:
+        n = len(norm["mean"])
+        bands = band_map if band_map is not None else [
+            i if i < (file_channels or n) else None for i in range(self.in_channels)]
+        with torch.no_grad():
+            for i, j in enumerate(bands):
+                if j is not None and j < n:
+                    self.input_mean[i] = norm["mean"][j]
+                    self.input_std[i] = norm["std"][j]
+            self.input_scale.fill_(float(norm.get("scale", math.nan)))
+
+    def input_normalization(self) -> dict[str, Any] | None:
+        """The weights' normalisation per input band, or None when no weights recorded one.
+
+        Returns:
+            ``{"mean": [...], "std": [...], "scale": float | None}``; a band the weights
+            do not cover (mapped to zeros) has ``None`` entries.
+        """
+        if bool(torch.isnan(self.input_mean).all()):
+            return None
+
+        def plain(t: Tensor) -> list[float | None]:
+            return [None if math.isnan(v) else v for v in t.tolist()]
+
+        scale = float(self.input_scale)
+        return {"mean": plain(self.input_mean), "std": plain(self.input_std),
+                "scale": None if math.isnan(scale) else scale}
+
+    # ----- forward ----------------------------------------------------------------------
+
+    @property
+    def downsampling_factor(self) -> int:
+        """The alignment tiles need: the encoder's output stride."""
+        return int(self.net.encoder.output_stride)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits ``[B, num_classes, H, W]`` for ``[B, in_channels, H, W]``."""
+        return self.net(x)  # type: ignore[no-any-return]
+
+    def encoder_parameters(self) -> Iterator[nn.Parameter]:
+        """The encoder's parameters (fine-tuning: their own learning rate, freezing)."""
+        return self.net.encoder.parameters()  # type: ignore[no-any-return]
+
+    # ----- tiling -----------------------------------------------------------------------
+
+    def non_local(self) -> list[tuple[str, str]]:
+        """Operations no tiling can reproduce (see :mod:`~seg_at_scale.models.smp_exact`)."""
+        return [(f"net.{n}", k) for n, k in non_local_modules(self.net)]
+
+    def footprint(self) -> Footprint:
+        """Halo (the empirical probe, statistics held) and alignment; refuses non-local nets.
+
+        Raises:
+            ConfigError: the network needs the whole input somewhere (named); the fixes
+                are a local encoder or ``tiling.exact=false``.
+        """
+        if self._footprint is None:
+            where = f"model.arch={self.arch} model.encoder={self.encoder_name}"
+            found = self.non_local()
+            if found:
+                raise ConfigError(refusal(where, found))
+            try:
+                halo = self._halo()
+            except WholeImageDependency as exc:
+                raise ConfigError(refusal(where, [("the network", str(exc))])) from None
+            self._footprint = Footprint(halo, self.downsampling_factor, "same", 0)
+        return self._footprint
+
+    def _halo(self) -> int:
+        key = (self.arch, self.encoder_name, self.in_channels, repr(sorted(
+            self.options.items())), self.align_corners)
+        if key not in _HALOS:
+            _HALOS[key] = empirical_halo(self, align=self.downsampling_factor)
+        return _HALOS[key]
+
+    # ----- the ImagePooled protocol (seg_at_scale.tiling.statistics) --------------------
+
+    @property
+    def has_image_pool(self) -> bool:
+        """Whether the network takes whole-image statistics (DeepLab pooling, GroupNorm)."""
+        return bool(statistic_sites(self))
+
+    def pooled_features(self, x: Tensor) -> Tensor:
+        """DeepLab: the encoder features ``[B, C, h, w]`` its image pooling averages.
+
+        Raises:
+            ConfigError: statistics in more than one place (FPN's GroupNorms), which need
+                :func:`seg_at_scale.tiling.passes.fixed_statistics` instead of one pass.
+        """
+        self._single_pool()
+        return self.net.encoder(x)[-1]  # type: ignore[no-any-return]
+
+    @contextlib.contextmanager
+    def fixed_image_pool(self, pooled: Tensor | None) -> Iterator[None]:
+        """Within the block, DeepLab's image pooling uses ``pooled [B, C, 1, 1]``."""
+        if pooled is None or not self.has_image_pool:
+            yield
+            return
+        site = self._single_pool()
+        before, site.fixed = site.fixed, pooled
+        try:
+            yield
+        finally:
+            site.fixed = before
+
+    def _single_pool(self) -> ASPPImagePool:
+        sites = [s for _, s in statistic_sites(self)]
+        if len(sites) == 1 and isinstance(sites[0], ASPPImagePool):
+            return sites[0]
+        names = ", ".join(n for n, _ in statistic_sites(self))
+        raise ConfigError(f"model.arch={self.arch}: whole-image statistics at {names} need "
+                          "one pass per level (seg_at_scale.tiling.passes.fixed_statistics), "
+                          "not the single image-pooling pass")
+
+    def statistic_levels(self) -> int:
+        """Extra passes over the tiles exact tiling needs (0: none)."""
+        a = self.downsampling_factor
+        levels = site_levels(self, torch.zeros(1, self.in_channels, 2 * a, 2 * a))
+        return max(levels.values(), default=0)
+
+
+def _create(arch: str, encoder: str, in_channels: int, num_classes: int,
+            options: dict[str, Any]) -> nn.Module:
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"model.arch={arch!r} is not an smp architecture; use one of "
+                          f"{', '.join(ARCHITECTURES)}")
+    if not encoder.startswith("tu-") and encoder not in smp.encoders.get_encoder_names():
+        raise ConfigError(f"model.encoder={encoder!r} is not an smp encoder; use one of "
+                          "smp's (resnet34, efficientnet-b0, mit_b0, ...) or a timm model as "
+                          "tu-<name> (tu-convnext_tiny)")
+    try:
+        return smp.create_model(arch, encoder_name=encoder, encoder_weights=None,
+                                in_channels=in_channels, classes=num_classes, **options)
+    except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"model.arch={arch} model.encoder={encoder} "
+                          f"model.options={options}: smp refuses them ({exc})") from None
+
+
+def _first_conv_key(module: nn.Module, in_channels: int) -> str:
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Conv2d) and m.in_channels == in_channels:
+            return f"{name}.weight"
+    return ""
+
+
+def _check_fit(key: str, path: Any, match: W.WeightsMatch, target: dict[str, Tensor],
+               tensors: dict[str, Tensor], encoder: str) -> None:
+    """Refuse a file that does not fit the module, naming the first keys and shapes."""
+    params = [k for k in match.missing if not k.endswith("num_batches_tracked")]
+    if match.mismatched:
+        k, have, want = match.mismatched[0]
+        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: {k} is "
+                           f"{list(have)} in the file but {list(want)} in the model "
+                           f"({len(match.mismatched)} such); give weights of {encoder}")
+    if params:
+        shown = ", ".join(f"{k} {list(v.shape)}" for k, v in list(tensors.items())[:3])
+        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: "
+                           f"{len(params)} of {len(target)} tensors missing (first "
+                           f"{params[0]} {list(target[params[0]].shape)}); the file's "
+                           f"first keys are {shown}; give weights of {encoder} (timm, "
+                           "torchvision or torchgeo layout)")
