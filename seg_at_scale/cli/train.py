@@ -34,7 +34,6 @@ from omegaconf import DictConfig, OmegaConf
 from seg_at_scale.cli.common import (
     class_names_of,
     format_iou,
-    model_footprint,
     normalizer_of,
     predict_scene,
     reports_errors,
@@ -46,6 +45,7 @@ from seg_at_scale.cli.data_setup import (
     run_preflight,
     synthesize,
 )
+from seg_at_scale.cli.pretrained import run_footprint, use_weights_normalization
 from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.errors import ConfigError
@@ -208,10 +208,11 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
     model = build_model(OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
                         where="the model group", trust=bool(cfg.get("trust_run", False)))
-    fp = model_footprint(model, cfg.tiling.halo)
+    fp = run_footprint(model, cfg.tiling)  # tiling.exact=false: the approximate one
+    computed: dict[str, Any] = {}
+    use_weights_normalization(cfg, model, run, computed)  # finetune.normalization
     memory = check_memory(cfg, run)  # memory mode + precision
     report = run_preflight(data, run, bool(cfg.predict_after_fit))  # every split's files
-    computed: dict[str, Any] = {}
     resolve_normalization(cfg, run, report, computed)  # data.scale/mean/std=auto
     # the data group's _target_ is the DataModule (its keys plain values, the rest objects)
     dm: TileDataModule = instantiate(cfg.data, _partial_=True, _convert_="all")(

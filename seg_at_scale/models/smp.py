@@ -26,6 +26,8 @@ overlap-and-blend (:mod:`seg_at_scale.tiling.blend`).
 from __future__ import annotations
 
 import contextlib
+import copy
+import inspect
 import logging
 import math
 from collections.abc import Iterator
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("Unet", "UnetPlusPlus", "FPN", "PSPNet", "DeepLabV3", "DeepLabV3Plus",
                  "Linknet", "MAnet", "PAN", "UPerNet", "Segformer", "DPT")
+_OWN = ("self", "kwargs", "encoder_name", "encoder_weights", "in_channels", "classes")
 _HALOS: dict[tuple[Any, ...], int] = {}  # the probe's halo per architecture (not weights)
 
 
@@ -188,6 +191,27 @@ class SMPModel(nn.Module):
             self._footprint = Footprint(halo, self.downsampling_factor, "same", 0)
         return self._footprint
 
+    def approximate_footprint(self) -> Footprint:
+        """For ``tiling.exact=false``: the local receptive field, non-local modules skipped.
+
+        Squeeze-excitation and attention modules are replaced by the identity in the probe's
+        copy; where the network still reaches the whole input, the halo is two alignment
+        steps. Tiles with this halo are *not* exact (overlap-and-blend or training only).
+        """
+        key = ("approximate", self.arch, self.encoder_name, self.in_channels,
+               repr(sorted(self.options.items())))
+        if key not in _HALOS:
+            twin = copy.deepcopy(self)
+            for name, _ in non_local_modules(twin.net):
+                parent, _, attr = name.rpartition(".")
+                owner = twin.net.get_submodule(parent) if parent else twin.net
+                setattr(owner, attr, _Pass())
+            try:
+                _HALOS[key] = empirical_halo(twin, align=self.downsampling_factor)
+            except WholeImageDependency:
+                _HALOS[key] = 2 * self.downsampling_factor
+        return Footprint(_HALOS[key], self.downsampling_factor, "same", 0)
+
     def _halo(self) -> int:
         key = (self.arch, self.encoder_name, self.in_channels, repr(sorted(
             self.options.items())), self.align_corners)
@@ -241,6 +265,13 @@ class SMPModel(nn.Module):
         return max(levels.values(), default=0)
 
 
+class _Pass(nn.Module):
+    """The identity for any call signature (stands in for a non-local module)."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return x
+
+
 def _create(arch: str, encoder: str, in_channels: int, num_classes: int,
             options: dict[str, Any]) -> nn.Module:
     if arch not in ARCHITECTURES:
@@ -250,6 +281,11 @@ def _create(arch: str, encoder: str, in_channels: int, num_classes: int,
         raise ConfigError(f"model.encoder={encoder!r} is not an smp encoder; use one of "
                           "smp's (resnet34, efficientnet-b0, mit_b0, ...) or a timm model as "
                           "tu-<name> (tu-convnext_tiny)")
+    known = inspect.signature(getattr(smp, arch).__init__).parameters
+    unknown = sorted(set(options) - set(known) - {"self", "kwargs"})
+    if unknown and not encoder.startswith("tu-"):  # smp hands extra keywords to timm only
+        raise ConfigError(f"model.options has {unknown}, not keywords of smp.{arch} (its "
+                          f"keywords: {', '.join(k for k in known if k not in _OWN)})")
     try:
         return smp.create_model(arch, encoder_name=encoder, encoder_weights=None,
                                 in_channels=in_channels, classes=num_classes, **options)

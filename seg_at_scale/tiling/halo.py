@@ -26,6 +26,7 @@ the gradient to one input, cannot hide part of it).
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -103,8 +104,10 @@ def _structural_copy(model: nn.Module) -> nn.Module:
                 setattr(child, attr, nn.AvgPool2d(sub.kernel_size, sub.stride, sub.padding,
                                                   ceil_mode=sub.ceil_mode))
     with torch.no_grad():
-        for p in net.parameters():
+        for p in net.parameters():  # positive; / sqrt(fan-in) keeps 100+ layers finite
             p.uniform_(0.5, 1.0)
+            if p.dim() > 1:
+                p.div_(math.sqrt(p[0].numel()))
         for buf_name, buf in net.named_buffers():
             if buf_name.endswith("running_mean"):
                 buf.zero_()
@@ -145,6 +148,9 @@ def _extent(net: nn.Module, x: Tensor, axis: int, align: int
     i = out // 2 - out // 2 % align - align  # an aligned block near the middle
     seed = y.narrow(axis, i, align)
     (g,) = torch.autograd.grad(seed.sum(), x)
+    if not bool(torch.isfinite(g).all()):
+        raise ValueError("the halo probe overflowed (non-finite gradients); give the model "
+                         "a footprint() or tiling.halo=<pixels>")
     dims = tuple(d for d in range(g.dim()) if d != g.dim() + axis)
     hit = g.abs().sum(dim=dims).nonzero().flatten()
     return int(hit[0]), int(hit[-1]), i + shrink, out
