@@ -87,9 +87,10 @@ class SMPModel(nn.Module):
         self.align_corners = align_corners
         self.net = _create(arch, encoder, in_channels, num_classes, self.options)
         make_exact(self.net, align_corners=align_corners)
-        self.register_buffer("input_mean", torch.full((in_channels,), math.nan))
-        self.register_buffer("input_std", torch.full((in_channels,), math.nan))
-        self.register_buffer("input_scale", torch.tensor(math.nan))
+        f64 = torch.float64  # the statistics as written (a float32 0.485 reads 0.48500001)
+        self.register_buffer("input_mean", torch.full((in_channels,), math.nan, dtype=f64))
+        self.register_buffer("input_std", torch.full((in_channels,), math.nan, dtype=f64))
+        self.register_buffer("input_scale", torch.tensor(math.nan, dtype=f64))
         self.weights_report: dict[str, str] = {}
         self._footprint: Footprint | None = None
         if band_map is not None and encoder_weights is None and weights is None:
