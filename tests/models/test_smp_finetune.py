@@ -108,3 +108,29 @@ def test_experiment_finetune_composes():
     assert (cfg.task.freeze_bn, cfg.task.freeze_encoder_epochs, cfg.task.encoder_lr_scale) == (
         "all", 2, 0.1)
     assert cfg.tiling.mode == "grid" and cfg.model.encoder == "tu-test_resnet"
+
+
+def test_optuna_space_searches_architecture_and_encoder():
+    from seg_at_scale.sweeps.space import search_space
+
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("train", overrides=["hparams_search=optuna_smp"],
+                      return_hydra_config=True)
+    sweeper = cfg.hydra.sweeper
+    space = search_space(dict(sweeper.params), conditions=dict(sweeper.conditions))
+    names = {p.name: p for p in space.params}
+    assert names["model.arch"].choices == ("Unet", "FPN", "DeepLabV3Plus")
+    assert "tu-convnext_tiny" in names["model.encoder"].choices
+    assert names["finetune.encoder_lr_scale"].log and "memory" not in names
+    assert "model=smp" in space.fixed
+
+
+def test_features_without_a_flat_form_are_refused_with_the_reason():
+    from seg_at_scale.memory import apply_memory_mode
+    from seg_at_scale.parallel.setup import resolve_pipeline
+
+    net = preset_model("unet_test_resnet")
+    with pytest.raises(ConfigError, match="SMPModel has no pipeline_layers"):
+        apply_memory_mode(net, "checkpoint")
+    with pytest.raises(ConfigError, match="SMPModel has no flat layer form"):
+        resolve_pipeline({"mode": "auto", "stages": 2}, net, (4, 64, 64), 2)
