@@ -190,7 +190,8 @@ def predict_tiled_exact(model: nn.Module, image: Tensor, *,
                         q: int | tuple[int, int] | None = None,
                         tile_size: int | tuple[int, int] | None = None,
                         fp: Footprint | None = None, autocast: torch.dtype | None = None,
-                        out_dtype: torch.dtype = torch.float32) -> Tensor:
+                        out_dtype: torch.dtype = torch.float32,
+                        channels_last: bool = False) -> Tensor:
     """Tiled logits ``[B, K, H, W]`` equal to ``predict_full(model, image)``, any sites.
 
     As :func:`~seg_at_scale.tiling.predict_tiled` (same arguments), after the statistic
@@ -200,11 +201,13 @@ def predict_tiled_exact(model: nn.Module, image: Tensor, *,
     grid = _grid(model, image, q, tile_size, fp)
     if not has_statistics(model):
         return predict_tiled(model, image, q=q, tile_size=tile_size, fp=grid.footprint,
-                             autocast=autocast, out_dtype=out_dtype)
+                             autocast=autocast, out_dtype=out_dtype,
+                             channels_last=channels_last)
     device = next(model.parameters()).device
     with fixed_statistics(model, tensor_tiles(image, grid, device), grid):
         return predict_tiled(model, image, q=q, tile_size=tile_size, fp=grid.footprint,
-                             autocast=autocast, out_dtype=out_dtype)
+                             autocast=autocast, out_dtype=out_dtype,
+                             channels_last=channels_last)
 
 
 def tiled_backward_exact(model: nn.Module, image: Tensor, target: Tensor, loss: PixelLoss, *,

@@ -105,3 +105,13 @@ def test_tiled_gradients_equal_whole_image_gradients(preset):
     worst = max(float((p.grad - whole[n]).abs().max()) for n, p in net.named_parameters())
     scale = max(float(g.abs().max()) for g in whole.values())
     assert worst <= 1e-9 * scale
+
+
+@pytest.mark.parametrize("preset", ["unet_test_resnet", "fpn_test_resnet"])
+def test_channels_last_fp32_tiles_equal_the_contiguous_whole_image(preset):
+    """The fast fp32 layout keeps exactness: NHWC tiles against the NCHW untiled forward."""
+    net = preset_model(preset)
+    x = torch.randn(1, 4, 301, 277)
+    ref = predict_full(net, x)
+    nhwc = net.to(memory_format=torch.channels_last)
+    assert_exact(predict_tiled_exact(nhwc, x, q=2, channels_last=True), ref)
