@@ -224,8 +224,12 @@ class SMPModel(nn.Module):
 
     @property
     def has_image_pool(self) -> bool:
-        """Whether the network takes whole-image statistics (DeepLab pooling, GroupNorm)."""
-        return bool(statistic_sites(self))
+        """Whether a statistic (DeepLab pooling, GroupNorm) still needs computing.
+
+        False once every site holds its whole-image value
+        (:func:`seg_at_scale.tiling.passes.fixed_statistics`): a tiler then runs one pass.
+        """
+        return any(s.fixed is None for _, s in statistic_sites(self))
 
     def pooled_features(self, x: Tensor) -> Tensor:
         """DeepLab: the encoder features ``[B, C, h, w]`` its image pooling averages.

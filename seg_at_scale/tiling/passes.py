@@ -8,7 +8,11 @@ DeepLab's image pooling, FPN's GroupNorms) is tiled exactly in passes over the t
    before are held at their whole-image statistics; the forward stops as soon as the
    level's sites have recorded (a level-1 pass of DeepLabV3+ runs only the encoder);
 2. the final pass runs the tiles with every statistic fixed: the stitched cores equal the
-   whole-image forward (:func:`predict_tiled_exact`).
+   whole-image forward (:func:`predict_tiled_exact`). For a raster file, read the windows
+   with :func:`source_tiles` and run any tiler inside :func:`fixed_statistics`::
+
+       with fixed_statistics(model, source_tiles(RasterWindows(...), grid), grid):
+           predict_raster(model, "scene.tif", "labels.tif", ...)
 
 :func:`tiled_backward_exact` adds reverse passes: the final pass collects the gradient of
 the whole-image loss with respect to each fixed statistic, and one pass per level, deepest
@@ -30,12 +34,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
+from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, Window, make_grid
 from seg_at_scale.tiling.halo import footprint as model_footprint
 from seg_at_scale.tiling.predict import (  # noqa: F401 (predict_full: the doctest)
     PixelLoss,
@@ -52,7 +57,8 @@ from seg_at_scale.tiling.sites import (  # noqa: F401 (GroupNormSite: the doctes
 )
 
 __all__ = ["has_statistics", "statistic_passes", "fixed_statistics", "predict_tiled_exact",
-           "tiled_backward_exact", "TileInputs", "tensor_tiles", "check_no_tta"]
+           "tiled_backward_exact", "TileInputs", "tensor_tiles", "source_tiles",
+           "WindowReader", "check_no_tta"]
 
 TileInputs = Callable[[], Iterable[tuple[Tile, Tensor]]]
 """Returns a fresh iterable of ``(tile, model input window [B, C, h, w])`` over a grid."""
@@ -175,6 +181,28 @@ def tensor_tiles(image: Tensor, grid: TileGrid, device: torch.device | None = No
     def tiles() -> Iterator[tuple[Tile, Tensor]]:
         for tile in grid:
             x = read_window(image, tile.read, grid.footprint)
+            yield tile, x if device is None else x.to(device)
+
+    return tiles
+
+
+class WindowReader(Protocol):
+    """Anything that reads model input windows: ``read(window) -> (array [C, h, w], mask)``.
+
+    :class:`seg_at_scale.data.windows.RasterWindows` reads them from a raster file.
+    """
+
+    def read(self, window: Window) -> tuple[Any, Any]:
+        """The normalised input of ``window`` (filled outside the image) and its mask."""
+        ...
+
+
+def source_tiles(source: WindowReader, grid: TileGrid,
+                 device: torch.device | None = None) -> TileInputs:
+    """:data:`TileInputs` read window by window (a raster file: nothing whole in memory)."""
+    def tiles() -> Iterator[tuple[Tile, Tensor]]:
+        for tile in grid:
+            x = torch.as_tensor(source.read(tile.read)[0])[None]
             yield tile, x if device is None else x.to(device)
 
     return tiles

@@ -73,3 +73,27 @@ def test_deeplabv3plus_cog_two_pass_equals_untiled(tmp_path):
     assert stats.tiles >= 4 and stats.statistics_s > 0  # pass 1: the image pooling
     x = torch.from_numpy(DATA(read_raster(image)))[None]
     check_labels(read_raster(tmp_path / "pred.tif")[0], predict_full(net, x))
+
+
+def test_fpn_cog_with_statistics_fixed_from_the_file_equals_untiled(tmp_path):
+    """FPN's three GroupNorm levels: passes over windows read from the file, then the
+    raster path runs one pass with every statistic held."""
+    from seg_at_scale.data.windows import RasterWindows
+    from seg_at_scale.io import RasterReader
+    from seg_at_scale.tiling import fill_of, make_grid
+    from seg_at_scale.tiling.passes import fixed_statistics, source_tiles
+
+    net = preset_model("fpn_test_resnet")
+    image = make_image(tmp_path / "scene.tif", height=421, width=389)
+    fp = net.footprint()
+    tile = 2 * fp.context + 64
+    with RasterReader(image) as reader:
+        grid = make_grid(reader.height, reader.width, fp, tile_size=tile, uniform=True)
+        src = RasterWindows(reader, DATA, fill_of(fp))
+        with fixed_statistics(net, source_tiles(src, grid), grid):
+            assert not net.has_image_pool  # held: the raster path's single pass suffices
+            stats = predict_raster(net, image, tmp_path / "pred.tif", tile_size=tile, fp=fp,
+                                   normalizer=DATA, progress=False)
+    assert stats.tiles >= 4 and net.has_image_pool  # released after the block
+    x = torch.from_numpy(DATA(read_raster(image)))[None]
+    check_labels(read_raster(tmp_path / "pred.tif")[0], predict_full(net, x))
