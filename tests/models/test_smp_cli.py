@@ -71,4 +71,4 @@ def test_unet_resnet34_trains_and_predicts(tmp_path):
     image = next((tmp_path / "data").glob("*/test/scene_0_image.tif"))
     res = seg_predict(tmp_path / "run", image, tmp_path / "pred.tif", "fast=false",
                       "tile_size=1152", timeout=1200)
-    assert read_raster(tmp_path / "pred.tif").shape == (1, 600, 560) and res["tiles"] == 1
+    assert read_raster(tmp_path / "pred.tif").shape == (1, 600, 560) and res["halo"] == 513
