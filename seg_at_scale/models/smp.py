@@ -37,7 +37,7 @@ import segmentation_models_pytorch as smp
 import torch
 from torch import Tensor, nn
 
-from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import weights as W
 from seg_at_scale.models.smp_exact import ASPPImagePool, make_exact, non_local_modules, refusal
 from seg_at_scale.tiling.geometry import Footprint
@@ -105,23 +105,11 @@ class SMPModel(nn.Module):
 
     def _load(self, key: str, spec: str, module: nn.Module,
               band_map: list[int | None] | None) -> None:
-        path = W.resolve_weights(spec, self.encoder_name, key=key)
-        tensors, meta = W.read_weights(path, key=key)
-        target = module.state_dict()
-        first = _first_conv_key(module, self.in_channels)
-        match = W.match_weights(tensors, target, first_conv=first)
-        _check_fit(key, path, match, target, tensors, self.encoder_name)
-        file_channels = tensors[match.keys[first]].shape[1] if first in match.keys else None
-        W.check_band_map(band_map, self.in_channels, file_channels)
-        state = {k: tensors[f] for k, f in match.keys.items()}
-        if first in state:
-            state[first] = W.adapt_first_conv(state[first], self.in_channels, band_map)
-        module.load_state_dict(state, strict=False)
-        self.weights_report[key] = f"{path}: {match.summary()}"
-        log.info("%s=%s: %s", key, path, match.summary())
-        norm = W.normalization_of(path, meta)
-        if norm is not None:
-            self._record_normalization(norm, band_map, file_channels)
+        loaded = W.load_weights(module, spec, key=key, encoder=self.encoder_name,
+                                in_channels=self.in_channels, band_map=band_map)
+        self.weights_report[key] = loaded.report
+        if loaded.normalization is not None:
+            self._record_normalization(loaded.normalization, band_map, loaded.file_channels)
 
     def _record_normalization(self, norm: dict[str, Any], band_map: list[int | None] | None,
                               file_channels: int | None) -> None:
@@ -297,28 +285,3 @@ def _create(arch: str, encoder: str, in_channels: int, num_classes: int,
     except (RuntimeError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.arch={arch} model.encoder={encoder} "
                           f"model.options={options}: smp refuses them ({exc})") from None
-
-
-def _first_conv_key(module: nn.Module, in_channels: int) -> str:
-    for name, m in module.named_modules():
-        if isinstance(m, nn.Conv2d) and m.in_channels == in_channels:
-            return f"{name}.weight"
-    return ""
-
-
-def _check_fit(key: str, path: Any, match: W.WeightsMatch, target: dict[str, Tensor],
-               tensors: dict[str, Tensor], encoder: str) -> None:
-    """Refuse a file that does not fit the module, naming the first keys and shapes."""
-    params = [k for k in match.missing if not k.endswith("num_batches_tracked")]
-    if match.mismatched:
-        k, have, want = match.mismatched[0]
-        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: {k} is "
-                           f"{list(have)} in the file but {list(want)} in the model "
-                           f"({len(match.mismatched)} such); give weights of {encoder}")
-    if params:
-        shown = ", ".join(f"{k} {list(v.shape)}" for k, v in list(tensors.items())[:3])
-        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: "
-                           f"{len(params)} of {len(target)} tensors missing (first "
-                           f"{params[0]} {list(target[params[0]].shape)}); the file's "
-                           f"first keys are {shown}; give weights of {encoder} (timm, "
-                           "torchvision or torchgeo layout)")

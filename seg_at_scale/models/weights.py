@@ -32,6 +32,7 @@ read from the safetensors header (``mean``, ``std``, ``scale`` as JSON), a sidec
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import socket
@@ -41,12 +42,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError, InputError
 
 __all__ = ["read_weights", "match_weights", "WeightsMatch", "adapt_first_conv",
-           "normalization_of", "is_offline", "resolve_weights", "WEIGHT_SUFFIXES"]
+           "normalization_of", "is_offline", "resolve_weights", "WEIGHT_SUFFIXES",
+           "load_weights", "Loaded"]
+
+log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
 _WRAPPERS = ("state_dict", "model", "module", "model_state_dict", "net")
@@ -312,3 +316,71 @@ def _hub_repo(spec: str, encoder: str) -> str | None:
 
     settings = encoders.get(encoder, {}).get("pretrained_settings", {}).get(spec)
     return settings.get("repo_id") if settings else None
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What :func:`load_weights` did.
+
+    Attributes:
+        report: one line: the file, tensors loaded, missing, unexpected, mismatched.
+        normalization: the weights' own, per file channel (None: not recorded).
+        file_channels: the file's input channels (None: no first convolution matched).
+    """
+
+    report: str
+    normalization: dict[str, Any] | None
+    file_channels: int | None
+
+
+def load_weights(module: nn.Module, spec: str, *, key: str, encoder: str, in_channels: int,
+                 band_map: Sequence[int | None] | None) -> Loaded:
+    """Load a weights file (or hub name) into ``module``: matched, checked, reported.
+
+    The module's first convolution taking ``in_channels`` is adapted by ``band_map``
+    (:func:`adapt_first_conv`); every other tensor must fit.
+
+    Raises:
+        InputError: a file that does not fit (the first missing or mismatched key named).
+        ConfigError: a bad band map, or a hub name offline.
+    """
+    path = resolve_weights(spec, encoder, key=key)
+    tensors, meta = read_weights(path, key=key)
+    target = module.state_dict()
+    first = first_conv_key(module, in_channels)
+    match = match_weights(tensors, target, first_conv=first)
+    check_fit(key, path, match, target, tensors, encoder)
+    file_channels = tensors[match.keys[first]].shape[1] if first in match.keys else None
+    check_band_map(band_map, in_channels, file_channels)
+    state = {k: tensors[f] for k, f in match.keys.items()}
+    if first in state:
+        state[first] = adapt_first_conv(state[first], in_channels, band_map)
+    module.load_state_dict(state, strict=False)
+    log.info("%s=%s: %s", key, path, match.summary())
+    return Loaded(f"{path}: {match.summary()}", normalization_of(path, meta), file_channels)
+
+
+def first_conv_key(module: nn.Module, in_channels: int) -> str:
+    """State-dict key of the first convolution that reads the input bands (or "")."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Conv2d) and m.in_channels == in_channels:
+            return f"{name}.weight"
+    return ""
+
+
+def check_fit(key: str, path: Any, match: WeightsMatch, target: Mapping[str, Tensor],
+              tensors: Mapping[str, Tensor], encoder: str) -> None:
+    """Refuse a file that does not fit the module, naming the first keys and shapes."""
+    params = [k for k in match.missing if not k.endswith("num_batches_tracked")]
+    if match.mismatched:
+        k, have, want = match.mismatched[0]
+        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: {k} is "
+                         f"{list(have)} in the file but {list(want)} in the model "
+                         f"({len(match.mismatched)} such); give weights of {encoder}")
+    if params:
+        shown = ", ".join(f"{k} {list(v.shape)}" for k, v in list(tensors.items())[:3])
+        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: "
+                         f"{len(params)} of {len(target)} tensors missing (first "
+                         f"{params[0]} {list(target[params[0]].shape)}); the file's "
+                         f"first keys are {shown}; give weights of {encoder} (timm, "
+                         "torchvision or torchgeo layout)")
