@@ -166,3 +166,26 @@ def test_band_map_errors_name_the_key(tmp_path):
         unet(bands=2, encoder_weights=str(tmp_path / "r.safetensors"), band_map=[0, 5])
     with pytest.raises(ConfigError, match="no weights are given"):
         unet(bands=2, band_map=[0, 1])
+
+
+def test_a_checkpoint_rebuild_needs_no_weights_file(tmp_path):
+    """Prediction rebuilds the model from its run config and loads the checkpoint: with the
+    weights keys nulled the original file may be gone; the normalisation comes back."""
+    from seg_at_scale.models.registry import build_model, without_weight_files
+
+    state = random_state(timm.create_model("resnet18"), 10)
+    save_file(state, tmp_path / "r18.safetensors", metadata={
+        "mean": json.dumps([0.1, 0.2, 0.3]), "std": json.dumps([1.0, 2.0, 3.0])})
+    node = {"_target_": "seg_at_scale.models.SMPModel", "arch": "Unet", "encoder": "resnet18",
+            "in_channels": 4, "num_classes": 3, "options": DEC,
+            "encoder_weights": str(tmp_path / "r18.safetensors"), "band_map": [0, 1, 2, None]}
+    trained = build_model(node, where="t").eval()
+    ckpt = {k: v.clone() for k, v in trained.state_dict().items()}
+    (tmp_path / "r18.safetensors").unlink()
+    bare = without_weight_files(node)
+    assert (bare["encoder_weights"], bare["band_map"], bare["arch"]) == (None, None, "Unet")
+    again = build_model(bare, where="t")
+    again.load_state_dict(ckpt)
+    x = torch.randn(1, 4, 64, 64)
+    assert torch.equal(again.eval()(x), trained(x))
+    assert again.input_normalization()["mean"] == [0.1, 0.2, 0.3, None]
