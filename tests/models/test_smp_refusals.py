@@ -91,3 +91,18 @@ def test_windows_cover_the_extended_image_aligned():
     starts = window_starts(224, 96, 0.25, 32)
     assert starts == [0, 64, 128] and all(s % 32 == 0 for s in starts)
     assert window_starts(64, 128, 0.25, 32) == [0]
+
+
+def test_a_run_with_tiling_exact_false_takes_the_approximate_footprint(caplog):
+    from omegaconf import OmegaConf
+
+    from seg_at_scale.cli.pretrained import run_footprint
+
+    net = SMPModel("Unet", "tu-test_efficientnet", in_channels=4, num_classes=3,
+                   options={"decoder_channels": [16, 16, 8, 8, 8]})
+    with pytest.raises(ConfigError, match="squeeze-excitation"):
+        run_footprint(net, OmegaConf.create({"exact": True, "halo": "auto"}))
+    with caplog.at_level("WARNING"):
+        fp = run_footprint(net, OmegaConf.create({"exact": False, "halo": "auto"}))
+    assert fp == net.approximate_footprint() and fp.align == 32
+    assert "do NOT reproduce the whole-image computation" in caplog.text
