@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                 "other radiometry, few labels) vs the same network from scratch",
         "synthetic": "both domains are synthetic (SceneGenerator); the figure shows the "
                      "mechanics, not a claim about real imagery",
-        "method": __doc__.split("Both domains")[1].strip(),
+        "method": "Both domains" + __doc__.split("Both domains")[1].rstrip(),
         "config": vars(args), "pretrain_val_miou_domain_a": pre_miou,
         "miou_by_epoch": curves, "final_mean_miou": final, "plot": str(png.name),
         "loadavg": load, "wall_s": round(time.perf_counter() - t0)})
