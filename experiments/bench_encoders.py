@@ -8,8 +8,8 @@ Targets (issue 22), per model at 4096^2: our throughput >= 1.2x MONAI's, our pea
 
 Setup: Unet-ResNet34, FPN-ResNet50, DeepLabV3+-ResNet50 (output stride 16) and
 Unet-ConvNeXt-T (smp, ``seg_at_scale.models.SMPModel``), 4 input bands, 5 classes; random
-weights, BatchNorm running statistics set as after training (one cumulative pass over four
-512 x 512 crops of the image in train mode), eval; one state dict per model for every run.
+weights, BatchNorm running statistics set as after training (one train-mode pass over a
+batch of four 512 x 512 crops of the image), eval; one state dict per model for every run.
 The image is the synthetic 4-band scene, an uncompressed tiled uint8 TIFF (not timed),
 normalised as ``(x / 255 - 0.5) / 0.25``. Runs, each a fresh process, one after another:
 
@@ -35,6 +35,7 @@ model only (the channels_last gain).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -45,7 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import peak_rss_self_mib, run_isolated, save
+from common import RESULTS, peak_rss_self_mib, run_isolated, save
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.synthetic import SceneGenerator
@@ -95,7 +96,7 @@ def run_untiled(cfg: dict[str, Any], channels_last: bool) -> dict[str, Any]:
         y = net(x)[..., :h, :w]
     seconds = time.perf_counter() - t0
     labels = y[0].argmax(0).to(torch.uint8).numpy()
-    path = Path(cfg["workdir"]) / f"untiled_{'cl' if channels_last else 'fp32'}.npy"
+    path = Path(cfg["workdir"]) / f"{cfg['model']}_untiled_{'cl' if channels_last else 'fp32'}.npy"
     np.save(path, labels)
     return {"labels": str(path), "seconds": seconds, "mpix_per_s": h * w / 1e6 / seconds,
             "peak_rss_self_mib": peak_rss_self_mib()}
@@ -110,7 +111,7 @@ def run_ours(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
     cl, fast = variant != "fp32", variant == "bf16_cl"
     net = _setup(cfg, cl)
     fp = Footprint(**cfg["footprint"])
-    out = Path(cfg["workdir"]) / f"ours_{variant}.tif"
+    out = Path(cfg["workdir"]) / f"{cfg['model']}_ours_{variant}.tif"
     t0 = time.perf_counter()
     with RasterReader(cfg["image"]) as reader:
         grid = make_grid(reader.height, reader.width, fp, tile_size=cfg["tile"], uniform=True)
@@ -124,7 +125,7 @@ def run_ours(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
     seconds = time.perf_counter() - t0
     with RasterReader(out) as r:
         labels = r.read(Window(0, 0, r.height, r.width))[0]
-    path = Path(cfg["workdir"]) / f"ours_{variant}.npy"
+    path = Path(cfg["workdir"]) / f"{cfg['model']}_ours_{variant}.npy"
     np.save(path, labels)
     return {"labels": str(path), "seconds": seconds, "tiles": stats.tiles,
             "efficiency": stats.efficiency, "statistics_s": stats.statistics_s,
@@ -144,7 +145,7 @@ def run_monai(cfg: dict[str, Any], setting: tuple[int, float]) -> dict[str, Any]
                                      mode="gaussian", padding_mode="constant", cval=0.0)
     seconds = time.perf_counter() - t0
     labels = y[0].argmax(0).to(torch.uint8).numpy()
-    path = Path(cfg["workdir"]) / f"monai_{window}_{overlap}.npy"
+    path = Path(cfg["workdir"]) / f"{cfg['model']}_monai_{window}_{overlap}.npy"
     np.save(path, labels)
     return {"labels": str(path), "seconds": seconds, "mpix_per_s": labels.size / 1e6 / seconds,
             "peak_rss_self_mib": peak_rss_self_mib()}
@@ -162,9 +163,8 @@ def prepare_model(name: str, cfg: dict[str, Any], workdir: str) -> dict[str, Any
             m.reset_running_stats()
             m.momentum = None  # cumulative average over the calibration crops
     net.train()
-    with torch.no_grad():
-        for r, c in [(0, 0), (0, 512), (512, 0), (512, 512)]:
-            net(x[..., r : r + 512, c : c + 512])
+    with torch.no_grad():  # one batch of four crops (DeepLab's pooled BatchNorm needs > 1)
+        net(torch.cat([x[..., r : r + 512, c : c + 512] for r in (0, 512) for c in (0, 512)]))
     net.eval()
     t0 = time.perf_counter()
     fp = net.footprint()
@@ -228,6 +228,10 @@ def summarise(runs: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
     if ref:
         out["labels_off_pct_vs_untiled_fp32"] = {k: off(v["labels"], ref) for k, v in ok.items()
                                                  if k != "untiled_fp32"}
+    same_layout = ok.get("untiled_fp32_channels_last", {}).get("labels")
+    if same_layout and "ours_fp32_cl" in ok:  # NHWC against NHWC: rounding alike
+        out["labels_off_pct_ours_fp32_cl_vs_untiled_channels_last"] = off(
+            ok["ours_fp32_cl"]["labels"], same_layout)
     ours = ok.get("ours_fp32_cl")
     if ours:
         for k, v in ok.items():
@@ -262,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="*", default=list(MODELS))
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--name", default="bench_encoders")
+    p.add_argument("--merge", type=Path, default=None,
+                   help="a results JSON of other models (an earlier run) to include")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     workdir = Path(tempfile.mkdtemp(prefix="bench_encoders_"))
@@ -270,8 +276,12 @@ def main(argv: list[str] | None = None) -> None:
     write_input(Path(base["image"]), args.size)
     loads: list = [("start", os.getloadavg())]
     t0 = time.perf_counter()
-    results = {m: bench_model(m, base, loads, contiguous=k == 0)
-               for k, m in enumerate(args.models)}
+    earlier = json.loads(args.merge.read_text()) if args.merge else {}
+    results = dict(earlier.get("models", {}))
+    loads = earlier.get("loadavg", []) + loads
+    for k, m in enumerate(args.models):
+        results[m] = bench_model(m, base, loads, contiguous=k == 0 and not results)
+        save(f"{args.name}_partial", {"models": results, "loadavg": loads})  # a crash keeps it
     save(args.name, {
         "what": "smp networks: exact tiled prediction (predict_raster, file to file) vs the "
                 "untiled forward and MONAI's Gaussian sliding window, same model, same run",
@@ -279,7 +289,9 @@ def main(argv: list[str] | None = None) -> None:
                    "the untiled result; tiled >= 0.9 / E of untiled",
         "method": __doc__.split("Setup:")[1].strip(),
         "config": {k: v for k, v in base.items() if k not in ("image", "workdir")},
-        "wall_s": round(time.perf_counter() - t0), "loadavg": loads, "models": results})
+        "wall_s": round(time.perf_counter() - t0) + earlier.get("wall_s", 0),
+        "loadavg": loads, "models": results})
+    (RESULTS / f"{args.name}_partial.json").unlink(missing_ok=True)
     shutil.rmtree(workdir)
 
 
