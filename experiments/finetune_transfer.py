@@ -144,7 +144,7 @@ def plot(curves: dict[str, list[list[float]]], path: Path) -> None:
         ax.fill_between(ep, a.min(0), a.max(0), alpha=0.2)
     ax.set_xlabel("epoch (domain B)")
     ax.set_ylabel("val mIoU (held-out domain-B scenes)")
-    ax.set_title("Fine-tuning a pretrained encoder vs from scratch (synthetic domains)")
+    ax.set_title("Pretrained encoder vs from scratch (synthetic domains)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
