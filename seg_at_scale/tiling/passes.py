@@ -135,14 +135,19 @@ def _recording(sites: list[StatisticSite], recorder: _LevelRecorder) -> Iterator
 
 
 @torch.no_grad()
-def statistic_passes(model: nn.Module, tiles: TileInputs, grid: TileGrid
+def statistic_passes(model: nn.Module, tiles: TileInputs, grid: TileGrid, *,
+                     reduce: Callable[[Tensor], Tensor] | None = None
                      ) -> list[tuple[list[StatisticSite], dict[int, Tensor]]]:
     """Passes 1..L: every site's whole-image statistic is set as its ``fixed`` value.
 
     Args:
         model: the network in eval mode, its sites not fixed.
-        tiles: ``(tile, input window)`` pairs covering ``grid``, each call a fresh pass.
+        tiles: ``(tile, input window)`` pairs covering ``grid``, each call a fresh pass
+            (or this process's share of them, with ``reduce``).
         grid: the tile grid (for the cores and the extended image).
+        reduce: applied to every level's float64 sums before the statistic is taken, e.g.
+            ``lambda t: (dist.all_reduce(t), t)[1]`` when processes each pass a share of
+            the tiles (every process then holds the whole image's statistics).
 
     Returns:
         Per level, its sites and their float64 sums (keyed by ``id(site)``).
@@ -158,17 +163,23 @@ def statistic_passes(model: nn.Module, tiles: TileInputs, grid: TileGrid
                 rec.start(tile)
                 _run(model, x)
         for s in sites:
+            if reduce is not None:
+                rec.totals[id(s)] = reduce(rec.totals[id(s)])
             s.fixed = s.statistic(rec.totals[id(s)]).to(dtype)
         done.append((sites, rec.totals))
     return done
 
 
 @contextlib.contextmanager
-def fixed_statistics(model: nn.Module, tiles: TileInputs, grid: TileGrid) -> Iterator[None]:
-    """Within the block, every site holds the whole image's statistic (passes 1..L)."""
+def fixed_statistics(model: nn.Module, tiles: TileInputs, grid: TileGrid, *,
+                     reduce: Callable[[Tensor], Tensor] | None = None) -> Iterator[None]:
+    """Within the block, every site holds the whole image's statistic (passes 1..L).
+
+    ``reduce`` as for :func:`statistic_passes` (processes sharing the tiles).
+    """
     sites = [s for _, s in statistic_sites(model)]
     try:
-        statistic_passes(model, tiles, grid)
+        statistic_passes(model, tiles, grid, reduce=reduce)
         yield
     finally:
         for s in sites:

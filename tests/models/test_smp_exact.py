@@ -115,3 +115,24 @@ def test_channels_last_fp32_tiles_equal_the_contiguous_whole_image(preset):
     ref = predict_full(net, x)
     nhwc = net.to(memory_format=torch.channels_last)
     assert_exact(predict_tiled_exact(nhwc, x, q=2, channels_last=True), ref)
+
+
+def test_statistics_from_shares_of_the_tiles_reduced_equal_one_process():
+    """Two processes each pass half of the tiles; ``reduce`` adds the other's sums (as
+    ``all_reduce`` would): the statistic equals one process's (one level: DeepLabV3+)."""
+    from seg_at_scale.tiling.passes import statistic_passes, tensor_tiles
+
+    net = preset_model("deeplabv3plus_test_resnet")
+    x = torch.randn(1, 4, 333, 301)
+    grid = make_grid(333, 301, net.footprint(), q=2)
+    tiles = list(tensor_tiles(x, grid)())
+    ((sites, _),) = statistic_passes(net, lambda: iter(tiles), grid)
+    ref = sites[0].fixed.clone()
+    sites[0].fixed = None
+    ((_, other),) = statistic_passes(net, lambda: iter(tiles[1::2]), grid)
+    sites[0].fixed = None
+    statistic_passes(net, lambda: iter(tiles[0::2]), grid,
+                     reduce=lambda t: t + other[id(sites[0])])
+    share_alone = sites[0].statistic(other[id(sites[0])]).float()
+    assert not torch.allclose(share_alone, ref, rtol=0, atol=1e-4)  # a share is not the whole
+    assert torch.allclose(sites[0].fixed, ref, rtol=0, atol=1e-6)
