@@ -235,6 +235,12 @@ class GSCNN(nn.Module):
                               f"{sorted(GSCNN_SIZES)}")
         return cls(**asdict(GSCNN_SIZES[name]), **kwargs)  # type: ignore[arg-type]
 
+    @property
+    def weights_report(self) -> dict[str, str]:
+        """What pretrained weights were loaded (fine-tuning's ``freeze_bn=auto`` reads it)."""
+        rep = self.regular.report if self.regular is not None else ""
+        return {"model.backbone_weights": rep} if rep else {}
+
     # ----- forward ----------------------------------------------------------------------
 
     def backbone(self, x: Tensor) -> list[Tensor]:
