@@ -145,12 +145,15 @@ def test_a_size_of_another_family_fails_at_composition_listing_the_models(model)
 
 
 def test_each_model_composes_into_its_own_family():
-    """Every ``conf/model/<family>_<size>.yaml`` composes and builds its family's network."""
-    from seg_at_scale.models import GSCNN, UNet, UResNet
+    """Every ``conf/model/*.yaml`` composes and builds the network of the family its
+    defaults list names (``/model_family@_here_: <family>``)."""
+    import re
 
-    family = {"unet": UNet, "gscnn": GSCNN, "uresnet": UResNet}
+    from seg_at_scale.models import GSCNN, SMPModel, UNet, UResNet
+
+    family = {"unet": UNet, "gscnn": GSCNN, "uresnet": UResNet, "smp": SMPModel}
     models = sorted((CONF_PATH / "model").glob("*.yaml"))
-    assert len(models) == 15
+    assert len(models) == 23
     with initialize_config_dir(CONF, version_base="1.3"):
         for path in models:
             if path.stem in ("unet_pipe_large", "gscnn_wide"):  # hundreds of MB of weights
@@ -158,4 +161,5 @@ def test_each_model_composes_into_its_own_family():
             cfg = compose("train", overrides=[f"model={path.stem}"])
             assert "defaults" not in cfg.model
             net = instantiate(cfg.model)
-            assert isinstance(net, family[path.stem.split("_")[0]]), path.stem
+            named = re.search(r"/model_family@_here_: (\w+)", path.read_text()).group(1)
+            assert isinstance(net, family[named]), path.stem

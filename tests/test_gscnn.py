@@ -334,3 +334,55 @@ def test_streaming_raster_prediction_takes_the_two_pass_route(tmp_path):
     assert torch.equal(got[clear], ref.argmax(0)[clear]) and stats.statistics_s > 0
     one_pass = predict_tiled(net, x, q=2)[0].argmax(0)  # each tile pools its own window
     assert (one_pass[clear] != ref.argmax(0)[clear]).sum() > 1000
+
+
+# ----- the regular stream from a timm backbone ---------------------------------------------
+
+
+def timm_backbone_net(tmp_path, **kw) -> tuple[GSCNN, dict[str, torch.Tensor]]:
+    """Tiny Gated-SCNN on timm's test_resnet (output stride 8), weights from a timm file."""
+    import timm
+
+    torch.manual_seed(4)
+    state = {k: v.uniform_(0.5, 2) if k.endswith("running_var") else
+             v.normal_(0, 0.2) if v.is_floating_point() else v
+             for k, v in timm.create_model("test_resnet").state_dict().items()}
+    torch.save(state, tmp_path / "test_resnet.pth")
+    net = GSCNN.from_preset("tiny", in_channels=4, num_classes=3, backbone="test_resnet",
+                            backbone_weights=str(tmp_path / "test_resnet.pth"), **kw)
+    return loud_pool(net), state
+
+
+def test_timm_backbone_loads_its_weights_and_feeds_the_streams(tmp_path):
+    net, state = timm_backbone_net(tmp_path, band_map=[2, 1, 0])
+    body = net.regular.body.state_dict()
+    assert torch.equal(body["conv1.0.weight"], state["conv1.0.weight"][:, [2, 1, 0]])
+    assert torch.equal(body["layer3.0.conv1.weight"], state["layer3.0.conv1.weight"])
+    assert "2 unexpected (e.g. fc.weight, fc.bias)" in net.regular.report
+    seg, edge = net.eval().forward_dual(torch.randn(1, 4, 64, 48))
+    assert seg.shape == (1, 3, 64, 48) and edge.shape == (1, 1, 64, 48)
+    assert net.pooled_width() == net.regular.channels[4]
+    with pytest.raises(ConfigError, match="has no flat layer form"):
+        net.pipeline_layers()
+    with pytest.raises(ConfigError, match="need model.backbone"):
+        GSCNN(4, 3, backbone_weights="x.pth")
+
+
+def test_timm_backbone_two_pass_tiling_and_gradient_are_exact(tmp_path):
+    net, _ = timm_backbone_net(tmp_path)
+    net = net.double().eval()  # frozen BatchNorm: the pretrained statistics
+    fp = net.footprint()
+    assert fp.align == 8 and fp.halo > 50
+    x = torch.randn(1, 4, 269, 251, dtype=torch.float64)
+    ref = predict_full(net, x)
+    tiled = predict_tiled_two_pass(net, x, q=2, out_dtype=torch.float64)
+    assert (tiled - ref).abs().max() < 1e-10 * ref.abs().max()
+    target = torch.randint(0, 3, (1, 269, 251))
+    loss = CrossEntropy(3)
+    s, w = loss(net(extend(x, fp))[..., :269, :251], target)
+    (s / w).backward()
+    whole = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    tiled_backward_two_pass(net, x, target, loss, q=2)
+    assert max(float((p.grad - g).abs().max()) for p, g in zip(net.parameters(), whole)) \
+        < 1e-9 * max(float(g.abs().max()) for g in whole)

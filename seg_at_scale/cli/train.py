@@ -43,6 +43,7 @@ from seg_at_scale.cli.data_setup import (
     run_preflight,
     synthesize,
 )
+from seg_at_scale.cli.pretrained import run_footprint, use_weights_normalization
 from seg_at_scale.cli.runs import RunFolder, run_lock
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.data.datamodule import TileDataModule
@@ -247,10 +248,11 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
     model = build_model(OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
                         where="the model group", trust=bool(cfg.get("trust_run", False)))
-    fp = footprint_with_halo(model, cfg.tiling.halo)
+    fp = run_footprint(model, cfg.tiling)  # tiling.exact=false: the approximate one
+    computed: dict[str, Any] = {}
+    use_weights_normalization(cfg, model, run, computed)  # finetune.normalization
     memory = check_memory(cfg, run)  # memory mode + precision
     report = run_preflight(data, run, bool(cfg.predict_after_fit))  # every split's files
-    computed: dict[str, Any] = {}
     resolve_normalization(cfg, run, report, computed)  # data.scale/mean/std=auto
     record_training_data(cfg, report, computed)  # dtype, range, fingerprint: for seg-predict
     # the data group's _target_ is the DataModule (its keys plain values, the rest objects)

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.models.gscnn_backbone import regular_stream
 from seg_at_scale.models.gscnn_parts import (
     ASPP,
     STRIDE,
@@ -165,6 +166,11 @@ class GSCNN(nn.Module):
             statistic: exact tiling needs :func:`~seg_at_scale.tiling.predict_tiled_two_pass`).
         output: what ``forward`` returns: ``"seg"`` logits or ``"packed"`` ``[seg, boundary]``.
         padding: only ``"same"`` (accepted so configs can name it like the U-Net's).
+        backbone: a timm network as the regular stream (``resnet101``, ``wide_resnet50_2``:
+            :class:`~seg_at_scale.models.gscnn_backbone.TimmBackbone`, the paper's setting);
+            it replaces ``stem_width``, ``widths`` and ``blocks``. None: the built-in one.
+        backbone_weights: the backbone's weights file (timm / torchvision / torchgeo layout).
+        band_map: pretrained input channel for each band the backbone reads (null: zeros).
         **unknown: refused with a :class:`ConfigError` naming them.
 
     Shapes:
@@ -178,7 +184,9 @@ class GSCNN(nn.Module):
                  shape_widths: Sequence[int] = (16, 8, 8), aspp_width: int = 32,
                  aspp_rates: Sequence[int] = (2, 4, 6), decoder_width: int = 32,
                  edge_band: int | None = -1, norm: str = "batch", image_pool: bool = True,
-                 output: str = "seg", padding: str = "same", **unknown: object) -> None:
+                 output: str = "seg", padding: str = "same", backbone: str | None = None,
+                 backbone_weights: str | None = None, band_map: list[int | None] | None = None,
+                 **unknown: object) -> None:
         super().__init__()
         if unknown:
             raise ConfigError(
@@ -192,16 +200,21 @@ class GSCNN(nn.Module):
         self.edge_band, self.norm, self.output = edge_band, norm, output
         self.select = _SelectBands(edge_band, in_channels)
         cin = in_channels - (edge_band is not None)
-        self.stem = nn.Sequential(conv_block(cin, stem_width, 3, norm),
-                                  conv_block(stem_width, stem_width, 3, norm, stride=2))
-        self.stages = nn.ModuleList()
-        prev = stem_width
-        for k, (w, n) in enumerate(zip(widths, blocks)):
-            stride, dil = (2, 1) if k < 2 else (1, 2 ** (k - 1))
-            self.stages.append(nn.Sequential(*[
-                ResBlock(prev if i == 0 else w, w, norm, stride=stride if i == 0 else 1,
-                         dilation=dil) for i in range(n)]))
-            prev = w
+        self.regular = regular_stream(backbone, cin, backbone_weights, band_map)
+        if self.regular is not None:  # the backbone's widths drive the other parts
+            stem_width, widths = self.regular.channels[0], tuple(self.regular.channels[1:])
+            self.size = replace(self.size, stem_width=stem_width, widths=widths)  # type: ignore[arg-type]
+        else:
+            self.stem = nn.Sequential(conv_block(cin, stem_width, 3, norm),
+                                      conv_block(stem_width, stem_width, 3, norm, stride=2))
+            self.stages = nn.ModuleList()
+            prev = stem_width
+            for k, (w, n) in enumerate(zip(widths, blocks)):
+                stride, dil = (2, 1) if k < 2 else (1, 2 ** (k - 1))
+                self.stages.append(nn.Sequential(*[
+                    ResBlock(prev if i == 0 else w, w, norm, stride=stride if i == 0 else 1,
+                             dilation=dil) for i in range(n)]))
+                prev = w
         sides = (widths[0], widths[1], widths[3])  # stage 1, 2 and 4 drive the shape stream
         self.shape_in = ShapeIn(stem_width, shape_widths[0])
         self.shape_blocks = nn.ModuleList(ResBlock(c, c, norm) for c in shape_widths)
@@ -222,11 +235,19 @@ class GSCNN(nn.Module):
                               f"{sorted(GSCNN_SIZES)}")
         return cls(**asdict(GSCNN_SIZES[name]), **kwargs)  # type: ignore[arg-type]
 
+    @property
+    def weights_report(self) -> dict[str, str]:
+        """What pretrained weights were loaded (fine-tuning's ``freeze_bn=auto`` reads it)."""
+        rep = self.regular.report if self.regular is not None else ""
+        return {"model.backbone_weights": rep} if rep else {}
+
     # ----- forward ----------------------------------------------------------------------
 
     def backbone(self, x: Tensor) -> list[Tensor]:
         """Regular stream: ``[stem (1/2), stage1 (1/4), stage2 (1/8), stage3, stage4]``."""
         _check_input(x, self.in_channels)
+        if self.regular is not None:
+            return self.regular(self.select(x))
         feats = [self.stem(self.select(x))]
         for stage in self.stages:
             feats.append(stage(feats[-1]))
@@ -257,7 +278,14 @@ class GSCNN(nn.Module):
         as ``low``/``side1``/``side2``/``side3``/``feat``, and the shape stream pops them;
         the last layer packs or drops the boundary as ``output`` says, so
         ``run_layers(net.pipeline_layers(), x)`` equals ``net(x)`` exactly.
+
+        Raises:
+            ConfigError: a timm backbone (no flat form: pipelines and checkpointed
+                memory modes do not apply).
         """
+        if self.regular is not None:
+            raise ConfigError(f"Gated-SCNN with model.backbone={self.regular.name!r} has no "
+                              "flat layer form; use pipeline=none and memory=none or offload")
         layers: list[nn.Module] = []
         if self.edge_band is not None:
             layers.append(Skip(nn.Identity(), stash=("input",)))
@@ -312,6 +340,12 @@ class GSCNN(nn.Module):
         strides, dilations: the receptive field does not depend on widths), once per
         geometry and process, so it costs seconds even for the wide preset.
         """
+        if self._footprint is None and self.regular is not None:
+            key = (self.regular.name, self.in_channels, self.edge_band, self.aspp.pool is not None,
+                   self.size)
+            if key not in _BACKBONE_HALOS:  # the probe on the model itself, image pool held
+                _BACKBONE_HALOS[key] = empirical_halo(self, align=STRIDE)
+            self._footprint = Footprint(_BACKBONE_HALOS[key], STRIDE, "same", 0)
         if self._footprint is None:
             geometry = replace(self.size, stem_width=1, widths=(1, 1, 1, 1),
                                shape_widths=(1, 1, 1), aspp_width=1, decoder_width=4)
@@ -319,6 +353,9 @@ class GSCNN(nn.Module):
                               self.aspp.pool is not None)
             self._footprint = Footprint(halo, STRIDE, "same", 0)
         return self._footprint
+
+
+_BACKBONE_HALOS: dict[tuple[object, ...], int] = {}
 
 
 @functools.lru_cache(maxsize=16)

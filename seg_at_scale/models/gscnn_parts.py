@@ -113,6 +113,10 @@ class ImagePool(nn.Module):
         self.conv = nn.Conv2d(cin, cout, 1)
         self.fixed: Tensor | None = None
 
+    def hold_for_probe(self) -> None:
+        """Hold a constant mean (the halo probe's copy: the pooling is tiled in two passes)."""
+        self.fixed = torch.zeros(1, self.conv.in_channels, 1, 1, dtype=torch.float64)
+
     def forward(self, x: Tensor) -> Tensor:
         m = x.mean(dim=(2, 3), keepdim=True) if self.fixed is None else self.fixed.to(x)
         return F.relu(self.conv(m)).expand(-1, -1, *x.shape[-2:])

@@ -38,7 +38,7 @@ from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError
 
 __all__ = ["Family", "register", "families", "family_of", "check_model_config",
-           "build_model", "TRUST_HINT"]
+           "build_model", "without_weight_files", "TRUST_HINT"]
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,15 @@ class Family:
         target: the dotted path configs write (``seg_at_scale.models.UNet``).
         cls: the ``nn.Module`` subclass built from the keys.
         aliases: other dotted paths of the same class (its defining module).
+        weight_keys: keys that name pretrained weights files (and what only they give
+            meaning, such as a band map): a checkpoint replaces every tensor they load.
     """
 
     name: str
     target: str
     cls: type[nn.Module]
     aliases: tuple[str, ...] = field(default=())
+    weight_keys: tuple[str, ...] = field(default=())
 
     def parameters(self) -> dict[str, inspect.Parameter]:
         """The constructor's keyword parameters (``self`` and ``**kwargs`` left out)."""
@@ -154,11 +157,29 @@ def build_model(node: Mapping[str, Any], *, where: str, trust: bool = False) -> 
     return fam.cls(**kwargs)
 
 
+def without_weight_files(node: Mapping[str, Any]) -> dict[str, Any]:
+    """The model node with its family's pretrained-weights keys set to null.
+
+    For a model whose checkpoint will be loaded (prediction, export): every tensor comes from
+    the checkpoint, so the original weights files need not exist where it runs. Shapes do
+    not depend on these keys; the weights' normalisation travels in the checkpoint too
+    (smp's ``input_mean`` / ``input_std`` buffers).
+    """
+    out = dict(node)
+    target = out.get("_target_")
+    fam = family_of(str(target)) if isinstance(target, str) else None
+    for key in fam.weight_keys if fam is not None else ():
+        if key in out:
+            out[key] = None
+    return out
+
+
 def _load_builtin() -> None:
     """Register the project's own families (import here: their modules import torch)."""
-    if {"unet", "uresnet", "gscnn"} <= _FAMILIES.keys():
+    if {"unet", "uresnet", "gscnn", "smp"} <= _FAMILIES.keys():
         return
     from seg_at_scale.models.gscnn import GSCNN
+    from seg_at_scale.models.smp import SMPModel
     from seg_at_scale.models.unet import UNet
     from seg_at_scale.models.uresnet import UResNet
 
@@ -166,4 +187,7 @@ def _load_builtin() -> None:
     register(Family("uresnet", "seg_at_scale.models.UResNet", UResNet,
                     ("seg_at_scale.models.uresnet.UResNet",)))
     register(Family("gscnn", "seg_at_scale.models.GSCNN", GSCNN,
-                    ("seg_at_scale.models.gscnn.GSCNN",)))
+                    ("seg_at_scale.models.gscnn.GSCNN",), ("backbone_weights", "band_map")))
+    register(Family("smp", "seg_at_scale.models.SMPModel", SMPModel,
+                    ("seg_at_scale.models.smp.SMPModel",),
+                    ("encoder_weights", "weights", "band_map")))

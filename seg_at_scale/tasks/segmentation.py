@@ -9,6 +9,7 @@ Metrics are named ``{stage}/{name}`` (``val/miou``, ``val/iou_road``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,13 @@ from torchmetrics.classification import MulticlassJaccardIndex
 from seg_at_scale.data.samplers import is_pad
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.parallel.strategy import all_reduce_gradients, world_size
+from seg_at_scale.tasks.finetune import (
+    check_finetune,
+    freeze_batch_norm,
+    optimizer_groups,
+    resolve_freeze_bn,
+    set_encoder_trainable,
+)
 from seg_at_scale.tasks.losses import CrossEntropy
 
 __all__ = ["SegmentationTask", "poly_lr", "gradient_reduction_for", "REDUCTIONS"]
@@ -74,8 +82,12 @@ class SegmentationTask(pl.LightningModule):
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, ignore_index: int = 255,
                  gradient_clip: float = 0.0, channels_last: bool = False,
-                 gradient_reduction: str) -> None:
+                 gradient_reduction: str, freeze_bn: str = "none",
+                 freeze_encoder_epochs: int = 0, encoder_lr_scale: float = 1.0) -> None:
         super().__init__()
+        check_finetune(model, freeze_bn, freeze_encoder_epochs, encoder_lr_scale)
+        self.freeze_bn = resolve_freeze_bn(model, freeze_bn)
+        self.freeze_encoder_epochs, self.encoder_lr_scale = freeze_encoder_epochs, encoder_lr_scale
         if gradient_reduction not in REDUCTIONS:
             raise ConfigError(f"task.gradient_reduction={gradient_reduction!r}: use one of "
                               f"{list(REDUCTIONS)} (sum for tiling.mode=grid, mean for random)")
@@ -114,6 +126,20 @@ class SegmentationTask(pl.LightningModule):
         if pipe is not None:
             return pipe(x.to(pipe.devices[0]))
         return self.model(x)
+
+    # ----- fine-tuning -----------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> SegmentationTask:
+        """As ``nn.Module.train``, with the frozen BatchNorm layers kept in eval mode."""
+        super().train(mode)
+        if mode and hasattr(self, "freeze_bn"):
+            freeze_batch_norm(self.model, self.freeze_bn)
+        return self
+
+    def on_train_epoch_start(self) -> None:
+        if self.freeze_encoder_epochs:
+            set_encoder_trainable(self.model,
+                                  self.current_epoch >= self.freeze_encoder_epochs)
 
     # ----- training --------------------------------------------------------------------
 
@@ -187,8 +213,8 @@ class SegmentationTask(pl.LightningModule):
     # ----- optimisation ----------------------------------------------------------------
 
     def configure_optimizers(self) -> Any:
-        make = self.optimizer_factory or (lambda p: torch.optim.AdamW(p, lr=1e-3))
-        opt = make(self.parameters())
+        make = self.optimizer_factory or functools.partial(torch.optim.AdamW, lr=1e-3)
+        opt = make(optimizer_groups(self.model, self.parameters(), make, self.encoder_lr_scale))
         if self.scheduler_factory is None:
             return opt
         total = self._optimizer_steps()

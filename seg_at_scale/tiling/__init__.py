@@ -1,5 +1,6 @@
 """Tile grids, halos and exact tiled inference/training."""
 
+from seg_at_scale.tiling.blend import predict_blended
 from seg_at_scale.tiling.geometry import (
     Fill,
     Footprint,
@@ -15,6 +16,12 @@ from seg_at_scale.tiling.geometry import (
     split_axis,
 )
 from seg_at_scale.tiling.halo import empirical_halo, footprint, halo_width
+from seg_at_scale.tiling.passes import (
+    fixed_statistics,
+    predict_tiled_exact,
+    source_tiles,
+    tiled_backward_exact,
+)
 from seg_at_scale.tiling.predict import (
     extend,
     iter_tile_outputs,
@@ -38,4 +45,6 @@ __all__ = [
     "predict_full", "predict_tiled", "read_window", "run_tile", "source_indices",
     "tiled_backward", "whole_image_batch_norm", "image_pool_mean", "predict_tiled_two_pass",
     "tiled_backward_two_pass", "Fill", "cover", "fill_of", "predict_full_tta",
+    "predict_tiled_exact", "tiled_backward_exact", "fixed_statistics", "source_tiles",
+    "predict_blended",
 ]

@@ -26,14 +26,15 @@ the gradient to one input, cannot hide part of it).
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from seg_at_scale.tiling.geometry import Footprint
 
-__all__ = ["halo_width", "empirical_halo", "footprint"]
+__all__ = ["halo_width", "empirical_halo", "footprint", "WholeImageDependency"]
 
 _ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.PReLU,
                 nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Mish, nn.Softplus)
@@ -82,23 +83,40 @@ def empirical_halo(model: nn.Module, *, align: int | None = None) -> int:
     return _measure(model, a)[0]
 
 
+def _is_activation(module: nn.Module) -> bool:
+    """Pointwise activations (torch's, and timm's own classes), which the probe drops."""
+    return isinstance(module, _ACTIVATIONS) or type(module).__module__.startswith(
+        "timm.layers.activations")
+
+
+def _pointwise_norm(module: nn.Module) -> bool:
+    """A LayerNorm over the channels of one pixel (ConvNeXt): local, so the probe drops it."""
+    return isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1
+
+
 def _structural_copy(model: nn.Module) -> nn.Module:
     net = copy.deepcopy(model).double().eval()
-    for name, child in list(net.named_modules()):
+    for child in list(net.modules()):
         for attr, sub in list(child.named_children()):
-            if isinstance(sub, _ACTIVATIONS):
+            if _is_activation(sub) or _pointwise_norm(sub):
                 setattr(child, attr, nn.Identity())
             elif isinstance(sub, nn.MaxPool2d):
-                setattr(child, attr, nn.AvgPool2d(sub.kernel_size, sub.stride, sub.padding))
-        del name
+                setattr(child, attr, nn.AvgPool2d(sub.kernel_size, sub.stride, sub.padding,
+                                                  ceil_mode=sub.ceil_mode))
     with torch.no_grad():
-        for p in net.parameters():
+        for p in net.parameters():  # positive; / sqrt(fan-in) keeps 100+ layers finite
             p.uniform_(0.5, 1.0)
+            if p.dim() > 1:
+                p.div_(math.sqrt(p[0].numel()))
         for buf_name, buf in net.named_buffers():
             if buf_name.endswith("running_mean"):
                 buf.zero_()
             elif buf_name.endswith("running_var"):
                 buf.fill_(1.0)
+    for m in net.modules():  # whole-image statistics held constant (tiled in extra passes)
+        hold = getattr(m, "hold_for_probe", None)
+        if callable(hold):
+            hold()
     return net
 
 
@@ -107,34 +125,86 @@ def _probe_size(model: nn.Module, size: int) -> int:
     return int(fit(size)) if callable(fit) else size
 
 
+_GLOBAL_SIZE = 2048  # a receptive field spanning inputs this long is taken as whole-image
+
+
+class WholeImageDependency(ValueError):
+    """The probe found output pixels that depend on the whole input."""
+
+
+def _extent(net: nn.Module, x: Tensor, axis: int, align: int
+            ) -> tuple[int, int, int, int] | None:
+    """Back-propagate from one aligned block of outputs along ``axis`` (-2 rows, -1 cols).
+
+    Returns ``(lo, hi, block start in the input frame, output length)``: the first and last
+    input index along ``axis`` that the block's receptive fields reach; None when the
+    output is shorter than three blocks (probe a larger input).
+    """
+    y = net(x)
+    out, size = y.shape[axis], x.shape[axis]
+    if out < 3 * align:
+        return None
+    shrink = (size - out) // 2
+    i = out // 2 - out // 2 % align - align  # an aligned block near the middle
+    seed = y.narrow(axis, i, align)
+    (g,) = torch.autograd.grad(seed.sum(), x)
+    if not bool(torch.isfinite(g).all()):
+        raise ValueError("the halo probe overflowed (non-finite gradients); give the model "
+                         "a footprint() or tiling.halo=<pixels>")
+    dims = tuple(d for d in range(g.dim()) if d != g.dim() + axis)
+    hit = g.abs().sum(dim=dims).nonzero().flatten()
+    return int(hit[0]), int(hit[-1]), i + shrink, out
+
+
 @torch.enable_grad()  # the probe back-propagates, also when called under no_grad / inference
 def _measure(model: nn.Module, align: int, max_size: int = 4096) -> tuple[int, int, int]:
-    """Returns (halo, shrink per side, output size of the probe)."""
+    """Returns (halo, shrink per side, output size of the probe).
+
+    Same-padding networks are probed along one axis at a time on a narrow strip (the reach
+    of local operations along rows does not depend on the width), which keeps the float64
+    copy of a wide pretrained encoder fast; valid-padding networks on squares.
+
+    Raises:
+        WholeImageDependency: the receptive field spans the whole input at two sizes, the
+            larger one at least ``_GLOBAL_SIZE``.
+    """
     net = _structural_copy(model)
     channels = int(getattr(model, "in_channels", 0)) or _first_conv_channels(net)
     size = _probe_size(model, max(8 * align, 64))
+    with torch.no_grad():
+        probe = net(torch.ones(1, channels, size, size, dtype=torch.float64))
+    shrink = (size - probe.shape[-1]) // 2
+    narrow = 2 * align if shrink == 0 else None
+    whole_before = False
     while True:
-        x = torch.ones(1, channels, size, size, dtype=torch.float64, requires_grad=True)
-        y = net(x)
-        out = y.shape[-1]
-        shrink = (size - out) // 2
-        if out < 3 * align and size < max_size:
-            size = _probe_size(model, 2 * size)
-            continue
         left = right = 0
-        touched = False
-        for phase in range(align):
-            i = out // 2 - out // 2 % align + phase - align  # one output pixel per phase
-            (g,) = torch.autograd.grad(y[0, :, i, i].sum(), x, retain_graph=True)
-            rows = g[0].abs().sum(dim=(0, 2)).nonzero().flatten()
-            lo, hi = int(rows[0]), int(rows[-1])
-            block = i - phase + shrink  # centre of the aligned block of outputs holding i
-            touched |= lo == 0 or hi == size - 1
+        touched, whole = False, True
+        for axis in (-2, -1):
+            shape = [size, size] if narrow is None else (
+                [size, narrow] if axis == -2 else [narrow, size])
+            x = torch.ones(1, channels, *shape, dtype=torch.float64, requires_grad=True)
+            found = _extent(net, x, axis, align)
+            if found is None:
+                if size >= max_size:
+                    raise ValueError(f"the probe's output is under {3 * align} pixels at "
+                                     f"input {size}; is this a segmentation network?")
+                break
+            lo, hi, block, out = found
+            n = shape[axis]
+            touched = touched or lo == 0 or hi == n - 1
+            whole = whole and lo == 0 and hi == n - 1
             left, right = max(left, block - lo), max(right, hi - (block + align - 1))
-        # valid nets: the context after a core is set by the size rule (out_residue)
-        halo = left if shrink > 0 else max(left, right)
-        if not touched or size >= max_size:
-            return halo, shrink, out
+        else:
+            # valid nets: the context after a core is set by the size rule (out_residue)
+            halo = left if shrink > 0 else max(left, right)
+            if whole and whole_before and size >= _GLOBAL_SIZE:
+                raise WholeImageDependency(
+                    f"output pixels depend on the whole input at {size // 2} and {size} "
+                    "pixels (a whole-image statistic: global pooling, squeeze-excitation, "
+                    "attention, or a norm over the image)")
+            if not touched or size >= max_size:
+                return halo, shrink, out
+            whole_before = whole
         size = _probe_size(model, 2 * size)
 
 

@@ -83,7 +83,7 @@ def predict_full(model: nn.Module, image: Tensor, fp: Footprint | None = None) -
 def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] | None = None,
                   tile_size: int | tuple[int, int] | None = None, fp: Footprint | None = None,
                   autocast: torch.dtype | None = None, out_dtype: torch.dtype = torch.float32,
-                  tta: str | None = None) -> Tensor:
+                  tta: str | None = None, channels_last: bool = False) -> Tensor:
     """Tiled logits for ``image [B, C, H, W]`` (or ``[C, H, W]``), exactly the untiled ones.
 
     Args:
@@ -97,6 +97,9 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
         out_dtype: dtype of the returned logits.
         tta: ``"flips"`` or ``"d4"``: the mean softmax over those transforms of the image
             (each predicted exactly), instead of logits.
+        channels_last: tiles in NHWC layout (faster convolutions on CPU; give the model
+            ``model.to(memory_format=torch.channels_last)`` too). The result stays within
+            float rounding of the contiguous one, so fp32 exactness holds.
 
     Returns:
         Logits (or TTA probabilities) ``[B, K, H, W]`` (``[K, H, W]`` for an unbatched input).
@@ -108,7 +111,7 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
     device = next(model.parameters()).device
     out: Tensor | None = None
     for tile, y in iter_tile_outputs(model, image, grid, device=device, autocast=autocast,
-                                     tta=tta):
+                                     tta=tta, channels_last=channels_last):
         if out is None:
             out = torch.empty(image.shape[0], y.shape[1], *image.shape[-2:], dtype=out_dtype)
         out[..., tile.core.row : tile.core.row_end, tile.core.col : tile.core.col_end] = y.to(
@@ -119,12 +122,13 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
 
 def iter_tile_outputs(model: nn.Module, image: Tensor, grid: TileGrid, *,
                       device: torch.device | str = "cpu", autocast: torch.dtype | None = None,
-                      tta: str | None = None) -> Iterator[tuple[Tile, Tensor]]:
+                      tta: str | None = None, channels_last: bool = False
+                      ) -> Iterator[tuple[Tile, Tensor]]:
     """Yield ``(tile, core output [B, K, h, w])`` for every tile of ``grid`` (no gradient)."""
     source = TensorWindows(image, grid.footprint)
     for res in run_batches(model, source, plan_batches(grid.tiles, 1), height=grid.height,
                            width=grid.width, fp=grid.footprint, device=torch.device(device),
-                           autocast=autocast, tta=tta):
+                           autocast=autocast, tta=tta, channels_last=channels_last):
         yield from zip(res.batch.tiles, res.outputs, strict=True)
 
 

@@ -1,0 +1,138 @@
+"""What makes a segmentation-models-pytorch network exactly tileable, and what cannot.
+
+:func:`make_exact` changes an smp model in place, keeping every state-dict key:
+
+* **GroupNorm** (FPN's segmentation blocks) normalises over the whole image: it becomes a
+  :class:`~seg_at_scale.tiling.sites.GroupNormSite` (statistics from extra passes);
+* **ASPP image pooling** (DeepLabV3 / V3+) averages the whole image: a
+  :class:`~seg_at_scale.tiling.sites.PooledMean` site (two-pass tiling, as Gated-SCNN's);
+* **bilinear upsampling with** ``align_corners=True`` (smp's segmentation heads, DeepLabV3+
+  and FPN decoders) maps output pixel ``i`` to input ``i (n - 1) / (s n - 1)``: the
+  position depends on the image's size ``n``, so no tile can reproduce it. It becomes the
+  translation-invariant ``align_corners=False`` (``(i + 1/2) / s - 1/2``). Both agree in the
+  middle of an image and differ by at most ``3 / 8`` of an input pixel at its borders; a
+  model trained in this project is trained with it. ``align_corners=True`` keeps smp's
+  form, which exact tiling then refuses (``tiling.exact=false`` runs it).
+
+:func:`non_local_modules` lists what no pass can fix (squeeze-excitation, attention,
+adaptive pooling pyramids, instance / layer norms over the image): exact tiling refuses
+such a model before any work, naming the module.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from segmentation_models_pytorch.base.modules import Attention as SMPAttention
+from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPPPooling
+from segmentation_models_pytorch.decoders.fpn.decoder import Conv3x3GNReLU
+from torch import Tensor, nn
+
+from seg_at_scale.tiling.sites import GroupNormSite, PooledMean
+
+__all__ = ["make_exact", "non_local_modules", "ASPPImagePool", "refusal"]
+
+_SQUEEZE = re.compile(r"SqueezeExcit|SEModule|SELayer|EffectiveSE|EcaModule|CecaModule|"
+                      r"CbamModule|LightCbam|GatherExcite|SCSE|SelectiveKernel|GlobalContext|"
+                      r"GlobalResponseNorm|SplitAttn")
+_ATTENTION = re.compile(r"Attention|Attn|MultiheadAttention")
+_IMAGE_NORM = re.compile(r"EvoNorm2dS|FilterResponseNorm")
+
+
+class ASPPImagePool(ASPPPooling, PooledMean):
+    """smp's ASPP image pooling with the mean as a fixable :class:`PooledMean` site."""
+
+    def neutral(self) -> Tensor:
+        return torch.zeros(1, self[1].in_channels, 1, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        size = x.shape[-2:]
+        p = self.pooled(x)
+        for mod in list(self)[1:]:
+            p = mod(p)
+        return F.interpolate(p, size=size, mode="bilinear", align_corners=False)
+
+
+class _FPNBlock(Conv3x3GNReLU):
+    """FPN's conv-GN-ReLU whose upsampling follows ``align_corners`` (set by make_exact)."""
+
+    align_corners: bool = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.block(x)
+        if self.upsample:
+            x = F.interpolate(x, scale_factor=2.0, mode="bilinear",
+                              align_corners=self.align_corners)
+        return x
+
+
+def make_exact(net: nn.Module, *, align_corners: bool = False) -> None:
+    """Turn whole-image statistics into sites and, unless asked, fix the upsampling.
+
+    Args:
+        net: an smp model (changed in place; parameters and keys unchanged).
+        align_corners: keep smp's size-dependent ``align_corners=True`` upsampling.
+    """
+    for m in net.modules():
+        if type(m) is nn.GroupNorm:
+            m.__class__ = GroupNormSite
+        elif type(m) is ASPPPooling:
+            m.__class__ = ASPPImagePool
+        elif type(m) is Conv3x3GNReLU:
+            m.__class__ = _FPNBlock
+            m.align_corners = align_corners  # type: ignore[assignment]
+        elif isinstance(m, nn.Upsample) and m.mode == "bilinear" and m.align_corners:
+            m.align_corners = align_corners
+
+
+def non_local_modules(net: nn.Module) -> list[tuple[str, str]]:
+    """``(module name, what it does)`` for every operation that needs the whole input.
+
+    Sites (:mod:`seg_at_scale.tiling.sites`) are not listed: the passes tile them exactly.
+    """
+    found: list[tuple[str, str]] = []
+    skip: list[str] = []
+    for name, m in net.named_modules():
+        if any(name.startswith(s + ".") for s in skip):
+            continue
+        if isinstance(m, PooledMean | GroupNormSite):
+            skip.append(name)  # tiled by the passes, its pooling included
+            continue
+        kind = _kind(m)
+        if kind:
+            found.append((name, kind))
+            skip.append(name)  # report a block once, not its parts
+    return found
+
+
+def _kind(m: nn.Module) -> str | None:
+    cls = type(m).__name__
+    if isinstance(m, SMPAttention):  # smp's decoder slot: Identity unless scse (a child)
+        return None
+    if _SQUEEZE.search(cls) or getattr(m, "has_se", False) or hasattr(m, "_se_reduce"):
+        return "squeeze-excitation (a gate from the mean over the whole input)"
+    if isinstance(m, nn.MultiheadAttention) or _ATTENTION.search(cls):
+        return "attention (every pixel attends to the whole input)"
+    if isinstance(m, nn.GroupNorm | nn.modules.instancenorm._InstanceNorm) or \
+            _IMAGE_NORM.search(cls):
+        return f"{cls} (normalises over the whole input)"
+    if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) > 1:
+        return "LayerNorm over the image (normalises over the whole input)"
+    if isinstance(m, nn.AdaptiveAvgPool2d | nn.AdaptiveMaxPool2d) or "AdaptivePool" in cls:
+        return "adaptive pooling (averages regions of the whole input)"
+    if isinstance(m, _FPNBlock) and m.upsample and m.align_corners or isinstance(
+            m, nn.Upsample) and m.mode == "bilinear" and m.align_corners:
+        return "bilinear upsampling with align_corners=True (positions depend on the size)"
+    return None
+
+
+def refusal(where: str, found: list[tuple[str, str]]) -> str:
+    """The one-line refusal of exact tiling: the module, why, and the fixes."""
+    name, kind = found[0]
+    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    return (f"{where}: {name} is {kind}{more}, so no tiling reproduces the whole-image "
+            "result; use a local encoder/architecture (e.g. model.encoder=resnet34 or "
+            "tu-convnext_tiny; Unet, FPN, DeepLabV3Plus), or tiling.exact=false "
+            "(overlap-and-blend, approximate, as MONAI's sliding window)")

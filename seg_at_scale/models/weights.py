@@ -1,0 +1,386 @@
+"""Pretrained weights from a file: read without running code, matched by key, reported.
+
+``read_weights(path)`` reads ``.safetensors`` (safetensors) or ``.pth`` / ``.pt`` /
+``.ckpt`` / ``.bin`` (``torch.load(weights_only=True)``: plain tensors and containers only,
+a pickled object is refused, never run). Lightning checkpoints and training checkpoints
+are unwrapped (``state_dict``, ``model``, ``module``). :func:`match_weights` then maps the
+file's keys onto a module's: a common prefix of the file (``backbone.``, ``encoder_q.``,
+``model.net.encoder.`` of a Lightning checkpoint, ...) is found by trying each and keeping
+the one that matches most tensors; timm's feature-extractor names (``stem_0`` for
+``stem.0``) and smp's ``model.`` wrapper of timm encoders are tried too, so one timm,
+torchvision or torchgeo state dict loads into ``resnet34`` and ``tu-resnet34`` alike.
+
+**The first convolution** (``band_map``): input band ``i`` of the model takes the file's
+input channel ``band_map[i]``; a band mapped to ``null`` starts at zero. Without a band
+map, band ``i`` takes channel ``i`` while the file has one, and the bands past the file's
+channels start at zero. So a model given zeros on its extra bands computes exactly what
+the pretrained network computes on the mapped bands.
+
+**Normalisation**: the weights' own (ImageNet mean/std, torchgeo per-band statistics) is
+read from the safetensors header (``mean``, ``std``, ``scale`` as JSON), a sidecar
+``<file>.json`` or a Hugging Face ``config.json`` beside the file (timm's
+``pretrained_cfg``); it is recorded per input band, through the band map.
+
+>>> match = match_weights({"backbone.conv.weight": torch.zeros(2, 3, 1, 1)},
+...                       {"conv.weight": torch.zeros(2, 3, 1, 1)}, first_conv="conv.weight")
+>>> match.prefix, match.keys
+('backbone.', {'conv.weight': 'backbone.conv.weight'})
+>>> adapt_first_conv(torch.ones(1, 3, 1, 1), 4, [2, None, 0, 1])[0, :, 0, 0].tolist()
+[1.0, 0.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from seg_at_scale.errors import ConfigError, InputError
+
+__all__ = ["read_weights", "match_weights", "WeightsMatch", "adapt_first_conv",
+           "normalization_of", "is_offline", "resolve_weights", "WEIGHT_SUFFIXES",
+           "load_weights", "Loaded"]
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
+_WRAPPERS = ("state_dict", "model", "module", "model_state_dict", "net")
+_TARGET_PREFIXES = ("", "model.")  # smp wraps a timm encoder as encoder.model
+
+
+def read_weights(path: str | os.PathLike[str], *, key: str) -> tuple[dict[str, Tensor],
+                                                                      dict[str, str]]:
+    """The tensors of a weights file and its metadata (safetensors header), as plain data.
+
+    Args:
+        path: the file.
+        key: the config key that named it, for messages (``model.encoder_weights``).
+
+    Raises:
+        InputError: missing, unreadable, holding Python objects, or holding no tensors.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"{key}='{p}' does not exist; give the path of a weights file "
+                         f"({', '.join(WEIGHT_SUFFIXES)})")
+    if p.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+        except Exception as exc:  # safetensors raises its own error types
+            raise InputError(f"{key}='{p}' is not a readable safetensors file ({exc}); "
+                             "save it again with safetensors.torch.save_file") from None
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise InputError(f"{key}='{p}' holds Python objects that loading without running "
+                         f"code refuses ({str(exc).splitlines()[0][:120]}); save its "
+                         "state_dict() alone (torch.save(model.state_dict(), ...)) or as "
+                         ".safetensors") from None
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise InputError(f"{key}='{p}' is not a readable PyTorch file ({exc}); give a "
+                         "state dict saved with torch.save or a .safetensors file") from None
+    return _tensors(obj, p, key), {}
+
+
+def _tensors(obj: Any, path: Path, key: str) -> dict[str, Tensor]:
+    """The flat ``name -> tensor`` dict inside a loaded file (wrappers unwrapped)."""
+    for _ in range(3):
+        if isinstance(obj, Mapping):
+            inner = next((obj[w] for w in _WRAPPERS if isinstance(obj.get(w), Mapping)), None)
+            if inner is not None and not any(isinstance(v, Tensor) for v in obj.values()):
+                obj = inner
+    if not isinstance(obj, Mapping):
+        raise InputError(f"{key}='{path}' holds a {type(obj).__name__}, not a state dict; "
+                         "save model.state_dict()")
+    out = {str(k): v for k, v in obj.items() if isinstance(v, Tensor)}
+    if not out:
+        raise InputError(f"{key}='{path}' holds no tensors (keys {list(obj)[:5]}); give a "
+                         "state dict")
+    return out
+
+
+@dataclass
+class WeightsMatch:
+    """How a file's tensors map onto a module's state dict.
+
+    Attributes:
+        prefix: the file's prefix that was stripped (``""`` for none).
+        keys: target key -> file key, for every matched tensor of the same shape (the
+            first convolution may differ in its input channels).
+        missing: target keys the file does not provide.
+        unexpected: file keys (under the prefix) that match nothing.
+        mismatched: ``(target key, file shape, target shape)`` of same-named tensors whose
+            shapes differ.
+    """
+
+    prefix: str
+    keys: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line: matched, missing, unexpected and mismatched counts with examples."""
+        def some(xs: Sequence[Any]) -> str:
+            return f" (e.g. {', '.join(str(x) for x in xs[:3])})" if xs else ""
+
+        return (f"{len(self.keys)} tensors loaded, {len(self.missing)} missing"
+                f"{some(self.missing)}, {len(self.unexpected)} unexpected"
+                f"{some(self.unexpected)}, {len(self.mismatched)} of another shape"
+                f"{some([m[0] for m in self.mismatched])}")
+
+
+def _candidates(name: str) -> list[str]:
+    flat = name.replace(".", "_", 1)  # timm's features_only flattens the top Sequential
+    return [q + n for q in _TARGET_PREFIXES for n in (name, flat)]
+
+
+def _prefixes(keys: Sequence[str], depth: int = 4) -> set[str]:
+    out = {""}
+    for k in keys:
+        parts = k.split(".")
+        for d in range(1, min(depth, len(parts) - 1) + 1):
+            out.add(".".join(parts[:d]) + ".")
+    return out
+
+
+def match_weights(source: Mapping[str, Tensor], target: Mapping[str, Tensor], *,
+                  first_conv: str | None = None) -> WeightsMatch:
+    """Map ``source`` (a file's tensors) onto ``target`` (a module's state dict).
+
+    Tries every prefix of the file's keys and keeps the one matching most tensors of the
+    right shape (see the module docstring); ``first_conv`` may differ in dimension 1.
+    """
+    best: WeightsMatch | None = None
+    for prefix in sorted(_prefixes(list(source)), key=len):
+        m = _match_under(source, target, prefix, first_conv)
+        if best is None or len(m.keys) > len(best.keys):
+            best = m
+    assert best is not None
+    return best
+
+
+def _match_under(source: Mapping[str, Tensor], target: Mapping[str, Tensor], prefix: str,
+                 first_conv: str | None) -> WeightsMatch:
+    m = WeightsMatch(prefix)
+    for name, t in source.items():
+        if not name.startswith(prefix):
+            continue
+        hit = next((c for c in _candidates(name[len(prefix):]) if c in target), None)
+        if hit is None or hit in m.keys:
+            m.unexpected.append(name)
+            continue
+        want = tuple(target[hit].shape)
+        same = tuple(t.shape) == want or (hit == first_conv and t.dim() == 4 and
+                                          t.shape[0] == want[0] and t.shape[2:] == want[2:])
+        if same:
+            m.keys[hit] = name
+        else:
+            m.mismatched.append((hit, tuple(t.shape), want))
+    found = set(m.keys) | {x[0] for x in m.mismatched}
+    m.missing = [k for k in target if k not in found]
+    return m
+
+
+def adapt_first_conv(weight: Tensor, in_channels: int,
+                     band_map: Sequence[int | None] | None) -> Tensor:
+    """The first convolution's weight ``[O, in_channels, k, k]`` from the file's ``[O, C, k, k]``.
+
+    Band ``i`` takes the file's channel ``band_map[i]`` (``None``: zeros); without a map,
+    channel ``i`` while ``i < C``, zeros after (see the module docstring).
+    """
+    src = weight.shape[1]
+    bands = list(band_map) if band_map is not None else [
+        i if i < src else None for i in range(in_channels)]
+    out = weight.new_zeros(weight.shape[0], in_channels, *weight.shape[2:])
+    for i, j in enumerate(bands):
+        if j is not None:
+            out[:, i] = weight[:, j]
+    return out
+
+
+def check_band_map(band_map: Sequence[int | None] | None, in_channels: int,
+                   file_channels: int | None, *, key: str = "model.band_map") -> None:
+    """Refuse a band map of the wrong length or naming channels the weights lack."""
+    if band_map is None:
+        return
+    if len(band_map) != in_channels:
+        raise ConfigError(f"{key}={list(band_map)} has {len(band_map)} entries for "
+                          f"{in_channels} input bands; give one pretrained channel (or null) "
+                          "per band")
+    for j in band_map:
+        if j is not None and (j < 0 or (file_channels is not None and j >= file_channels)):
+            top = (file_channels or 1) - 1
+            raise ConfigError(f"{key}={list(band_map)}: channel {j} is not one of the "
+                              f"weights' {file_channels} input channels (0..{top}); name "
+                              "existing channels or null")
+
+
+def normalization_of(path: str | os.PathLike[str], metadata: Mapping[str, str]
+                     ) -> dict[str, Any] | None:
+    """The weights' input normalisation ``{"mean", "std"[, "scale"]}``, or None if unknown.
+
+    ``mean`` / ``std`` are per pretrained input channel, for inputs scaled as ``scale``
+    says (absent: the data's own scale, e.g. 1/255 for 8-bit imagery, as timm's ImageNet
+    statistics assume).
+    """
+    p = Path(path)
+    found: dict[str, Any] = {}
+    if {"mean", "std"} <= set(metadata):
+        found = {k: json.loads(metadata[k]) for k in ("mean", "std", "scale") if k in metadata}
+    for side in (p.with_name(p.name + ".json"), p.with_name("config.json")):
+        if not found and side.is_file():
+            doc = json.loads(side.read_text())
+            doc = doc.get("pretrained_cfg", doc) if isinstance(doc, dict) else {}
+            found = {k: doc[k] for k in ("mean", "std", "scale") if k in doc}
+    if not {"mean", "std"} <= set(found):
+        return None
+    found["mean"] = [float(v) for v in found["mean"]]
+    found["std"] = [float(v) for v in found["std"]]
+    return found
+
+
+def is_offline(timeout: float = 1.5) -> bool:
+    """True when the Hugging Face hub cannot be reached (``HF_HUB_OFFLINE=1``: at once)."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").lower() in ("1", "true", "yes", "on"):
+            return True
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+    except OSError:
+        return True
+    return False
+
+
+def resolve_weights(spec: str, encoder: str, *, key: str) -> Path:
+    """The local file a weights value names: a path, or a hub name downloaded when online.
+
+    Raises:
+        InputError: a path that does not exist.
+        ConfigError: a hub name on a machine without internet (the fix: download, pass
+            the path), or one the encoder does not offer.
+    """
+    p = Path(spec).expanduser()
+    if p.exists() or p.suffix in WEIGHT_SUFFIXES or spec.startswith(("/", ".", "~")):
+        if not p.is_file():
+            raise InputError(f"{key}='{spec}' does not exist; give the path of a weights file "
+                             f"({', '.join(WEIGHT_SUFFIXES)})")
+        return p
+    if is_offline():
+        raise ConfigError(f"{key}={spec!r} is a hub name, but this machine is offline "
+                          "(HF_HUB_OFFLINE=1 or huggingface.co unreachable); download the "
+                          "weights where there is internet (e.g. `hf download "
+                          f"{_hub_repo(spec, encoder) or '<repo>'} model.safetensors "
+                          "config.json`) and pass the file: "
+                          f"{key}=/path/to/model.safetensors")
+    repo = _hub_repo(spec, encoder)
+    if repo is None:
+        raise ConfigError(f"{key}={spec!r}: encoder {encoder!r} has no weights of that name; "
+                          "give a weights file path or a hub id (hf-hub:org/name)")
+    from huggingface_hub import hf_hub_download
+
+    path = Path(hf_hub_download(repo, "model.safetensors"))
+    try:
+        hf_hub_download(repo, "config.json")  # the normalisation, read beside the file
+    except Exception:  # noqa: BLE001 (a repository without it: no recorded normalisation)
+        pass
+    return path
+
+
+def _hub_repo(spec: str, encoder: str) -> str | None:
+    """The Hugging Face repository a hub name means for ``encoder``, or None."""
+    if spec.startswith("hf-hub:") or spec.count("/") == 1:
+        return spec.removeprefix("hf-hub:")
+    if encoder.startswith("tu-"):
+        import timm
+
+        name = encoder[3:] if "." in encoder[3:] or spec in ("imagenet", "true") else \
+            f"{encoder[3:]}.{spec}"
+        try:
+            return timm.models.get_pretrained_cfg(name).hf_hub_id  # type: ignore[union-attr]
+        except Exception:  # timm raises several types for unknown names
+            return None
+    from segmentation_models_pytorch.encoders import encoders
+
+    settings = encoders.get(encoder, {}).get("pretrained_settings", {}).get(spec)
+    return settings.get("repo_id") if settings else None
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What :func:`load_weights` did.
+
+    Attributes:
+        report: one line: the file, tensors loaded, missing, unexpected, mismatched.
+        normalization: the weights' own, per file channel (None: not recorded).
+        file_channels: the file's input channels (None: no first convolution matched).
+    """
+
+    report: str
+    normalization: dict[str, Any] | None
+    file_channels: int | None
+
+
+def load_weights(module: nn.Module, spec: str, *, key: str, encoder: str, in_channels: int,
+                 band_map: Sequence[int | None] | None) -> Loaded:
+    """Load a weights file (or hub name) into ``module``: matched, checked, reported.
+
+    The module's first convolution taking ``in_channels`` is adapted by ``band_map``
+    (:func:`adapt_first_conv`); every other tensor must fit.
+
+    Raises:
+        InputError: a file that does not fit (the first missing or mismatched key named).
+        ConfigError: a bad band map, or a hub name offline.
+    """
+    path = resolve_weights(spec, encoder, key=key)
+    tensors, meta = read_weights(path, key=key)
+    target = module.state_dict()
+    first = first_conv_key(module, in_channels)
+    match = match_weights(tensors, target, first_conv=first)
+    check_fit(key, path, match, target, tensors, encoder)
+    file_channels = tensors[match.keys[first]].shape[1] if first in match.keys else None
+    check_band_map(band_map, in_channels, file_channels)
+    state = {k: tensors[f] for k, f in match.keys.items()}
+    if first in state:
+        state[first] = adapt_first_conv(state[first], in_channels, band_map)
+    module.load_state_dict(state, strict=False)
+    log.info("%s=%s: %s", key, path, match.summary())
+    return Loaded(f"{path}: {match.summary()}", normalization_of(path, meta), file_channels)
+
+
+def first_conv_key(module: nn.Module, in_channels: int) -> str:
+    """State-dict key of the first convolution that reads the input bands (or "")."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Conv2d) and m.in_channels == in_channels:
+            return f"{name}.weight"
+    return ""
+
+
+def check_fit(key: str, path: Any, match: WeightsMatch, target: Mapping[str, Tensor],
+              tensors: Mapping[str, Tensor], encoder: str) -> None:
+    """Refuse a file that does not fit the module, naming the first keys and shapes."""
+    params = [k for k in match.missing if not k.endswith("num_batches_tracked")]
+    if match.mismatched:
+        k, have, want = match.mismatched[0]
+        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: {k} is "
+                         f"{list(have)} in the file but {list(want)} in the model "
+                         f"({len(match.mismatched)} such); give weights of {encoder}")
+    if params:
+        shown = ", ".join(f"{k} {list(v.shape)}" for k, v in list(tensors.items())[:3])
+        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: "
+                         f"{len(params)} of {len(target)} tensors missing (first "
+                         f"{params[0]} {list(target[params[0]].shape)}); the file's "
+                         f"first keys are {shown}; give weights of {encoder} (timm, "
+                         "torchvision or torchgeo layout)")

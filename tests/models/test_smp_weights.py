@@ -1,0 +1,191 @@
+"""Weights from files: layouts, reports, refusals, band maps, normalisation, hub names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+import torchvision
+from safetensors.torch import save_file
+
+from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.models.smp import SMPModel
+from seg_at_scale.models.weights import read_weights
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+DEC = {"decoder_channels": [16, 16, 8, 8, 8]}
+
+
+def unet(encoder: str = "resnet18", bands: int = 3, **kw) -> SMPModel:
+    return SMPModel("Unet", encoder, in_channels=bands, num_classes=3, options=DEC, **kw)
+
+
+def random_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("encoder,prefix", [("resnet18", ""), ("tu-resnet18", "model.")])
+def test_timm_layout_loads_into_smp_and_timm_encoders(tmp_path, encoder, prefix):
+    state = random_state(timm.create_model("resnet18"), 1)  # with its classifier fc.*
+    torch.save(state, tmp_path / "r18.pth")
+    net = unet(encoder, encoder_weights=str(tmp_path / "r18.pth"))
+    enc = net.net.encoder.state_dict()
+    for key in ("conv1.weight", "layer4.1.conv2.weight", "layer2.0.bn1.running_var"):
+        assert torch.equal(enc[prefix + key], state[key])
+    assert "2 unexpected (e.g. fc.weight, fc.bias)" in net.weights_report[
+        "model.encoder_weights"]
+
+
+def test_torchvision_layout_as_safetensors(tmp_path):
+    state = random_state(torchvision.models.resnet18(), 2)
+    save_file(state, tmp_path / "tv.safetensors")
+    net = unet("resnet18", encoder_weights=str(tmp_path / "tv.safetensors"))
+    assert torch.equal(net.net.encoder.layer3[1].conv1.weight, state["layer3.1.conv1.weight"])
+
+
+def test_timm_feature_names_are_matched(tmp_path):
+    """timm's features_only flattens stem.0 into stem_0 (ConvNeXt): the plain layout fits."""
+    state = random_state(timm.create_model("test_convnext"), 3)
+    save_file(state, tmp_path / "cx.safetensors")
+    net = unet("tu-test_convnext", encoder_weights=str(tmp_path / "cx.safetensors"))
+    enc = net.net.encoder.state_dict()
+    assert torch.equal(enc["model.stem_0.weight"], state["stem.0.weight"])
+    assert torch.equal(enc["model.stages_1.blocks.0.conv_dw.weight"],
+                       state["stages.1.blocks.0.conv_dw.weight"])
+
+
+def test_torchgeo_layout_13_bands_with_band_map_and_statistics(tmp_path):
+    """A torchgeo Sentinel-2 file: a timm resnet with 13 input channels, per-band
+    statistics beside it; four bands (B4, B3, B2, B8) take channels 3, 2, 1, 7."""
+    state = random_state(timm.create_model("resnet18", in_chans=13), 4)
+    path = tmp_path / "resnet18_sentinel2_all_moco.pth"
+    torch.save({"state_dict": {f"backbone.{k}": v for k, v in state.items()}}, path)
+    mean, std = [100.0 * b for b in range(13)], [10.0 + b for b in range(13)]
+    (tmp_path / f"{path.name}.json").write_text(json.dumps(
+        {"mean": mean, "std": std, "scale": 1.0}))
+    net = unet("resnet18", bands=4, encoder_weights=str(path), band_map=[3, 2, 1, 7])
+    conv = net.net.encoder.conv1.weight
+    assert torch.equal(conv, state["conv1.weight"][:, [3, 2, 1, 7]])
+    assert torch.equal(net.net.encoder.layer1[0].conv1.weight, state["layer1.0.conv1.weight"])
+    norm = net.input_normalization()
+    assert norm == {"mean": [300.0, 200.0, 100.0, 700.0], "std": [13.0, 12.0, 11.0, 17.0],
+                    "scale": 1.0}
+
+
+def test_lightning_checkpoint_encoder_and_whole_model(tmp_path):
+    src = unet("tu-test_resnet", bands=4)
+    random_state(src, 5)
+    ckpt = {"state_dict": {f"model.{k}": v for k, v in src.state_dict().items()},
+            "epoch": 3, "hyper_parameters": {"num_classes": 3}}
+    torch.save(ckpt, tmp_path / "last.ckpt")
+    enc = unet("tu-test_resnet", bands=4, encoder_weights=str(tmp_path / "last.ckpt"))
+    for k, v in src.net.encoder.state_dict().items():
+        assert torch.equal(enc.net.encoder.state_dict()[k], v)
+    torch.save(src.net.state_dict(), tmp_path / "smp_model.pth")  # smp's own layout
+    whole = unet("tu-test_resnet", bands=4, weights=str(tmp_path / "smp_model.pth")).eval()
+    x = torch.randn(1, 4, 64, 96)
+    assert torch.equal(whole(x), src.eval()(x))
+
+
+def test_band_map_onto_rgb_weights_gives_the_rgb_model(tmp_path):
+    """Six bands, three of them mapped onto the RGB weights, the others at zero: exactly
+    the three-band pretrained model on those bands, whatever the others hold."""
+    rgb = unet("tu-test_resnet", bands=3)
+    random_state(rgb, 6)
+    save_file(rgb.net.state_dict(), tmp_path / "rgb.safetensors")
+    six = unet("tu-test_resnet", bands=6, weights=str(tmp_path / "rgb.safetensors"),
+               band_map=[None, 0, None, 1, 2, None]).eval()
+    x3 = torch.randn(1, 3, 96, 64)
+    x6 = torch.randn(1, 6, 96, 64) * 100
+    x6[:, [1, 3, 4]] = x3
+    ref = rgb.eval()(x3)
+    out = six(x6)
+    assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert torch.equal(out.argmax(1), ref.argmax(1))
+
+
+def test_default_band_rule_extra_bands_start_at_zero(tmp_path):
+    state = random_state(timm.create_model("resnet18"), 7)
+    save_file(state, tmp_path / "r18.safetensors", metadata={
+        "mean": json.dumps([0.485, 0.456, 0.406]), "std": json.dumps([0.229, 0.224, 0.225])})
+    net = unet("resnet18", bands=5, encoder_weights=str(tmp_path / "r18.safetensors"))
+    conv = net.net.encoder.conv1.weight
+    assert torch.equal(conv[:, :3], state["conv1.weight"])
+    assert not conv[:, 3:].any()
+    assert net.input_normalization() == {"mean": [0.485, 0.456, 0.406, None, None],
+                                         "std": [0.229, 0.224, 0.225, None, None],
+                                         "scale": None}
+    saved = {k: v for k, v in net.state_dict().items() if k.startswith("input_")}
+    assert set(saved) == {"input_mean", "input_std", "input_scale"}  # in every checkpoint
+
+
+def test_a_file_of_another_encoder_is_refused_naming_keys(tmp_path):
+    torch.save(random_state(timm.create_model("resnet18"), 8), tmp_path / "r18.pth")
+    with pytest.raises(InputError, match=r"does not fit encoder resnet34: \d+ of \d+ tensors "
+                       r"missing \(first layer1\.2\.conv1\.weight \[64, 64, 3, 3\]\); the "
+                       r"file's first keys are conv1\.weight \[64, 3, 7, 7\]"):
+        SMPModel("Unet", "resnet34", in_channels=3, num_classes=2,
+                 encoder_weights=str(tmp_path / "r18.pth"))
+    torch.save(random_state(timm.create_model("test_resnet"), 8), tmp_path / "test.pth")
+    with pytest.raises(InputError, match=r"does not fit encoder resnet18: .* is \[.*\] in the "
+                       r"file but \[.*\] in the model"):
+        unet("resnet18", encoder_weights=str(tmp_path / "test.pth"))
+
+
+def test_files_that_would_run_code_or_do_not_exist_are_refused(tmp_path):
+    torch.save({"state_dict": {"conv1.weight": torch.zeros(1)}, "cfg": torch.nn.ReLU()},
+               tmp_path / "pickled.ckpt")
+    with pytest.raises(InputError, match="holds Python objects that loading without running "
+                       "code refuses"):
+        read_weights(tmp_path / "pickled.ckpt", key="model.encoder_weights")
+    with pytest.raises(InputError, match=r"model.weights='.*nope.pth' does not exist"):
+        unet(weights=str(tmp_path / "nope.pth"))
+
+
+def test_hub_name_refused_offline_in_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError) as err:
+        unet("resnet18", encoder_weights="imagenet")
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "model.encoder_weights='imagenet' is a hub name, but this machine is offline" in msg
+    assert "smp-hub/resnet18.imagenet" in msg and "model.encoder_weights=/path/to/" in msg
+
+
+def test_band_map_errors_name_the_key(tmp_path):
+    save_file(random_state(timm.create_model("resnet18"), 9), tmp_path / "r.safetensors")
+    with pytest.raises(ConfigError, match=r"model.band_map=\[0, 1\] has 2 entries for 4"):
+        unet(bands=4, encoder_weights=str(tmp_path / "r.safetensors"), band_map=[0, 1])
+    with pytest.raises(ConfigError, match=r"channel 5 is not one of the weights' 3 input"):
+        unet(bands=2, encoder_weights=str(tmp_path / "r.safetensors"), band_map=[0, 5])
+    with pytest.raises(ConfigError, match="no weights are given"):
+        unet(bands=2, band_map=[0, 1])
+
+
+def test_a_checkpoint_rebuild_needs_no_weights_file(tmp_path):
+    """Prediction rebuilds the model from its run config and loads the checkpoint: with the
+    weights keys nulled the original file may be gone; the normalisation comes back."""
+    from seg_at_scale.models.registry import build_model, without_weight_files
+
+    state = random_state(timm.create_model("resnet18"), 10)
+    save_file(state, tmp_path / "r18.safetensors", metadata={
+        "mean": json.dumps([0.1, 0.2, 0.3]), "std": json.dumps([1.0, 2.0, 3.0])})
+    node = {"_target_": "seg_at_scale.models.SMPModel", "arch": "Unet", "encoder": "resnet18",
+            "in_channels": 4, "num_classes": 3, "options": DEC,
+            "encoder_weights": str(tmp_path / "r18.safetensors"), "band_map": [0, 1, 2, None]}
+    trained = build_model(node, where="t").eval()
+    ckpt = {k: v.clone() for k, v in trained.state_dict().items()}
+    (tmp_path / "r18.safetensors").unlink()
+    bare = without_weight_files(node)
+    assert (bare["encoder_weights"], bare["band_map"], bare["arch"]) == (None, None, "Unet")
+    again = build_model(bare, where="t")
+    again.load_state_dict(ckpt)
+    x = torch.randn(1, 4, 64, 64)
+    assert torch.equal(again.eval()(x), trained(x))
+    assert again.input_normalization()["mean"] == [0.1, 0.2, 0.3, None]
