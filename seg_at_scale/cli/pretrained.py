@@ -13,9 +13,9 @@ from typing import Any
 from omegaconf import DictConfig
 from torch import nn
 
-from seg_at_scale.models.trained import footprint_with_halo
 from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.models.trained import tiling_footprint
 from seg_at_scale.tiling import Footprint
 
 __all__ = ["run_footprint", "use_weights_normalization"]
@@ -25,16 +25,7 @@ log = logging.getLogger(__name__)
 
 def run_footprint(model: nn.Module, tiling: DictConfig) -> Footprint:
     """The exact footprint, or with ``tiling.exact=false`` the model's approximate one."""
-    if tiling.get("exact", True):
-        return footprint_with_halo(model, tiling.halo)
-    approximate = getattr(model, "approximate_footprint", None)
-    fp: Footprint = approximate() if callable(approximate) else footprint_with_halo(model, "auto")
-    if tiling.halo not in (None, "auto"):
-        fp = Footprint(int(tiling.halo), fp.align, fp.padding, fp.out_residue)
-    log.warning("tiling.exact=false: tiles (halo %d, align %d) do NOT reproduce the "
-                "whole-image computation; predictions are approximate (overlap-and-blend)",
-                fp.halo, fp.align)
-    return fp
+    return tiling_footprint(model, tiling)
 
 
 def _per_band(values: Any, bands: int) -> list[float] | None:

@@ -65,7 +65,6 @@ from seg_at_scale.models.trained import (
     RUN_CONFIG,
     TrainedModel,
     card_of_config,
-    footprint_with_halo,
 )
 from seg_at_scale.parallel.pipe import PipelineConfig
 from seg_at_scale.parallel.setup import (

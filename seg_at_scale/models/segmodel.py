@@ -34,7 +34,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from seg_at_scale.errors import InputError, OutputExistsError
-from seg_at_scale.models.registry import build_model
+from seg_at_scale.models.registry import build_model, without_weight_files
 from seg_at_scale.models.trained import CARD_FORMAT, TrainedModel, load_weights
 
 __all__ = ["write_model", "read_model", "read_card", "PARTS", "SUFFIX"]
@@ -158,7 +158,7 @@ def read_model(path: str | os.PathLike[str], *, trust: bool = False) -> TrainedM
     path = Path(path)
     card, files = _card_and_files(path)
     where = f"model '{path}'"
-    node = {k: v for k, v in card["model"].items() if k != "family"}
+    node = without_weight_files({k: v for k, v in card["model"].items() if k != "family"})
     model = build_model(node, where=where, trust=trust)
     try:
         state = load_tensors(files[WEIGHTS])

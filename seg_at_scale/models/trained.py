@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,13 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io.preview import default_palette
 from seg_at_scale.models.checkpoint import load_checkpoint, model_state
-from seg_at_scale.models.registry import build_model, family_of
+from seg_at_scale.models.registry import build_model, family_of, without_weight_files
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as measured_footprint
 
 __all__ = ["TrainedModel", "load_run", "load_trained", "footprint_with_halo",
-           "pick_checkpoint", "card_of_config", "load_weights", "model_files", "peek_card",
-           "normalizer_of_card",
+           "pick_checkpoint", "card_of_config", "tiling_footprint", "load_weights",
+           "model_files", "peek_card", "normalizer_of_card",
            "RUN_CONFIG", "CARD_FORMAT"]
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,25 @@ def footprint_with_halo(model: nn.Module, halo: Any) -> Footprint:
         log.warning("tiling.halo=%d is below the model's halo %d: tiles will NOT be exact",
                     halo, fp.halo)
     return Footprint(halo, fp.align, fp.padding, fp.out_residue)
+
+
+def tiling_footprint(model: nn.Module, tiling: Mapping[str, Any]) -> Footprint:
+    """The footprint a run tiles with: exact, or the model's approximate one.
+
+    With ``tiling.exact=false`` the tiles overlap by the approximate footprint and do NOT
+    reproduce the whole-image forward (networks no tiling makes exact: SE, attention).
+    """
+    halo = tiling.get("halo", "auto")
+    if tiling.get("exact", True):
+        return footprint_with_halo(model, halo)
+    approximate = getattr(model, "approximate_footprint", None)
+    fp: Footprint = approximate() if callable(approximate) else footprint_with_halo(model,
+                                                                                    "auto")
+    if halo not in (None, "auto"):
+        fp = Footprint(int(halo), fp.align, fp.padding, fp.out_residue)
+    log.warning("tiling.exact=false: tiles (halo %d, align %d) do NOT reproduce the "
+                "whole-image computation; predictions are approximate", fp.halo, fp.align)
+    return fp
 
 
 def _read_run_config(run: Path) -> DictConfig:
@@ -201,6 +221,7 @@ def card_of_config(cfg: DictConfig, fp: Footprint) -> dict[str, Any]:
         "model": {"family": fam.name if fam else None, **node},
         "footprint": {"halo": fp.halo, "align": fp.align, "padding": fp.padding,
                       "out_residue": fp.out_residue},
+        "exact": bool((cfg.get("tiling") or {}).get("exact", True)),
         "data": {"bands": int(data.get("bands") or node.get("in_channels")
                               or node.get("planes")),
                  "num_classes": k, "class_names": names,
@@ -261,12 +282,14 @@ def load_run(run: str | os.PathLike[str], ckpt: str = "best", *,
     cfg = _read_run_config(run)
     where = f"run '{run}'"
     node = OmegaConf.to_container(cfg.model, resolve=True)
-    model = build_model(node, where=where, trust=trust)  # type: ignore[arg-type]
+    # every tensor comes from the checkpoint: the pretrained weights files need not exist
+    model = build_model(without_weight_files(node), where=where,  # type: ignore[arg-type]
+                        trust=trust)
     path = pick_checkpoint(run, ckpt)
     data = load_checkpoint(path, trust=trust)
     load_weights(model, model_state(data), f"{where}, checkpoint '{path}'")
     model.eval()
-    fp = footprint_with_halo(model, cfg.get("tiling", {}).get("halo", "auto"))
+    fp = tiling_footprint(model, cfg.get("tiling") or {})
     card = card_of_run(cfg, fp, run, path, data)
     return TrainedModel(model, card, where, cfg, path)
 

@@ -48,6 +48,7 @@ from seg_at_scale.prediction.raster import PredictionStats, predict_batches
 from seg_at_scale.prediction.scene import companions, predict_scene
 from seg_at_scale.prediction.store import PredictionStore
 from seg_at_scale.tiling.geometry import fill_of
+from seg_at_scale.tiling.passes import has_statistics
 from seg_at_scale.tiling.statistics import uses_image_pool
 
 __all__ = ["ArchiveScene", "find_images", "archive_scenes", "check_archive",
@@ -214,7 +215,7 @@ def predict_archive(trained: TrainedModel, scenes: Sequence[ArchiveScene],
     """
     skipped = {r.stem for r in checked}
     todo = [s for s in scenes if s.stem not in skipped]
-    if uses_image_pool(trained.model):
+    if uses_image_pool(trained.model) or has_statistics(trained.model):
         records = _scene_by_scene(trained, todo, options, on_error)
     else:
         records = _queue(trained, todo, options, on_error)
@@ -256,7 +257,8 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
     weights = model_digest(model)
     plans = [plan_raster(s.image, s.output, options, fp=trained.footprint,
                          normalizer=trained.normalizer, names=trained.class_names,
-                         weights=weights, device=device) for s in scenes]
+                         weights=weights, device=device,
+                         exact=bool(trained.card.get("exact", True))) for s in scenes]
     records = [SceneRecord(s.stem, str(s.image), str(s.output), tiles=len(p.grid),
                            megapixels=p.grid.height * p.grid.width / 1e6)
                for s, p in zip(scenes, plans, strict=True)]

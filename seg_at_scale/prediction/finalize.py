@@ -15,7 +15,12 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.io.cog import class_colors, write_cog
 from seg_at_scale.prediction.checks import probabilities_path
-from seg_at_scale.prediction.finished import CLASS_PIXELS_TAG, FINGERPRINT_TAG, digest
+from seg_at_scale.prediction.finished import (
+    CLASS_PIXELS_TAG,
+    FINGERPRINT_TAG,
+    TILING_TAG,
+    digest,
+)
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling.geometry import Tile, Window
 
@@ -54,10 +59,13 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
                       geotags=reader.geotags, resampling="average", overwrite=True,
                       descriptions=names[:k])
         done = digest(dict(store.group.attrs["fingerprint"]))
+        tiling = ("exact" if store.group.attrs["fingerprint"].get("exact", True) else
+                  "approximate: tiling.exact=false, overlapping tiles; not the whole-image "
+                  "forward")
         write_cog(out_path, (1, h, w), "uint8", counted(), geotags=reader.geotags,
                   nodata=NODATA, colormap=class_colors(len(names)), resampling="mode",
                   overwrite=True, tags=lambda: {
-                      FINGERPRINT_TAG: done,
+                      FINGERPRINT_TAG: done, TILING_TAG: tiling,
                       CLASS_PIXELS_TAG: json.dumps([int(v) for v in hist[:NODATA]])})
     else:
         for _ in counted():

@@ -19,10 +19,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["digest", "finished", "FINGERPRINT_TAG", "CLASS_PIXELS_TAG"]
+__all__ = ["digest", "finished", "FINGERPRINT_TAG", "CLASS_PIXELS_TAG", "TILING_TAG"]
 
 FINGERPRINT_TAG = "SEG_AT_SCALE_FINGERPRINT"
 CLASS_PIXELS_TAG = "SEG_AT_SCALE_CLASS_PIXELS"
+TILING_TAG = "SEG_AT_SCALE_TILING"  # exact, or approximate (tiling.exact=false)
 
 
 def digest(fingerprint: dict[str, Any]) -> str:

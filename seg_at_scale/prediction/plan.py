@@ -83,7 +83,7 @@ class RasterPlan:
 
 def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footprint,
                 normalizer: Normalizer, names: list[str], weights: str,
-                device: torch.device | str) -> RasterPlan:
+                device: torch.device | str, exact: bool = True) -> RasterPlan:
     """Plan ``image`` -> ``output`` (see the module docstring); opens the input.
 
     Args:
@@ -95,6 +95,7 @@ def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footp
         names: the class names (their count is the model's classes).
         weights: :func:`model_digest` of the model.
         device: where the model runs (the default batch size).
+        exact: False for an approximate footprint (``tiling.exact=false``): recorded.
     """
     from seg_at_scale.prediction.raster import output_kind
 
@@ -113,6 +114,8 @@ def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footp
                    "normalizer": [normalizer.scale, list(normalizer.mean),
                                   list(normalizer.std)],
                    "nodata": nodata if nodata is None else float(nodata)}
+    if not exact:  # tiling.exact=false: recorded (the output's TILING tag says so)
+        fingerprint["exact"] = False
     return RasterPlan(image, output, kind, store_path(output), reader, grid, batches,
                       fingerprint, names)
 

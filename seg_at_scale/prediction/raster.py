@@ -50,6 +50,7 @@ from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, footprint
 from seg_at_scale.tiling.engine import Batch, BatchOutput, run_batches
 from seg_at_scale.tiling.geometry import fill_of
+from seg_at_scale.tiling.passes import fixed_statistics, has_statistics
 from seg_at_scale.tiling.statistics import feature_count, image_pool_sum_of, uses_image_pool
 
 __all__ = ["PredictionStats", "predict_raster", "output_kind", "default_batch_size"]
@@ -118,7 +119,8 @@ def _barrier() -> None:
 def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str | os.PathLike[str],
                    options: PredictOptions | None = None, *, fp: Footprint | None = None,
                    normalizer: Normalizer | None = None,
-                   class_names: Sequence[str] | None = None) -> PredictionStats:
+                   class_names: Sequence[str] | None = None,
+                   exact: bool = True) -> PredictionStats:
     """Predict class labels (and optionally probabilities) for a whole raster file.
 
     Args:
@@ -130,6 +132,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         fp: footprint; computed from the model when omitted.
         normalizer: raw samples to model input; defaults to ``x / 255``.
         class_names: written into the store's attributes and the COG band descriptions.
+        exact: False for a model trained with ``tiling.exact=false`` (approximate
+            footprint): recorded in the fingerprint and the COG's ``TILING`` tag.
 
     Returns:
         :class:`PredictionStats` of this process (class histogram on rank 0).
@@ -146,7 +150,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     norm = normalizer or Normalizer()
     plan = plan_raster(image, out_path, o, fp=fp, normalizer=norm,
                        names=_names(model, image, fp, class_names), weights=model_digest(model),
-                       device=device)
+                       device=device, exact=exact)
     grid, batches = plan.grid, plan.batches
     if world > len(batches):
         raise ConfigError(f"processes={world} but the grid of '{image}' has only "
@@ -199,6 +203,8 @@ def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: 
     of all batches in float64, and the all-reduced sum over the whole image's feature count
     is the mean one process would compute.
     """
+    if has_statistics(model):  # GroupNorm-like sites (FPN): the passes of tiling.passes
+        return _statistic_passes(model, source, grid, share, device, stats, world)
     if not uses_image_pool(model):
         return contextlib.nullcontext()
     t0 = time.perf_counter()
@@ -221,6 +227,26 @@ def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: 
     pooled = (total / feature_count(model, grid)).to(dtype)
     stats.statistics_s = time.perf_counter() - t0
     return model.fixed_image_pool(pooled)  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def _statistic_passes(model: nn.Module, source: RasterWindows, grid: TileGrid,
+                      share: list[Batch], device: torch.device, stats: PredictionStats,
+                      world: int) -> Iterator[None]:
+    """The statistic passes over this rank's share of every batch (all-reduced sums)."""
+    def tiles() -> Iterator[tuple[Any, Tensor]]:
+        for batch in share:
+            for tile in batch.tiles:
+                yield tile, torch.from_numpy(source.read(tile.read)[0]).unsqueeze(0).to(device)
+
+    def reduce(total: Tensor) -> Tensor:
+        dist.all_reduce(total)
+        return total
+
+    t0 = time.perf_counter()
+    with fixed_statistics(model, tiles, grid, reduce=reduce if world > 1 else None):
+        stats.statistics_s = time.perf_counter() - t0
+        yield
 
 
 def predict_batches(model: nn.Module, source: RasterWindows, mine: list[Batch],

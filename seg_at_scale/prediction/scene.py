@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from seg_at_scale.prediction.raster import PredictionStats, predict_raster
 from seg_at_scale.vectors import write_vectors
 
 __all__ = ["predict_scene"]
+
+log = logging.getLogger(__name__)
 
 
 def predict_scene(trained: TrainedModel, image: Path, output: Path, options: PredictOptions,
@@ -60,9 +63,16 @@ def predict_scene(trained: TrainedModel, image: Path, output: Path, options: Pre
                     vector=vector)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    exact = bool(trained.card.get("exact", True))
+    if not exact:
+        log.warning("%s was trained with tiling.exact=false: '%s' is approximate (overlapping "
+                    "tiles, halo %d), not the whole-image forward", trained.source, output,
+                    trained.footprint.halo)
     stats = predict_raster(model, image, output, options, fp=trained.footprint,
-                           normalizer=trained.normalizer, class_names=trained.class_names)
+                           normalizer=trained.normalizer, class_names=trained.class_names,
+                           exact=exact)
     out = _result(image, output, stats)
+    out["exact"] = exact
     out["class_pixels"] = stats.class_pixels[:trained.num_classes]
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return out  # rank 0 scores and draws
