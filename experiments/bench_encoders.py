@@ -19,7 +19,7 @@ normalised as ``(x / 255 - 0.5) / 0.25``. Runs, each a fresh process, one after 
   tile per model (below); fp32 contiguous (today's ``fast=false``), fp32 channels_last, the
   bf16 fast path (autocast + channels_last). Whole-image statistics: DeepLabV3+'s image
   pooling by the raster path's own first pass, FPN's GroupNorms by
-  ``passes.fixed_statistics`` over windows read from the file (timed with the run);
+  the raster path's statistic passes over windows read from the file (timed with the run);
 * *MONAI*: the image loaded in memory, ``sliding_window_inference`` with Gaussian blending
   at window 512 / overlap 0.25, 1024 / 0.25 and 1024 / 0.5 (the issue's settings), fp32
   contiguous (as users run it), ``sw_batch_size=1``; throughput counts the call only.
@@ -40,7 +40,6 @@ import os
 import shutil
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.io import RasterReader, write_raster_bands
 from seg_at_scale.models.smp import SMPModel
-from seg_at_scale.tiling import Footprint, TilingError, Window, fill_of, make_grid
+from seg_at_scale.tiling import Footprint, TilingError, Window, make_grid
 
 NORM = Normalizer(1 / 255, (0.5,) * 4, (0.25,) * 4)
 MODELS = {"unet_resnet34": ("Unet", "resnet34"), "fpn_resnet50": ("FPN", "resnet50"),
@@ -103,25 +102,19 @@ def run_untiled(cfg: dict[str, Any], channels_last: bool) -> dict[str, Any]:
 
 
 def run_ours(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
-    """Child: ``predict_raster`` file to file (statistics fixed first for FPN)."""
-    from seg_at_scale.data.windows import RasterWindows
-    from seg_at_scale.prediction import predict_raster
-    from seg_at_scale.tiling.passes import fixed_statistics, source_tiles
+    """Child: ``predict_raster`` file to file (its own statistic passes for DeepLab / FPN)."""
+    from seg_at_scale.prediction import PredictOptions, predict_raster
 
     cl, fast = variant != "fp32", variant == "bf16_cl"
     net = _setup(cfg, cl)
     fp = Footprint(**cfg["footprint"])
     out = Path(cfg["workdir"]) / f"{cfg['model']}_ours_{variant}.tif"
     t0 = time.perf_counter()
-    with RasterReader(cfg["image"]) as reader:
-        grid = make_grid(reader.height, reader.width, fp, tile_size=cfg["tile"], uniform=True)
-        src = RasterWindows(reader, NORM, fill_of(fp))
-        multi = cfg["statistic_levels"] > 1
-        ctx = fixed_statistics(net, source_tiles(src, grid), grid) if multi else nullcontext()
-        with ctx:
-            stats = predict_raster(net, cfg["image"], out, tile_size=cfg["tile"], fp=fp,
-                                   normalizer=NORM, autocast=torch.bfloat16 if fast else None,
-                                   channels_last=cl, overwrite=True, progress=False)
+    stats = predict_raster(net, cfg["image"], out,
+                           PredictOptions(tile_size=cfg["tile"], fast=fast,
+                                          layout="channels_last" if cl else "contiguous",
+                                          overwrite=True, progress=False),
+                           fp=fp, normalizer=NORM)
     seconds = time.perf_counter() - t0
     with RasterReader(out) as r:
         labels = r.read(Window(0, 0, r.height, r.width))[0]

@@ -15,8 +15,9 @@ from smp_helpers import lively, preset_model
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import read_raster
 from seg_at_scale.models.smp import SMPModel
-from seg_at_scale.prediction import predict_raster
+from seg_at_scale.prediction import PredictOptions, predict_raster
 from seg_at_scale.tiling import predict_full
+from seg_at_scale.tiling.sites import statistic_sites
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 DATA = Normalizer(1 / 255, (0.5,) * 4, (0.25,) * 4)
@@ -57,8 +58,9 @@ def test_unet_cog_equals_untiled_with_the_weights_normalisation(tmp_path):
     assert norm.mean == (0.4, 0.5, 0.6, 0.5)
     image = make_image(tmp_path / "scene.tif", height=517, width=743)  # not multiples of 32
     fp = net.footprint()
-    stats = predict_raster(net, image, tmp_path / "pred.tif", tile_size=2 * fp.context + 128,
-                           fp=fp, normalizer=norm, progress=False)
+    stats = predict_raster(net, image, tmp_path / "pred.tif",
+                           PredictOptions(tile_size=2 * fp.context + 128, progress=False),
+                           fp=fp, normalizer=norm)
     assert stats.tiles >= 6
     x = torch.from_numpy(norm(read_raster(image)))[None]
     check_labels(read_raster(tmp_path / "pred.tif")[0], predict_full(net, x))
@@ -68,32 +70,25 @@ def test_deeplabv3plus_cog_two_pass_equals_untiled(tmp_path):
     net = preset_model("deeplabv3plus_test_resnet")
     image = make_image(tmp_path / "scene.tif", height=389, width=461)
     fp = net.footprint()
-    stats = predict_raster(net, image, tmp_path / "pred.tif", tile_size=2 * fp.context + 64,
-                           fp=fp, normalizer=DATA, progress=False)
+    stats = predict_raster(net, image, tmp_path / "pred.tif",
+                           PredictOptions(tile_size=2 * fp.context + 64, progress=False),
+                           fp=fp, normalizer=DATA)
     assert stats.tiles >= 4 and stats.statistics_s > 0  # pass 1: the image pooling
     x = torch.from_numpy(DATA(read_raster(image)))[None]
     check_labels(read_raster(tmp_path / "pred.tif")[0], predict_full(net, x))
 
 
-def test_fpn_cog_with_statistics_fixed_from_the_file_equals_untiled(tmp_path):
-    """FPN's three GroupNorm levels: passes over windows read from the file, then the
-    raster path runs one pass with every statistic held."""
-    from seg_at_scale.data.windows import RasterWindows
-    from seg_at_scale.io import RasterReader
-    from seg_at_scale.tiling import fill_of, make_grid
-    from seg_at_scale.tiling.passes import fixed_statistics, source_tiles
-
+def test_fpn_cog_statistic_passes_in_the_raster_path_equal_untiled(tmp_path):
+    """FPN's three GroupNorm levels: ``predict_raster`` runs their passes over windows read
+    from the file, then the final pass with every statistic held (before this, each tile
+    normalised by its own statistics)."""
     net = preset_model("fpn_test_resnet")
     image = make_image(tmp_path / "scene.tif", height=421, width=389)
     fp = net.footprint()
-    tile = 2 * fp.context + 64
-    with RasterReader(image) as reader:
-        grid = make_grid(reader.height, reader.width, fp, tile_size=tile, uniform=True)
-        src = RasterWindows(reader, DATA, fill_of(fp))
-        with fixed_statistics(net, source_tiles(src, grid), grid):
-            assert not net.has_image_pool  # held: the raster path's single pass suffices
-            stats = predict_raster(net, image, tmp_path / "pred.tif", tile_size=tile, fp=fp,
-                                   normalizer=DATA, progress=False)
-    assert stats.tiles >= 4 and net.has_image_pool  # released after the block
+    stats = predict_raster(net, image, tmp_path / "pred.tif",
+                           PredictOptions(tile_size=2 * fp.context + 64, progress=False),
+                           fp=fp, normalizer=DATA)
+    assert stats.tiles >= 4 and stats.statistics_s > 0
+    assert all(s.fixed is None for _, s in statistic_sites(net))  # released afterwards
     x = torch.from_numpy(DATA(read_raster(image)))[None]
     check_labels(read_raster(tmp_path / "pred.tif")[0], predict_full(net, x))

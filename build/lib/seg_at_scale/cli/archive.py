@@ -1,0 +1,79 @@
+"""``seg-predict images=... output_dir=...``: the archive side of the prediction command.
+
+:func:`archive_work` runs in the launching process, before any rank: it lists the scenes
+and checks every one of them (:func:`~seg_at_scale.prediction.archive.check_archive`).
+:func:`predict_archive_job` runs on every rank with the model loaded once; rank 0 then
+scores, writes the report and returns what the command prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from seg_at_scale.models.trained import TrainedModel
+from seg_at_scale.prediction.archive import (
+    ArchiveScene,
+    SceneRecord,
+    archive_scenes,
+    check_archive,
+    predict_archive,
+)
+from seg_at_scale.prediction.lock import output_lock
+from seg_at_scale.prediction.report import merge_vectors, score, write_report
+
+if TYPE_CHECKING:
+    from seg_at_scale.cli.predict import PredictJob
+
+__all__ = ["ArchiveWork", "archive_work", "predict_archive_job"]
+
+
+@dataclass(frozen=True)
+class ArchiveWork:
+    """The archive's scenes and those refused before any tile."""
+
+    scenes: list[ArchiveScene]
+    refused: list[SceneRecord]
+
+
+def archive_work(job: PredictJob, card: dict[str, Any], source: str,
+                 files: dict[str, Path], cuda: bool) -> ArchiveWork:
+    """List and check every scene of ``job.images`` (see the module docstring)."""
+    output_dir = Path(job.output_dir)  # type: ignore[arg-type]
+    scenes = archive_scenes(job.images, output_dir,  # type: ignore[arg-type]
+                            output_format=job.output_format,
+                            masks=Path(job.masks) if job.masks else None, vector=job.vector,
+                            vector_merge=job.vector_merge)
+    refused = check_archive(scenes, job.options, card=card, source=source, model_files=files,
+                            cuda=cuda, on_error=job.on_error)
+    return ArchiveWork(scenes, refused)
+
+
+def predict_archive_job(job: PredictJob, trained: TrainedModel,
+                        work: ArchiveWork) -> dict[str, Any]:
+    """Every rank: predict the archive; rank 0: score, report, and what to print."""
+    output_dir = Path(job.output_dir)  # type: ignore[arg-type]
+    output_dir.mkdir(parents=True, exist_ok=True)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    lock = output_lock(output_dir / "archive") if rank == 0 else contextlib.nullcontext()
+    with lock:
+        records = predict_archive(trained, work.scenes, job.options, on_error=job.on_error,
+                                  checked=work.refused)
+        if rank != 0:
+            return {}
+        score(records, work.scenes, trained.num_classes, trained.ignore_index)
+        merged = merge_vectors(records, work.scenes, output_dir) if job.vector_merge else None
+        doc = write_report(records, output_dir, stac=job.options.stac)
+    computed = sum(r.tiles_computed for r in records)
+    return {"model": trained.source, "scenes": doc["scenes"],
+            **{k: doc[k] for k in ("done", "reused", "skipped", "failed")},
+            "tiles_computed": computed,
+            "tiles_resumed": sum(r.tiles_resumed for r in records),
+            "summary": str(output_dir / "summary.csv"), "mosaics": doc.get("mosaics", []),
+            "items": doc.get("items"), "vectors": str(merged) if merged else None,
+            "problems": {r.stem: r.reason for r in records
+                         if r.status in ("skipped", "failed")}}

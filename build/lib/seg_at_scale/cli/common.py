@@ -1,0 +1,130 @@
+"""Pieces shared by the train and predict entry points (the only readers of DictConfigs)."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hydra.errors import InstantiationException
+from omegaconf import DictConfig, OmegaConf
+
+from seg_at_scale.errors import ConfigError, SegAtScaleError
+from seg_at_scale.models.trained import RUN_CONFIG
+
+__all__ = ["disk_full", "format_iou", "save_run_config", "RUN_CONFIG", "reports_errors",
+           "class_names_of", "USER_ERROR_EXIT"]
+
+log = logging.getLogger(__name__)
+
+USER_ERROR_EXIT = 2  # exit status of a refused input or config (as argparse's usage errors)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _own_error(exc: BaseException) -> SegAtScaleError | None:
+    """The project's error behind ``exc`` (Hydra's ``instantiate`` wraps what it raises)."""
+    while exc is not None and not isinstance(exc, SegAtScaleError):
+        exc = exc.__cause__  # type: ignore[assignment]
+    return exc
+
+
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def disk_full(exc: BaseException) -> SegAtScaleError | None:
+    """A disk-full error behind ``exc`` as one line (the work done so far is kept)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL:
+            where = f" writing '{seen.filename}'" if seen.filename else ""
+            return SegAtScaleError(f"no space left{where} ({seen.strerror}); free space or "
+                                   "choose another output folder, then run the same command "
+                                   "again: what was finished is kept")
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def file_system(exc: BaseException) -> SegAtScaleError | None:
+    """An OS error about a named path (a file where a folder goes, no permission) as one line."""
+    if isinstance(exc, OSError) and exc.filename:
+        return SegAtScaleError(f"{exc.strerror or type(exc).__name__}: '{exc.filename}'; check "
+                               "that path (SEG_DATA_DIR, data.root, output, run folders): a file "
+                               "where a folder must be, a missing folder or no permission")
+    return None
+
+
+def reports_errors(prog: str) -> Callable[[F], F]:
+    """Decorate an entry point: the project's own errors print as one line, exit status 2.
+
+    A :class:`~seg_at_scale.errors.SegAtScaleError` already names the file or key, the value
+    and the fix; the 30-60 lines of Hydra and library frames above it only bury it. A full
+    disk (``ENOSPC``, ``EFBIG``, ``EDQUOT``, however deep) and an OS error about a named path
+    (a file where a folder must be, no permission) are one line too.
+    ``HYDRA_FULL_ERROR=1`` lets it through with its whole traceback. Put it *under*
+    ``@hydra.main`` (Hydra unwraps ``__wrapped__`` to name the job)::
+
+        @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+        @reports_errors("seg-train")
+        def main(cfg: DictConfig) -> None: ...
+
+    Args:
+        prog: the command's name, printed before the message.
+    """
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (SegAtScaleError, InstantiationException, OSError) as exc:
+                own = _own_error(exc) or disk_full(exc) or file_system(exc)
+                if own is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                print(f"{prog}: error: {own}", file=sys.stderr, flush=True)
+                raise SystemExit(USER_ERROR_EXIT) from None
+
+        return run  # type: ignore[return-value]
+
+    return decorate
+
+
+def class_names_of(data: DictConfig) -> list[str]:
+    """``data.class_names``, or ``class_0 .. class_{K-1}`` when it is null.
+
+    Raises:
+        ConfigError: a list whose length is not ``data.num_classes``.
+    """
+    k = int(data.num_classes)
+    names = data.get("class_names")
+    if names is None:
+        return [f"class_{i}" for i in range(k)]
+    names = [str(n) for n in names]
+    if len(names) != k:
+        raise ConfigError(f"data.class_names has {len(names)} names but data.num_classes={k}; "
+                          "give one name per class, or data.class_names=null for class_0, "
+                          "class_1, ...")
+    return names
+
+
+def format_iou(result: dict[str, Any], class_names: list[str]) -> str:
+    """One line per class plus the mean, for the console."""
+    lines = [f"  {name:<12s} IoU {v if v is not None else float('nan'):.4f}"
+             for name, v in zip(class_names, result.get("iou", []))]
+    lines.append(f"  {'mIoU':<12s}     {result.get('miou', float('nan')):.4f}")
+    return "\n".join(lines)
+
+
+def save_run_config(cfg: DictConfig, out_dir: Path, computed: dict[str, Any]) -> Path:
+    """Write the resolved config with the computed values (halo, E, ...) into the run."""
+    doc = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(doc, dict)
+    doc["computed"] = computed
+    path = out_dir / RUN_CONFIG
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(doc)))
+    return path

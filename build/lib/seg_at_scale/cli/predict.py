@@ -1,0 +1,304 @@
+"""Predict a whole image file with a trained model, streaming tiles, exactly as untiled.
+
+Run it::
+
+    seg-predict run=runs/same_unet_small/<date> image=scene.tif output=scene_mask.tif
+    seg-predict model=unet_small.segmodel image=scene.tif output=scene_mask.tif
+    seg-predict run=... image=big.tif output=big_mask.tif tile_size=2048 fast=false
+    seg-predict run=... image=a.tif output=a_mask.tif mask=a_truth.tif   # also scores it
+    seg-predict run=... image=big.tif output=big_mask.zarr processes=2   # 2 processes, zarr
+    seg-predict run=... image=a.tif output=a_mask.tif probabilities=uint8 tta=d4
+
+``output=*.tif`` is a Cloud-Optimized GeoTIFF (uint8 labels, 255 = no data, the input's
+georeferencing, a colour table, mode overviews); ``output=*.zarr`` a Zarr v3 store. Both
+are computed into a Zarr store first: a killed run rerun with the same command continues
+from the tiles already written (``resume=false`` starts afresh). A PNG preview is drawn
+beside the output. ``processes=N`` spreads the tiles over N local processes (gloo on CPU,
+NCCL on GPUs); under SLURM ``nodes`` x ``processes`` ranks come from the cluster.
+
+Every key is checked, and every input against the model, before any rank starts
+(:mod:`seg_at_scale.prediction.checks`); the model is built from the registry and its
+checkpoint read as plain data (``trust_run=true`` lifts both, for a sender you trust).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import typing
+import warnings
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from seg_at_scale.cli.archive import archive_work, predict_archive_job
+from seg_at_scale.cli.common import USER_ERROR_EXIT, disk_full, format_iou, reports_errors
+from seg_at_scale.config_check import check_types, known_keys
+from seg_at_scale.errors import ConfigError, SegAtScaleError
+from seg_at_scale.models.trained import load_trained, model_files, peek_card
+from seg_at_scale.parallel.lifetime import die_with_parent
+from seg_at_scale.prediction.checks import check_scene
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.scene import predict_scene
+
+log = logging.getLogger("seg_at_scale.predict")
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf_predict")  # shipped in the wheel
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # ranks that never meet fail, they do not hang
+_LAUNCHER: list[int] = []  # pid of the process that forks the ranks
+
+
+@dataclass(frozen=True)
+class PredictJob:
+    """``seg-predict``'s keys, validated: the model, the scenes, where it runs, how."""
+
+    image: str | None = None
+    output: str | None = None
+    images: str | None = None
+    output_dir: str | None = None
+    output_format: Literal["tif", "zarr"] = "tif"
+    masks: str | None = None
+    on_error: Literal["stop", "skip"] = "stop"
+    vector_merge: bool = False
+    run: str | None = None
+    model: str | None = None
+    ckpt: str = "best"
+    trust_run: bool = False
+    mask: str | None = None
+    vector: str | None = None
+    device: str = "auto"
+    processes: int = 1
+    nodes: int = 1
+    options: PredictOptions = PredictOptions()
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> PredictJob:
+        """Every key checked (unknown, missing, type, range) before any work."""
+        values = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(values, dict)
+        own = [f.name for f in fields(cls) if f.name != "options"]
+        known_keys("", values, [*own, *PredictOptions.names()])
+        _check_mode(values)
+        job = {k: values[k] for k in own if k in values}
+        check_types("", job, typing.get_type_hints(cls))
+        opts = PredictOptions.from_mapping({k: v for k, v in values.items() if k not in own})
+        for key in ("processes", "nodes"):
+            if job.get(key, 1) < 1:
+                raise ConfigError(f"{key}={job[key]}: give a whole number >= 1 (e.g. {key}=2)")
+        device = str(job.get("device", "auto"))
+        if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+            raise ConfigError(f"device={device!r}: use auto, cpu, cuda or cuda:<index>")
+        return cls(options=opts, **job)
+
+    @property
+    def archive(self) -> bool:
+        return self.images is not None
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device={self.device!r} but CUDA is not available; use "
+                              "device=cpu")
+        return torch.device(self.device)
+
+
+def _check_mode(values: dict[str, Any]) -> None:
+    """One scene (``image=`` + ``output=``) or an archive (``images=`` + ``output_dir=``)."""
+    one = [k for k in ("image", "output", "mask") if values.get(k) not in (None, "")]
+    many = [k for k in ("images", "output_dir", "masks") if values.get(k) not in (None, "")]
+    if one and many:
+        raise ConfigError(f"{one[0]}= and {many[0]}= were both given: predict one scene "
+                          "(image=, output=, mask=) or an archive (images=, output_dir=, "
+                          "masks=), not both")
+    need = ("images", "output_dir") if many else ("image", "output")
+    for key in need:
+        if values.get(key) in (None, ""):
+            raise ConfigError(f"{key}= is missing: give seg-predict {key}=<path> (see "
+                              "seg-predict --help)")
+
+
+def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:
+    """Predict ``cfg.image`` into ``cfg.output`` with ``cfg.run`` or ``cfg.model``.
+
+    Every check runs here, in this process, before any rank starts. With ``processes`` x
+    ``nodes`` > 1 this process then launches (or joins) the ranks and returns rank 0's
+    result. ``fork=True`` (the command line) forks the local CPU ranks from this process,
+    which has run no torch computation yet; a caller that has already run torch code keeps
+    the default, since OpenMP does not survive a fork.
+    """
+    job = PredictJob.from_config(cfg)
+    device = job.torch_device()
+    ranks = job.processes * job.nodes
+    if job.nodes > 1:
+        _check_cluster(job.nodes)
+    card, source = peek_card(job.run, job.model, job.ckpt)
+    files = model_files(job.run, job.model, job.ckpt)
+    if job.archive:
+        work = archive_work(job, card, source, files, device.type == "cuda")
+    else:
+        check_scene(Path(job.image), Path(job.output), job.options,  # type: ignore[arg-type]
+                    card=card, source=source, model_files=files,
+                    mask=Path(job.mask) if job.mask else None, ranks=ranks,
+                    cuda=device.type == "cuda",
+                    vector=Path(job.vector) if job.vector else None)
+        work = None
+    if ranks > 1:
+        return _launch(job, device, fork, work)
+    return _predict(job, device, work)
+
+
+def _check_cluster(nodes: int) -> None:
+    """``nodes > 1`` needs a cluster that starts the ranks (SLURM, torchrun); else it hangs."""
+    if not _in_cluster():
+        raise ConfigError(f"nodes={nodes} but this is not a SLURM job or a torchrun launch, so "
+                          "no other node would ever join; run it inside sbatch / srun (or "
+                          "hydra/launcher=slurm_predict), or use nodes=1 processes=<N>")
+
+
+def _in_cluster() -> bool:
+    """Inside a SLURM job (not an interactive shell) or a torchrun launch.
+
+    Lightning's own rules (``SLURMEnvironment.detect``, ``TorchElasticEnvironment.detect``),
+    read from the environment directly: importing them costs seconds before a refusal.
+    """
+    env = os.environ
+    slurm = "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    elastic = all(k in env for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    return slurm or elastic
+
+
+def _predict(job: PredictJob, device: torch.device, work: Any = None) -> dict[str, Any]:
+    """This rank's share of the prediction (everything, with one process)."""
+    trained = load_trained(job.run, job.model, ckpt=job.ckpt, trust=job.trust_run)
+    trained.model.to(device)
+    if work is not None:
+        return predict_archive_job(job, trained, work)
+    res = predict_scene(trained, Path(job.image), Path(job.output), job.options,
+                        mask=Path(job.mask) if job.mask else None, checked=True,
+                        vector=Path(job.vector) if job.vector else None)
+    res["model"] = trained.source
+    if trained.checkpoint is not None:
+        res["checkpoint"] = str(trained.checkpoint)
+    res["halo"] = trained.footprint.halo
+    res["threads"] = torch.get_num_threads()  # per process
+    if "miou" in res:
+        log.info("scores:\n%s", format_iou(res, trained.class_names))
+    return res
+
+
+def _launch(job: PredictJob, device: torch.device, fork: bool, work: Any) -> dict[str, Any]:
+    """Start (or join) the ranks of a multi-process prediction; rank 0's result.
+
+    Lightning Fabric launches them: on one machine's CPU (and ``fork``) by forking this
+    process; otherwise its DDP launcher re-runs this command for local ranks 1..N-1, and
+    on a SLURM allocation (or under torchrun) the cluster environment gives every rank.
+    """
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import DDPStrategy
+
+    external = _in_cluster()
+    forked = (fork and device.type == "cpu" and job.nodes == 1 and not external
+              and "fork" in multiprocessing.get_all_start_methods())
+    strategy = DDPStrategy(start_method="fork" if forked else "popen",
+                           timeout=RENDEZVOUS_TIMEOUT)
+    warnings.filterwarnings("ignore", message="The `srun` command is available")  # not SLURM
+    fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu",
+                    devices=job.processes, num_nodes=job.nodes, strategy=strategy)
+    if not forked:
+        return fabric.launch(_rank_main, job, False, work)  # type: ignore[no-any-return]
+    _LAUNCHER[:] = [os.getpid()]  # the forked ranks' parent
+    try:
+        return fabric.launch(_rank_main, job, True, work)  # type: ignore[no-any-return]
+    except torch.multiprocessing.ProcessExitedException as exc:
+        if exc.exit_code in (130, 143):
+            raise (Stopped(signal.SIGTERM) if exc.exit_code == 143 else KeyboardInterrupt()
+                   ) from None
+        raise SystemExit(exc.exit_code if exc.exit_code > 0 else 128 - exc.exit_code) from None
+    except KeyboardInterrupt:  # this process was signalled: stop the ranks too
+        for child in multiprocessing.active_children():
+            child.terminate()
+        raise
+
+
+def _rank_main(fabric: Any, job: PredictJob, forked: bool, work: Any) -> dict[str, Any]:
+    """One rank of a multi-process prediction.
+
+    A forked rank dies with the launching process (even a SIGKILLed one: the kernel sends it
+    SIGKILL, and its output lock goes with it), and ends a refused input or a stop by its
+    exit status (rank 0 prints the message); the launcher turns that into its own.
+    """
+    if forked:
+        die_with_parent(_LAUNCHER[0] if _LAUNCHER else None)
+    if fabric.device.type == "cpu":  # OMP_NUM_THREADS, or this process's share of the cores
+        threads = int(os.environ.get("OMP_NUM_THREADS") or 0)
+        torch.set_num_threads(threads or max(1, _cores() // job.processes))
+    if not forked:
+        return _predict(job, fabric.device, work)
+    try:
+        return _predict(job, fabric.device, work)
+    except (SegAtScaleError, OSError) as exc:
+        own = exc if isinstance(exc, SegAtScaleError) else disk_full(exc)
+        if own is None:
+            raise
+        if fabric.global_rank == 0 or not isinstance(exc, SegAtScaleError):
+            print(f"seg-predict: error: {own}", file=sys.stderr, flush=True)
+        status = USER_ERROR_EXIT
+    except KeyboardInterrupt as exc:
+        status = 143 if isinstance(exc, Stopped) else 130
+    sys.stderr.flush()
+    os._exit(status)  # every rank the same way; the launcher stops the others
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (what SLURM sends before a kill): unwinds like Ctrl-C."""
+
+
+def _terminate(signum: int, _: Any) -> None:
+    raise Stopped(signum)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="predict")
+@reports_errors("seg-predict")
+def _main(cfg: DictConfig) -> None:
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        res = run_prediction(cfg, fork=True)
+    except KeyboardInterrupt as exc:
+        what = "SIGTERM" if isinstance(exc, Stopped) else "Ctrl-C"
+        print(f"seg-predict: stopped by {what}; the finished tiles are kept in the store: run "
+              "the same command again to resume", file=sys.stderr, flush=True)
+        raise SystemExit(143 if isinstance(exc, Stopped) else 130) from None
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(json.dumps(res, indent=2))
+
+
+def main() -> None:
+    """Console entry point ``seg-predict``.
+
+    On SIGTERM or Ctrl-C the run unwinds: temporary files are removed, the store keeps every
+    finished tile, and the same command resumes (exit 143 / 130).
+    """
+    from seg_at_scale.cli.overrides import precheck
+
+    precheck("seg-predict", "predict")
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""OmegaConf resolvers the training configs use; registered by the entry point that reads them.
+
+``${seg.class_weights:<root>,<num_classes>,<ignore_index>,<power>}``: the class weights of
+the training masks under ``<root>/train`` raised to ``power``
+(:func:`seg_at_scale.tasks.class_weights.scene_class_weights`), or null when the power is
+null or 0. ``data.class_weights`` of the synthetic and TIFF datasets is this expression over
+``data.class_weight_power``; the saved ``run_config.yaml`` holds the weights it gave.
+
+``${seg.gradient_reduction:<tiling mode>}``: ``sum`` for grid tiling, ``mean`` for random
+tiles (:func:`seg_at_scale.tasks.segmentation.gradient_reduction_for`); the tasks'
+``gradient_reduction``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+__all__ = ["register_resolvers"]
+
+
+def _class_weights(root: str, num_classes: int, ignore_index: int,
+                   power: Any = None) -> list[float] | None:
+    from seg_at_scale.tasks.class_weights import scene_class_weights
+
+    return scene_class_weights(root, int(num_classes), int(ignore_index), power)
+
+
+def _gradient_reduction(tiling_mode: str) -> str:
+    from seg_at_scale.tasks.segmentation import gradient_reduction_for
+
+    return gradient_reduction_for(str(tiling_mode))
+
+
+def register_resolvers() -> None:
+    """Register the project's resolvers (idempotent)."""
+    if not OmegaConf.has_resolver("seg.class_weights"):
+        # cached: the masks are read once per config, not at every access
+        OmegaConf.register_new_resolver("seg.class_weights", _class_weights, use_cache=True)
+    if not OmegaConf.has_resolver("seg.gradient_reduction"):
+        OmegaConf.register_new_resolver("seg.gradient_reduction", _gradient_reduction)

@@ -1,0 +1,133 @@
+"""One validator for every config group: unknown keys, missing keys, value types.
+
+Every group that crosses into the library (``data``, ``tiling``, ``memory``, ``pipeline``,
+a ``model`` of the registry, the prediction options) goes through :func:`known_keys`, so
+an unknown key is refused the same way everywhere, naming the nearest valid key, and a
+missing one naming where to set it. Groups whose values have a type to check use
+:func:`check_types` against the constructor's or dataclass's type hints.
+
+>>> known_keys("t", {"q": 2, "tilesize": 512}, ["q", "tile_size"])  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+seg_at_scale.errors.ConfigError: t.tilesize is not a t key (did you mean t.tile_size?): ...
+>>> fits([1, 2], list[int]), fits("abc", int | None), fits(True, int)
+(True, False, False)
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from seg_at_scale.errors import ConfigError
+
+__all__ = ["known_keys", "check_types", "fits", "describe", "nearest", "HYDRA_KEYS"]
+
+HYDRA_KEYS = frozenset({"_target_", "_convert_", "_recursive_", "_partial_"})
+
+
+def nearest(key: str, names: Iterable[str]) -> str | None:
+    """The valid name closest to a mistyped ``key``, if any is close."""
+    close = difflib.get_close_matches(str(key), list(names), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def known_keys(group: str, values: Mapping[str, Any], names: Iterable[str], *,
+               required: Iterable[str] = (), ignore: Iterable[str] = HYDRA_KEYS,
+               where: str = "") -> dict[str, Any]:
+    """``values`` without ``ignore``d keys; an unknown or missing key refused by name.
+
+    Args:
+        group: the group's name as users write it (``tiling``), prefixed to keys.
+        values: the group's keys and values.
+        names: the valid keys.
+        required: keys that must be present.
+        ignore: keys dropped silently (Hydra's own).
+        where: what the values came from (``run 'r'``), put before the message.
+    """
+    names = list(names)
+    skip = set(ignore)
+    values = {k: v for k, v in values.items() if k not in skip}
+    pre = f"{where}: " if where else ""
+    dot = f"{group}." if group else ""
+    for key in values:
+        if key not in names:
+            near = nearest(key, names)
+            hint = f" (did you mean {dot}{near}?)" if near else ""
+            raise ConfigError(f"{pre}{dot}{key} is not a{' ' + group if group else ''} key"
+                              f"{hint}: use one of {', '.join(sorted(names))}")
+    for key in required:
+        if key not in values:
+            raise ConfigError(f"{pre}the {group} group sets no {dot}{key}: add it to the "
+                              f"group's YAML (conf/{group}/) or give {dot}{key}=...")
+    return values
+
+
+def check_types(group: str, values: Mapping[str, Any], hints: Mapping[str, Any], *,
+                where: str = "") -> None:
+    """Refuse the first value whose type is not its key's hint, naming key and value."""
+    pre = f"{where}: " if where else ""
+    dot = f"{group}." if group else ""
+    for key, value in values.items():
+        hint = hints.get(key, Any)
+        if not fits(value, hint):
+            raise ConfigError(f"{pre}{dot}{key}={value!r} is not {describe(hint)}; "
+                              f"give {dot}{key}=<{describe(hint)}>")
+
+
+def fits(value: Any, hint: Any) -> bool:
+    """Whether a plain config value (YAML scalar, list, mapping) has the hinted type."""
+    if hint is Any or hint is object:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, collections.abc.Sequence) or hint in (list, tuple):
+        return _fits_sequence(value, origin, args)
+    if origin in (dict, collections.abc.Mapping) or hint in (dict, collections.abc.Mapping):
+        return isinstance(value, Mapping)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _fits_sequence(value: Any, origin: Any, args: tuple[Any, ...]) -> bool:
+    if not isinstance(value, list | tuple):
+        return False
+    if origin is tuple and len(args) > 1 and args[-1] is not Ellipsis:
+        return len(value) == len(args) and all(fits(v, a) for v, a in zip(value, args))
+    item = args[0] if args else Any
+    return all(fits(v, item) for v in value)
+
+
+def describe(hint: Any) -> str:
+    """A type hint in words (``a whole number or null``)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe(a) for a in args)
+    if hint is type(None):
+        return "null"
+    if origin is typing.Literal:
+        return "one of " + ", ".join(str(a).lower() if isinstance(a, bool) else repr(a)
+                                     for a in args)
+    if origin in (list, tuple, collections.abc.Sequence):
+        inner = " or ".join(describe(a) for a in args if a is not Ellipsis) or "values"
+        return f"a list of ({inner})"
+    if origin in (dict, collections.abc.Mapping):
+        return "a mapping"
+    words = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
+    return words.get(hint, getattr(hint, "__name__", str(hint)))

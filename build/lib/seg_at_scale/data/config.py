@@ -1,0 +1,172 @@
+"""The ``data`` and ``tiling`` config groups as validated, frozen values.
+
+The training entry point turns each group into a dataclass here, before any work: a
+value of the wrong type or range is refused naming the key, the value, the range and the
+fix (``tiling.q=abc`` would otherwise surface as a ``TypeError`` deep in the grid code),
+and unknown keys are refused naming the known ones.
+
+The values come from ``conf/data/*.yaml`` and ``conf/tiling/*.yaml`` alone: a key every
+YAML of the group sets has no default here (a group that lacks it is refused naming it);
+the defaults below are only for keys most YAMLs leave out (``None`` = not given).
+
+>>> grid = {"mode": "grid", "q": 2, "tile_size": None, "core_size": None,
+...         "samples_per_epoch": None, "batch_size": 1, "halo": "auto", "augment": None}
+>>> tiling_config(grid).q
+2
+>>> tiling_config({**grid, "q": 0})  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+seg_at_scale.errors.ConfigError: tiling.q=0: give the tiles per side as a whole number >= 1 ...
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from seg_at_scale.config_check import known_keys
+from seg_at_scale.errors import ConfigError
+
+__all__ = ["DataConfig", "TilingConfig", "data_config", "tiling_config", "AUTO"]
+
+AUTO = "auto"
+MAX_CLASSES = 255  # predictions are uint8 and 255 marks no-data
+
+
+def _whole(key: str, value: Any, low: int, fix: str, *, none: bool = False,
+           auto: bool = False) -> Any:
+    """``value`` if it is an int >= ``low`` (or None / 'auto' where allowed)."""
+    if (none and value is None) or (auto and value == AUTO):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{key}={value!r}: {fix}")
+    return value
+
+
+def _number(key: str, value: Any, fix: str, *, positive: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (positive and value <= 0):
+        raise ConfigError(f"{key}={value!r}: {fix}")
+    return float(value)
+
+
+def _known(group: str, values: Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """``values`` without Hydra's own keys; unknown and missing keys refused by name."""
+    return known_keys(group, values, [f.name for f in fields(cls)],
+                      required=[f.name for f in fields(cls) if f.default is MISSING
+                                and f.default_factory is MISSING])
+
+
+@dataclass(frozen=True)
+class TilingConfig:
+    """What the ``tiling`` group sets (see ``conf/tiling/*.yaml``)."""
+
+    mode: str
+    q: int | None
+    tile_size: int | str | None
+    core_size: int | None
+    samples_per_epoch: int | None
+    batch_size: int
+    halo: int | str
+    augment: Mapping[str, Any] | None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("grid", "random"):
+            raise ConfigError(f"tiling.mode={self.mode!r}: use 'grid' (exact whole-image "
+                              "gradient) or 'random' (random aligned tiles)")
+        _whole("tiling.q", self.q, 1, "give the tiles per side as a whole number >= 1 (1 = the "
+               "whole image in one tile), or tiling.q=null with tiling.tile_size=<pixels>",
+               none=True)
+        _whole("tiling.tile_size", self.tile_size, 1, "give the largest input window in "
+               "pixels (a whole number >= 1, e.g. 512), 'auto' (the largest tile within "
+               "memory.budget_gb) or null with tiling.q=<tiles per side>", none=True, auto=True)
+        if self.q is None and self.tile_size is None:
+            raise ConfigError("tiling.q and tiling.tile_size are both null: give tiles per "
+                              "side (tiling.q=2) or a window size (tiling.tile_size=512)")
+        _whole("tiling.batch_size", self.batch_size, 1, "give tiles per batch as a whole "
+               "number >= 1")
+        _whole("tiling.halo", self.halo, 0, "use 'auto' (the model's receptive field) or a "
+               "whole number of pixels >= 0", auto=True)
+        if self.mode == "random":
+            _whole("tiling.core_size", self.core_size, 1, "give the output side of a random "
+                   "training tile in pixels (a whole number >= 1, e.g. 128)", none=True)
+            _whole("tiling.samples_per_epoch", self.samples_per_epoch, 1, "give random tiles "
+                   "per epoch as a whole number >= 1", none=True)
+
+
+def tiling_config(values: Mapping[str, Any]) -> TilingConfig:
+    """The ``tiling`` group as a :class:`TilingConfig`; refuses unknown keys and bad values."""
+    return TilingConfig(**_known("tiling", values, TilingConfig))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What the ``data`` group sets (see ``conf/data/*.yaml``).
+
+    ``scale``, ``mean`` and ``std`` may be ``'auto'``: worked out from the training
+    split's dtype and band statistics (:mod:`seg_at_scale.data.band_stats`).
+    """
+
+    root: str
+    bands: int
+    num_classes: int
+    class_names: Sequence[str] | None
+    ignore_index: int
+    nodata: float | None
+    scale: float | str
+    mean: Sequence[float] | str
+    std: Sequence[float] | str
+    class_weights: Sequence[float] | None
+    num_workers: int
+    synthetic: Mapping[str, Any]
+    class_weight_power: float | None = None  # the power behind class_weights (a sweep axis)
+    mask_bands: int = 1  # label bands per mask: 1, or one per detector plane (cosmic)
+
+    def __post_init__(self) -> None:
+        _whole("data.bands", self.bands, 1, "give the image bands (channels) per pixel, e.g. 4")
+        _whole("data.num_classes", self.num_classes, 1, f"give the number of classes, 1.."
+               f"{MAX_CLASSES - 1}")
+        if self.num_classes >= MAX_CLASSES:
+            raise ConfigError(f"data.num_classes={self.num_classes}: at most {MAX_CLASSES - 1} "
+                              f"classes (predictions are uint8, {MAX_CLASSES} = no-data)")
+        _whole("data.ignore_index", self.ignore_index, 0, "give the label that carries no "
+               "loss (255 by convention)")
+        _whole("data.num_workers", self.num_workers, 0, "give data-loader processes, >= 0")
+        _whole("data.mask_bands", self.mask_bands, 1, "give label bands per mask, >= 1")
+        if self.nodata is not None and not (isinstance(self.nodata, float)
+                                            and math.isnan(self.nodata)):
+            _number("data.nodata", self.nodata, "give the images' no-data value, nan, or null")
+        if self.scale != AUTO:
+            _number("data.scale", self.scale, "give a positive factor (1/255 for uint8) or "
+                    "'auto' (from the dtype and the training data)", positive=True)
+        for key in ("mean", "std"):
+            self._check_per_band(key)
+        if self.class_weights is not None and len(self.class_weights) != self.num_classes:
+            raise ConfigError(f"data.class_weights has {len(self.class_weights)} values but "
+                              f"data.num_classes={self.num_classes}: give one weight per class "
+                              "or null")
+
+    def _check_per_band(self, key: str) -> None:
+        values = getattr(self, key)
+        if values == AUTO:
+            return
+        fix = (f"give one value, or one per band ({self.bands}), or 'auto' (per-band "
+               "statistics of the training data)")
+        if isinstance(values, str) or not isinstance(values, Sequence):
+            raise ConfigError(f"data.{key}={values!r}: {fix}")
+        if len(values) not in (1, self.bands):
+            raise ConfigError(f"data.{key} has {len(values)} values for data.bands="
+                              f"{self.bands}: {fix}")
+        for band, v in enumerate(values):
+            _number(f"data.{key}", v, fix)
+            if key == "std" and v <= 0:
+                raise ConfigError(f"data.std has {v} for band {band}: a standard deviation "
+                                  "divides the band, so it must be > 0; give the band's spread "
+                                  "(e.g. 0.25) or data.std=auto")
+
+
+def data_config(values: Mapping[str, Any]) -> DataConfig:
+    """The ``data`` group as a :class:`DataConfig`; refuses unknown keys and bad values."""
+    return DataConfig(**_known("data", values, DataConfig))

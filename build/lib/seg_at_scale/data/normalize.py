@@ -1,0 +1,70 @@
+"""Raw raster samples to model inputs: ``(x * scale - mean) / std`` per band.
+
+>>> import numpy as np
+>>> Normalizer(scale=1 / 255, mean=(0.5,), std=(0.25,))(np.full((2, 1, 1), 255, np.uint8))[:, 0, 0]
+array([2., 2.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from seg_at_scale.errors import InputError
+
+__all__ = ["Normalizer"]
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """``(x * scale - mean) / std`` per band, applied to raw samples ``[C, h, w]``."""
+
+    scale: float = 1.0 / 255.0
+    mean: Sequence[float] = (0.0,)
+    std: Sequence[float] = (1.0,)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.standardize(self.rescale(x), in_place=True)
+
+    def rescale(self, x: np.ndarray) -> np.ndarray:
+        """Raw samples to float32 in about ``[0, 1]`` (where photometric augmentation acts)."""
+        out = x.astype(np.float32)
+        out *= np.float32(self.scale)
+        return out
+
+    def standardize(self, x: np.ndarray, in_place: bool = False) -> np.ndarray:
+        """``(x - mean) / std`` per band of a rescaled ``[C, h, w]`` array.
+
+        ``in_place`` reuses ``x`` (one array instead of three: the same arithmetic, so the
+        same bits).
+        """
+        c = x.shape[0]
+        mean = np.asarray(self.mean, np.float32).reshape(-1, 1, 1)
+        std = np.asarray(self.std, np.float32).reshape(-1, 1, 1)
+        if mean.shape[0] not in (1, c) or std.shape[0] not in (1, c):
+            raise InputError(f"normalization has {mean.shape[0]} means / {std.shape[0]} stds "
+                             f"for {c} bands; give one value per band (data.mean / data.std)")
+        if not in_place:
+            return (x - mean) / std
+        x -= mean
+        x /= std
+        return x
+
+    def apply_(self, x: Tensor) -> Tensor:
+        """Normalise raw samples already cast to ``x`` (float32 ``[..., C, h, w]``) in place.
+
+        The same float32 operations, in the same order, as :meth:`__call__`: the same bits,
+        computed by torch's threads (on the model's thread or its GPU) instead of numpy's
+        one.
+        """
+        c = x.shape[-3]
+        mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).reshape(-1, 1, 1)
+        std = torch.tensor(self.std, dtype=x.dtype, device=x.device).reshape(-1, 1, 1)
+        if mean.shape[0] not in (1, c) or std.shape[0] not in (1, c):
+            self.standardize(np.zeros((c, 1, 1), np.float32))  # the same message
+        x.mul_(torch.tensor(np.float32(self.scale), dtype=x.dtype, device=x.device))
+        return x.sub_(mean).div_(std)

@@ -1,0 +1,170 @@
+"""Scenes on disk (an image TIFF and its mask TIFF) and the checks they must pass.
+
+A scene is validated once, streaming over row bands (never the whole image in memory):
+readable files, mask size equal to the image size, a single-band mask, label values
+below ``num_classes`` (or the ignore index). The class histogram gathered on the way is
+what exact whole-image training needs to normalise each tile's loss.
+
+>>> from pathlib import Path
+>>> Scene(Path("a_image.tif"), Path("a_mask.tif")).name
+'a'
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from seg_at_scale.errors import InputError
+from seg_at_scale.io import RasterReader
+from seg_at_scale.tiling import Window
+
+__all__ = ["Scene", "find_scenes", "validate_scene", "class_histogram", "check_mask_header",
+           "check_mask_covers",
+           "label_counts", "check_labels", "stream_rows"]
+
+IMAGE_SUFFIX, MASK_SUFFIX = "_image.tif", "_mask.tif"
+
+
+@dataclass
+class Scene:
+    """One image and (for training / evaluation) its mask.
+
+    Attributes:
+        image: path of the image TIFF ``[C, H, W]``.
+        mask: path of the single-band label TIFF ``[H, W]``, or None.
+        class_counts: labelled pixels per class, filled by :func:`validate_scene`.
+    """
+
+    image: Path
+    mask: Path | None = None
+    class_counts: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        stem = self.image.name
+        return stem[: -len(IMAGE_SUFFIX)] if stem.endswith(IMAGE_SUFFIX) else self.image.stem
+
+
+def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> list[Scene]:
+    """Scenes ``<name>_image.tif`` + ``<name>_mask.tif`` in ``folder``, sorted by name."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise InputError(f"{key}: folder '{root}' does not exist; point {key} at a folder "
+                         f"of <name>{IMAGE_SUFFIX} / <name>{MASK_SUFFIX} pairs")
+    scenes = []
+    for image in sorted(root.glob(f"*{IMAGE_SUFFIX}")):
+        mask = image.with_name(image.name[: -len(IMAGE_SUFFIX)] + MASK_SUFFIX)
+        if not mask.exists():
+            raise InputError(f"'{image}' has no mask: expected '{mask}' next to it")
+        scenes.append(Scene(image, mask))
+    if not scenes:
+        raise InputError(f"{key}: no '*{IMAGE_SUFFIX}' files in '{root}'")
+    return scenes
+
+
+def check_mask_header(mask: RasterReader, mask_bands: int = 1) -> None:
+    """Refuse a mask with the wrong band count or float samples (from its header)."""
+    if mask.bands != mask_bands:
+        if mask_bands == 1:
+            raise InputError(f"mask '{mask.path}' has {mask.bands} bands; masks are "
+                             "single-band label images (one class id per pixel), or set "
+                             "data.mask_bands for one label band per plane (data.mask_bands=1 "
+                             "now)")
+        raise InputError(f"mask '{mask.path}' has {mask.bands} bands but data.mask_bands="
+                         f"{mask_bands}; give one label band per plane or fix data.mask_bands")
+    if np.issubdtype(mask.dtype, np.floating):
+        raise InputError(f"mask '{mask.path}' has float samples ({mask.dtype}); store class "
+                         "ids as an integer type (uint8 for up to 255 classes)")
+
+
+def stream_rows(reader: RasterReader, rows: int = 1024, budget: int = 1 << 29) -> int:
+    """Rows per band for a pass over a whole file: whole compressed strips if they fit.
+
+    A compressed strip is decoded whole by every band that touches it, so bands follow the
+    strips (up to ``budget`` bytes); tiles and memory-mapped strips take ``rows``.
+    """
+    if reader.layout.contiguous is not None:
+        return rows  # memory-mapped: any rows cost the same
+    seg_rows = reader.layout.seg[0]
+    if seg_rows <= rows:
+        return rows // seg_rows * seg_rows  # whole segments per band
+    row_bytes = reader.width * reader.bands * reader.dtype.itemsize
+    return seg_rows if seg_rows * row_bytes <= budget else rows
+
+
+def label_counts(mask: RasterReader, band_rows: int | None = None) -> dict[int, int]:
+    """Pixels per label value over all bands of a mask, read in row bands."""
+    step = band_rows or stream_rows(mask)
+    counts = np.zeros(0, np.int64)
+    for r0 in range(0, mask.height, step):
+        labels = mask.read(Window(r0, 0, min(step, mask.height - r0), mask.width))
+        if labels.size and labels.min() < 0:
+            raise InputError(f"mask '{mask.path}' has negative label {int(labels.min())}; "
+                             "labels are class ids >= 0")
+        more = np.bincount(labels.ravel().astype(np.int64))
+        if more.size > counts.size:
+            counts = np.pad(counts, (0, more.size - counts.size))
+        counts[: more.size] += more
+    return {int(v): int(n) for v, n in enumerate(counts) if n}
+
+
+def check_labels(mask: RasterReader, counts: dict[int, int], num_classes: int,
+                 ignore_index: int) -> list[int]:
+    """Pixels per class ``0..num_classes-1``; refuses labels outside them (not ignore)."""
+    bad = sorted(v for v in counts if v >= num_classes and v != ignore_index)
+    if bad:
+        value = bad[0]
+        r, c = _first_pixel(mask, value)
+        raise InputError(
+            f"mask '{mask.path}' has label {value} at row {r}, col {c}, but "
+            f"data.num_classes={num_classes} (valid labels 0..{num_classes - 1}, "
+            f"{ignore_index} = ignore; {counts[value]} pixels carry it); fix the mask or raise "
+            "data.num_classes")
+    return [counts.get(k, 0) for k in range(num_classes)]
+
+
+def _first_pixel(mask: RasterReader, value: int) -> tuple[int, int]:
+    """Row and column of the first pixel holding ``value`` (any band)."""
+    step = stream_rows(mask)
+    for r0 in range(0, mask.height, step):
+        hits = np.argwhere(mask.read(Window(r0, 0, min(step, mask.height - r0),
+                                            mask.width)) == value)
+        if hits.size:
+            return r0 + int(hits[0][1]), int(hits[0][2])
+    return -1, -1
+
+
+def class_histogram(mask: RasterReader, num_classes: int, ignore_index: int,
+                    band_rows: int | None = None, mask_bands: int = 1) -> list[int]:
+    """Pixels per class over the whole mask, read in row bands; checks label values.
+
+    ``mask_bands > 1``: one label band per image plane (e.g. detector wire planes); the
+    histogram counts all bands.
+    """
+    check_mask_header(mask, mask_bands)
+    return check_labels(mask, label_counts(mask, band_rows), num_classes, ignore_index)
+
+
+def check_mask_covers(mask: RasterReader, image: RasterReader) -> None:
+    """Refuse a mask whose size differs from its image's, naming both files."""
+    if (mask.height, mask.width) != (image.height, image.width):
+        raise InputError(f"mask '{mask.path}' is {mask.height}x{mask.width} but image "
+                         f"'{image.path}' is {image.height}x{image.width}; masks must cover "
+                         "the image pixel for pixel (give the mask of this image)")
+
+
+def validate_scene(scene: Scene, num_classes: int, ignore_index: int = 255,
+                   mask_bands: int = 1) -> Scene:
+    """Open and check a scene; fill ``scene.class_counts``. Raises :class:`InputError`."""
+    with RasterReader(scene.image) as image:
+        if scene.mask is None:
+            return scene
+        with RasterReader(scene.mask) as mask:
+            check_mask_covers(mask, image)
+            scene.class_counts = class_histogram(mask, num_classes, ignore_index,
+                                                 mask_bands=mask_bands)
+    return scene

@@ -1,0 +1,352 @@
+"""Windowed reading of (Big/Geo)TIFF rasters far larger than memory.
+
+:class:`RasterReader` decodes only the tiles or strips a window touches: it reads their
+bytes with one seek + read each and hands them to ``tifffile``'s per-page segment decoder,
+so every compression, predictor and layout ``tifffile`` understands works, and nothing
+else is read. (We do not go through the zarr store: zarr 3 runs an asyncio thread, which
+does not survive ``os.fork`` in data-loader workers.) Uncompressed striped files are
+memory-mapped instead, so a window of a single-strip file reads its own rows only; a
+compressed file whose segments are far larger than the windows read from it is decoded
+whole, segment by segment, again and again: it gets one warning saying how to convert it.
+
+GDAL's internal mask (the per-dataset mask IFD of COGs and JPEG files) is read like the
+image: :meth:`RasterReader.read_mask`.
+
+>>> with RasterReader("scene.tif") as r:  # doctest: +SKIP
+...     patch = r.read(Window(-92, -92, 572, 572), fill="reflect")  # [C, 572, 572]
+
+The writers live in :mod:`seg_at_scale.io.writer` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import tifffile
+
+from seg_at_scale.errors import InputError
+from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags
+from seg_at_scale.io.segments import PageLayout, mask_page
+from seg_at_scale.io.writer import check_output_path, write_raster, write_raster_bands
+from seg_at_scale.tiling.geometry import Fill, Window, source_indices
+
+__all__ = [
+    "RasterReader",
+    "read_raster",
+    "write_raster",
+    "write_raster_bands",
+    "check_output_path",
+]
+
+
+log = logging.getLogger(__name__)
+
+# A compressed read that decodes this many times the window's pixels (and at least
+# WASTE_MIN_PIXELS) means the file's segments are far larger than the windows read.
+WASTE_RATIO, WASTE_MIN_PIXELS = 16, 1 << 22
+_warned: set[Path] = set()  # files warned about (once per process)
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    """Open ``path`` for binary reading (a seam: tests substitute a byte-counting file)."""
+    return open(path, "rb")  # noqa: SIM115 - owned and closed by RasterReader
+
+
+def _cannot_read(path: Path, reason: object) -> InputError:
+    return InputError(f"cannot read '{path}' as TIFF: {reason}. "
+                      "Check the path, or re-create / re-copy the file.")
+
+
+class RasterReader:
+    """Windowed reader of a TIFF / BigTIFF / GeoTIFF (page 0 only, plus GDAL's mask).
+
+    Tiled or striped, any compression ``tifffile`` decodes, 1..N bands interleaved (YXS)
+    or planar (SYX), any dtype. A window is decoded from the segments it touches only, or
+    indexed from a memory map for uncompressed striped files.
+
+    Picklable and fork-safe: pickling keeps only ``path`` and ``nodata``; the file is
+    reopened in the new process, and also after ``os.fork`` (the pid is checked on read).
+    Reads from threads sharing one reader are serialised around the file access.
+
+    Attributes:
+        path: the file.
+        height: image rows.
+        width: image columns.
+        bands: samples per pixel (channels).
+        dtype: sample dtype as stored.
+        nodata: the ``nodata`` argument, else the GDAL_NODATA tag, else None.
+        geotags: GeoTIFF tags of page 0 (empty if it has none).
+        has_mask: the file has a GDAL internal mask (:meth:`read_mask`).
+        layout: where page 0's pixels are (segment shape, compression, memory-mappable).
+        bytes_read: bytes of tile / strip data read (or copied from the map) so far.
+
+    """
+
+    path: Path
+    height: int
+    width: int
+    bands: int
+    dtype: np.dtype
+    nodata: float | None
+    geotags: GeoTags
+    has_mask: bool
+    layout: PageLayout
+    bytes_read: int
+
+    def __init__(self, path: str | os.PathLike[str], *, nodata: float | None = None) -> None:
+        self.path = Path(path)
+        self._nodata_arg = nodata
+        self._fh: BinaryIO | None = None
+        self._tif: tifffile.TiffFile | None = None
+        self._maps: dict[bool, np.memmap] = {}  # image / mask, mapped lazily
+        self._pid = -1
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        page = self._open()
+        try:
+            self._describe(page)
+        except BaseException:
+            self._close_handles()
+            raise
+
+    def _describe(self, page: tifffile.TiffPage) -> None:
+        """Set the public attributes from page 0 and refuse layouts we cannot read."""
+        self.height, self.width = int(page.imagelength), int(page.imagewidth)
+        self.bands = int(page.samplesperpixel)
+        if page.dtype is None:
+            raise _cannot_read(self.path, f"unsupported sample format ({page.bitspersample}-bit,"
+                                          f" SampleFormat {page.sampleformat})")
+        self.dtype = np.dtype(page.dtype)
+        self.geotags = GeoTags.from_page(page)
+        nodata = self._nodata_arg
+        self.nodata = nodata if nodata is not None else self._nodata_tag(page)
+        self.has_mask = self._mask is not None
+        self._check_layout(page)
+
+    # -- opening -----------------------------------------------------------------------
+
+    def _open(self) -> tifffile.TiffPage:
+        """(Re)open the file in this process and return page 0."""
+        self._close_handles()
+        try:
+            self._fh = _open_binary(self.path)
+            self._tif = tifffile.TiffFile(self._fh)
+            page = self._tif.pages.first
+            if not isinstance(page, tifffile.TiffPage):
+                raise ValueError("page 0 is not an image page")
+            # cache what reading needs, so no tifffile call touches the file after this
+            self.layout = PageLayout.of(page, self._tif.byteorder)
+            self._decode, self._jpegtables = page.decode, page.jpegtables
+            mask = mask_page(self._tif, self.layout.height, self.layout.width)
+            self._mask = None if mask is None else (PageLayout.of(mask, self._tif.byteorder),
+                                                   mask.decode, mask.jpegtables)
+        except (OSError, ValueError, tifffile.TiffFileError, IndexError, KeyError) as exc:
+            self._close_handles()
+            raise _cannot_read(self.path, exc) from exc
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        return page
+
+    def _nodata_tag(self, page: tifffile.TiffPage) -> float | None:
+        tag = page.tags.get(GDAL_NODATA_TAG)
+        if tag is None:
+            return None
+        text = str(tag.value).strip().strip("\x00")
+        try:
+            return float(text)
+        except ValueError as exc:
+            raise InputError(f"'{self.path}' has an unreadable GDAL_NODATA tag {text!r}; "
+                             "pass nodata=<value> explicitly") from exc
+
+    def _check_layout(self, page: tifffile.TiffPage) -> None:
+        """Refuse volumes and truncated files up front, with a clear message."""
+        if int(page.imagedepth) != 1:
+            raise _cannot_read(self.path, f"it is a 3-D volume (depth {page.imagedepth})")
+        layouts = [self.layout] + ([self._mask[0]] if self._mask else [])
+        ends = [o + n for lay in layouts
+                for o, n in zip(lay.offsets, lay.counts, strict=True) if o and n]
+        size = self.path.stat().st_size
+        if ends and max(ends) > size:
+            raise InputError(f"'{self.path}' is truncated: its data ends at byte {max(ends)} "
+                             f"but the file has {size} bytes. Re-copy or re-generate it.")
+
+    def _ensure_open(self) -> None:
+        """Make sure the handle belongs to this process (reopen after fork or close)."""
+        if self._tif is None or self._pid != os.getpid():
+            # after a fork the handles share the parent's file offset: drop, never seek them
+            self._fh = self._tif = None
+            self._maps = {}
+            self._open()
+
+    def _close_handles(self) -> None:
+        if self._tif is not None:
+            self._tif.close()
+        if self._fh is not None:
+            self._fh.close()
+        self._tif = self._fh = None
+        self._maps = {}
+
+    def close(self) -> None:
+        """Close the file (it is reopened if the reader is used again)."""
+        if self._pid == os.getpid():
+            self._close_handles()
+        self._tif = self._fh = None
+        self._maps = {}
+
+    def __enter__(self) -> RasterReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "nodata": self._nodata_arg}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], nodata=state["nodata"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return (f"RasterReader('{self.path}', bands={self.bands}, height={self.height}, "
+                f"width={self.width}, dtype={self.dtype}, nodata={self.nodata})")
+
+    # -- properties --------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(bands, height, width)``."""
+        return (self.bands, self.height, self.width)
+
+    @property
+    def is_float(self) -> bool:
+        """True for floating-point samples (which may hold NaN)."""
+        return bool(np.issubdtype(self.dtype, np.floating))
+
+    # -- reading -----------------------------------------------------------------------
+
+    def read(self, window: Window, *, fill: Fill | None = None) -> np.ndarray:
+        """Read a window of all bands.
+
+        Args:
+            window: rows/cols in image coordinates; may reach outside the image only
+                with ``fill``.
+            fill: ``"reflect"`` (``numpy.pad`` reflect, repeated as often as needed) or
+                ``"constant"`` (zeros) for the pixels outside the image.
+
+        Returns:
+            ``[C, window.height, window.width]`` in the file's dtype.
+
+        Raises:
+            InputError: the window is empty, or outside the image without ``fill``, or a
+                segment cannot be decoded.
+
+        """
+        return self._read_window(window, fill, mask=False)
+
+    def read_mask(self, window: Window, *, fill: Fill | None = None) -> np.ndarray | None:
+        """GDAL's internal mask over a window: ``[h, w]`` bool, False where no-data.
+
+        Pixels where the mask is 0 are no-data, like pixels equal to :attr:`nodata`.
+        Outside the image ``fill="reflect"`` mirrors the mask like the image, and
+        ``"constant"`` (zero padding, not no-data) gives True.
+
+        Returns:
+            The mask, or None when the file has none (:attr:`has_mask`).
+        """
+        if self._mask is None:
+            return None
+        return self._read_window(window, fill, mask=True)[0] != 0
+
+    def _read_window(self, window: Window, fill: Fill | None, mask: bool) -> np.ndarray:
+        if window.height < 1 or window.width < 1:
+            raise InputError(f"cannot read {window} from '{self.path}': the window is empty")
+        inside = (window.row >= 0 and window.col >= 0 and window.row_end <= self.height
+                  and window.col_end <= self.width)
+        if inside:
+            return self._read_box(window.row, window.row_end, window.col, window.col_end, mask)
+        if fill not in ("reflect", "constant"):
+            raise InputError(
+                f"{window} reaches outside '{self.path}' ({self.height}x{self.width} pixels); "
+                "read inside the image or pass fill='reflect' or fill='constant'")
+        rows = source_indices(window.row, window.height, self.height, fill)
+        cols = source_indices(window.col, window.width, self.width, fill)
+        bands, dtype = (1, np.dtype(np.uint8)) if mask else (self.bands, self.dtype)
+        out = np.full((bands, window.height, window.width), 1 if mask else 0, dtype)
+        vr, vc = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)
+        if vr.size == 0 or vc.size == 0:
+            return out  # entirely outside, constant fill
+        r0, r1 = int(rows[vr].min()), int(rows[vr].max()) + 1
+        c0, c1 = int(cols[vc].min()), int(cols[vc].max()) + 1
+        box = _take(_take(self._read_box(r0, r1, c0, c1, mask), rows[vr] - r0, 1),
+                    cols[vc] - c0, 2)
+        # the pixels inside are one block of the window (constant: the rest stays 0;
+        # reflect: the block is the whole window)
+        out[:, vr[0] : vr[-1] + 1, vc[0] : vc[-1] + 1] = box
+        return out
+
+    def _read_box(self, r0: int, r1: int, c0: int, c1: int, mask: bool = False) -> np.ndarray:
+        """``[C, r1-r0, c1-c0]`` for a box inside the image (``mask``: the mask's box)."""
+        self._ensure_open()
+        if mask:
+            assert self._mask is not None
+            layout, decode, tables = self._mask
+        else:
+            layout, decode, tables = self.layout, self._decode, self._jpegtables
+        try:
+            if layout.contiguous is not None:
+                if mask not in self._maps:
+                    self._maps[mask] = layout.memmap(self.path)
+                out = layout.map_box(self._maps[mask], r0, r1, c0, c1)
+                with self._lock:
+                    self.bytes_read += out.nbytes
+                return out
+            self._warn_if_wasteful(layout, r0, r1, c0, c1)
+            return layout.decode_box(self._read_bytes, decode, tables, r0, r1, c0, c1)
+        except (ValueError, RuntimeError, OSError, tifffile.TiffFileError) as exc:
+            raise InputError(f"cannot decode rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
+                             f"{exc}. Re-copy or re-generate the file.") from exc
+
+    def _warn_if_wasteful(self, layout: PageLayout, r0: int, r1: int, c0: int, c1: int) -> None:
+        """One warning per file when a window decodes far more pixels than it holds."""
+        decoded = layout.decoded_pixels(r0, r1, c0, c1)
+        if (self.path in _warned or not layout.compressed or decoded < WASTE_MIN_PIXELS
+                or decoded < WASTE_RATIO * (r1 - r0) * (c1 - c0)):
+            return
+        _warned.add(self.path)
+        kind = "tiles" if layout.tiled else "strips"
+        log.warning(
+            "'%s' stores %s %s of %dx%d pixels: reading a %dx%d window decodes %.0fx its "
+            "pixels, for every window. Convert it once to a tiled file, e.g. `gdal_translate "
+            "-co TILED=YES -co BLOCKXSIZE=512 -co BLOCKYSIZE=512 -co COMPRESS=DEFLATE in.tif "
+            "out.tif` (or store it uncompressed: striped raw files are memory-mapped)",
+            self.path, layout.compression.lower(), kind, *layout.seg, r1 - r0, c1 - c0,
+            decoded / ((r1 - r0) * (c1 - c0)))
+
+    def _read_bytes(self, offset: int, count: int) -> bytes | None:
+        if not offset or not count:
+            return None  # a sparse (never written) segment reads as zeros
+        assert self._fh is not None
+        with self._lock:
+            self._fh.seek(offset)
+            data = self._fh.read(count)
+            self.bytes_read += len(data)
+        if len(data) != count:
+            raise OSError(f"short read at byte {offset}: {len(data)} of {count} bytes")
+        return data
+
+
+def _take(a: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:
+    """``a.take(index, axis)``, a view when ``index`` is one increasing run (no copy)."""
+    if index.size and index[-1] - index[0] == index.size - 1 and (np.diff(index) == 1).all():
+        return a[(slice(None),) * axis + (slice(int(index[0]), int(index[-1]) + 1),)]
+    return a.take(index, axis=axis)
+
+
+def read_raster(path: str | os.PathLike[str], *, nodata: float | None = None) -> np.ndarray:
+    """Read a whole (small) raster as ``[C, H, W]``: for tests and small images only."""
+    with RasterReader(path, nodata=nodata) as reader:
+        return reader.read(Window(0, 0, reader.height, reader.width))

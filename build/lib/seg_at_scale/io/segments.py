@@ -1,0 +1,171 @@
+"""Where one TIFF page's pixels are, and how to get a box of them with little I/O.
+
+A page (IFD) stores its pixels in segments: tiles, or strips of whole rows. A
+:class:`PageLayout` is read once from ``tifffile``'s page and then answers, without
+touching ``tifffile`` again, which segments a box touches and how to place decoded
+segments into the box. Two ways to read a box:
+
+* decode the segments it touches (any compression, predictor, bit depth);
+* for uncompressed pages whose data is one contiguous run of bytes, index a memory map
+  (:meth:`PageLayout.memmap`): a window of a single-strip file reads only its own rows'
+  pages, not the whole strip (20000 x 1024 single-strip: every 512-row window would decode
+  all 20000 rows).
+
+>>> PageLayout.segment_grid(1000, 700, (256, 256))
+(4, 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tifffile
+
+__all__ = ["PageLayout", "mask_page"]
+
+GDAL_MASK_BIT = 4  # NewSubfileType bit of a transparency mask (TIFF 6.0, FILETYPE_MASK)
+REDUCED_BIT = 1  # ... of a reduced-resolution copy (an overview)
+MAX_PAGES = 64  # IFDs searched for the mask (it follows the image and its overviews)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """The pixel layout of one page; plain values (picklable, fork-safe).
+
+    Attributes:
+        height, width, bands: the page's pixels ``[bands, height, width]``.
+        dtype: samples as decoded (native byte order).
+        planar: bands stored one after another (``PlanarConfiguration=2``).
+        seg: ``(rows, cols)`` of one segment (a strip is ``(rows_per_strip, width)``).
+        tiled: tiles rather than strips.
+        compression: the TIFF compression name (``"NONE"`` when uncompressed).
+        offsets, counts: file offset and byte count of every segment.
+        contiguous: ``(offset, file dtype)`` when the page can be memory-mapped.
+    """
+
+    height: int
+    width: int
+    bands: int
+    dtype: np.dtype
+    planar: bool
+    seg: tuple[int, int]
+    tiled: bool
+    compression: str
+    offsets: tuple[int, ...]
+    counts: tuple[int, ...]
+    contiguous: tuple[int, str] | None
+
+    @classmethod
+    def of(cls, page: tifffile.TiffPage, byteorder: str) -> PageLayout:
+        """The layout of ``page`` (``byteorder``: the file's, ``'<'`` or ``'>'``)."""
+        height, width = int(page.imagelength), int(page.imagewidth)
+        bands = int(page.samplesperpixel)
+        if page.is_tiled:
+            seg = (int(page.tilelength), int(page.tilewidth))
+        else:
+            seg = (min(int(page.rowsperstrip) or height, height), width)
+        offsets = tuple(int(o) for o in page.dataoffsets)
+        counts = tuple(int(n) for n in page.databytecounts)
+        dtype = np.dtype(page.dtype) if page.dtype is not None else np.dtype("u1")
+        return cls(height, width, bands, dtype, bands > 1 and int(page.planarconfig) == 2,
+                   seg, bool(page.is_tiled), page.compression.name, offsets, counts,
+                   cls._memmappable(page, byteorder, dtype, offsets, counts))
+
+    @staticmethod
+    def _memmappable(page: tifffile.TiffPage, byteorder: str, dtype: np.dtype,
+                     offsets: tuple[int, ...], counts: tuple[int, ...]
+                     ) -> tuple[int, str] | None:
+        """``(offset, file dtype)`` of an uncompressed striped page stored in one run."""
+        if (page.is_tiled or int(page.compression) != 1 or int(page.predictor or 1) != 1
+                or int(page.fillorder) != 1 or page.bitspersample % 8 or dtype == np.bool_
+                or not offsets or 0 in offsets):
+            return None
+        if any(offsets[i + 1] != offsets[i] + counts[i] for i in range(len(offsets) - 1)):
+            return None  # strips not back to back
+        need = int(page.imagelength) * int(page.imagewidth) * int(page.samplesperpixel)
+        if sum(counts) < need * dtype.itemsize:
+            return None
+        return offsets[0], dtype.newbyteorder(byteorder).str
+
+    @staticmethod
+    def segment_grid(height: int, width: int, seg: tuple[int, int]) -> tuple[int, int]:
+        """Segments down and across an image."""
+        return -(-height // seg[0]), -(-width // seg[1])
+
+    @property
+    def compressed(self) -> bool:
+        return self.compression != "NONE"
+
+    def segments(self, r0: int, r1: int, c0: int, c1: int) -> list[int]:
+        """Indices (into offsets / counts) of the segments overlapping the box."""
+        sh, sw = self.seg
+        n_r, n_c = self.segment_grid(self.height, self.width, self.seg)
+        planes = range(self.bands) if self.planar else range(1)
+        return [p * n_r * n_c + i * n_c + j for p in planes
+                for i in range(r0 // sh, (r1 - 1) // sh + 1)
+                for j in range(c0 // sw, (c1 - 1) // sw + 1)]
+
+    def decoded_pixels(self, r0: int, r1: int, c0: int, c1: int) -> int:
+        """Pixels (per band) decoded to read the box segment by segment."""
+        per_plane = len(self.segments(r0, r1, c0, c1)) // (self.bands if self.planar else 1)
+        return per_plane * self.seg[0] * self.seg[1]
+
+    def decode_box(self, read_bytes: Callable[[int, int], bytes | None],
+                   decode: Callable[..., Any], jpegtables: bytes | None,
+                   r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        """``[C, r1-r0, c1-c0]`` decoded from the segments the box touches."""
+        out = np.zeros((self.bands, r1 - r0, c1 - c0), self.dtype)
+        index = sorted(self.segments(r0, r1, c0, c1), key=lambda k: self.offsets[k])
+        for k in index:
+            data = read_bytes(self.offsets[k], self.counts[k])
+            seg, (plane, _, y, x, _), _ = decode(data, k, jpegtables=jpegtables)
+            if seg is not None:
+                self._place(out, seg, plane, y, x, r0, c0)
+        return out
+
+    def _place(self, out: np.ndarray, seg: np.ndarray, plane: int, y: int, x: int,
+               r0: int, c0: int) -> None:
+        """Copy the overlap of a decoded segment ``[1, h, w, S]`` into ``out[C, h, w]``."""
+        seg = seg[0]
+        ys, ye = max(y, r0), min(y + seg.shape[0], r0 + out.shape[1])
+        xs, xe = max(x, c0), min(x + seg.shape[1], c0 + out.shape[2])
+        if ye <= ys or xe <= xs:
+            return
+        part = seg[ys - y:ye - y, xs - x:xe - x]  # [h, w, S]
+        target = out[plane:plane + 1] if self.planar else out
+        target[:, ys - r0:ye - r0, xs - c0:xe - c0] = np.moveaxis(part, -1, 0)
+
+    def memmap(self, path: Path) -> np.memmap:
+        """A read-only map of the page's samples, ``[C, H, W]`` (planar) or ``[H, W, C]``."""
+        assert self.contiguous is not None
+        offset, dtype = self.contiguous
+        shape = ((self.bands, self.height, self.width) if self.planar
+                 else (self.height, self.width, self.bands))
+        return np.memmap(path, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
+
+    def map_box(self, mm: np.memmap, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        """``[C, r1-r0, c1-c0]`` copied from a :meth:`memmap` (native byte order)."""
+        part = mm[:, r0:r1, c0:c1] if self.planar else np.moveaxis(mm[r0:r1, c0:c1], -1, 0)
+        return np.ascontiguousarray(part, dtype=self.dtype)
+
+
+def mask_page(tif: tifffile.TiffFile, height: int, width: int) -> tifffile.TiffPage | None:
+    """GDAL's internal (per-dataset) mask of page 0: a full-size mask IFD, else None.
+
+    GDAL writes it as a later IFD with NewSubfileType bit 4 (mask) and bit 1 (reduced) clear,
+    one sample of 1 or 8 bits; 0 marks no-data pixels. Overview masks (bits 4 and 1) are
+    skipped.
+    """
+    for page in tif.pages[1:MAX_PAGES]:
+        if not isinstance(page, tifffile.TiffPage):
+            continue
+        kind = int(page.subfiletype)
+        if (kind & GDAL_MASK_BIT and not kind & REDUCED_BIT
+                and (int(page.imagelength), int(page.imagewidth)) == (height, width)
+                and int(page.samplesperpixel) == 1):
+            return page
+    return None

@@ -1,0 +1,37 @@
+"""Raw windows with their no-data pixels found and zeroed (the rule every reader shares)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from seg_at_scale.io.raster import RasterReader
+from seg_at_scale.tiling.geometry import Fill, Window
+
+__all__ = ["read_valid"]
+
+
+def read_valid(reader: RasterReader, window: Window, fill: Fill
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Raw window ``[C, h, w]`` with no-data samples zeroed, and its no-data mask ``[h, w]``.
+
+    A pixel is no-data when all its bands equal the reader's nodata value, when any band is
+    not finite (NaN, +-Inf: whatever the nodata tag says, such a sample would poison every
+    output whose receptive field holds it), or where GDAL's internal mask band marks it
+    (COGs, JPEG-compressed files); the mask is None when there is none. Its samples are
+    zeroed before normalising, like the fill outside the image.
+    """
+    raw = reader.read(window, fill=fill)
+    keep = reader.read_mask(window, fill=fill)  # GDAL's internal mask: False = no data
+    masked = None if keep is None or keep.all() else ~keep
+    bad = None
+    if reader.nodata is not None and not np.isnan(reader.nodata):
+        bad = (raw == reader.nodata).all(axis=0)
+    if reader.is_float:
+        finite = np.isfinite(raw).all(axis=0)
+        if not finite.all():
+            bad = ~finite if bad is None else bad | ~finite
+    if bad is not None and bad.any():
+        masked = bad if masked is None else masked | bad
+    if masked is not None:
+        raw = np.where(masked, 0, raw)  # like the fill outside the image: zero, then normalised
+    return raw, masked

@@ -1,0 +1,120 @@
+"""A GDAL virtual mosaic (VRT) of label rasters, so an archive opens as one layer.
+
+What ``gdalbuildvrt`` writes for north-up rasters of one CRS, one band each: a
+``VRTDataset`` covering the union of their extents at the finest pixel size, one
+``SimpleSource`` per file placed by its geotransform, the nodata value and the colour table
+of the first file. GDAL's command-line tools are not a dependency (rasterio wheels carry
+the library, not the programs), so the XML is written here with ``xml.etree`` following
+GDAL's VRT format; rasterio (GDAL) reads it back in the tests.
+
+>>> from affine import Affine
+>>> _window(Affine(1, 0, 10, 0, -1, 20), Affine(1, 0, 0, 0, -1, 30), 5, 4)
+(10.0, 10.0, 4.0, 5.0)
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from affine import Affine
+
+from seg_at_scale.errors import InputError
+
+__all__ = ["write_mosaics", "write_vrt"]
+
+
+def _window(src: Affine, dst: Affine, height: int, width: int
+            ) -> tuple[float, float, float, float]:
+    """``(x_off, y_off, x_size, y_size)`` of a source raster in the mosaic's pixel grid."""
+    x_off = (src.c - dst.c) / dst.a
+    y_off = (src.f - dst.f) / dst.e
+    return x_off, y_off, width * src.a / dst.a, height * src.e / dst.e
+
+
+def _describe(path: Path) -> dict[str, Any]:
+    import rasterio
+    from rasterio.errors import NotGeoreferencedWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotGeoreferencedWarning)
+        with rasterio.open(path) as ds:
+            if ds.transform.b or ds.transform.d:
+                raise InputError(f"'{path}' is not north-up (a rotated geotransform); a mosaic "
+                                 "needs north-up rasters")
+            colours = ds.colormap(1) if ds.count == 1 and ds.dtypes[0] == "uint8" else None
+            return {"path": path, "transform": ds.transform, "height": ds.height,
+                    "width": ds.width, "crs": ds.crs, "dtype": ds.dtypes[0],
+                    "nodata": ds.nodata, "colours": colours}
+
+
+def write_vrt(paths: Sequence[Path], vrt: Path) -> Path:
+    """One VRT over rasters of one CRS (see the module docstring); written atomically."""
+    infos = [_describe(p) for p in paths]
+    res_x = min(i["transform"].a for i in infos)
+    res_y = max(i["transform"].e for i in infos)  # negative: the finest is the largest
+    west = min(i["transform"].c for i in infos)
+    north = max(i["transform"].f for i in infos)
+    east = max(i["transform"].c + i["width"] * i["transform"].a for i in infos)
+    south = min(i["transform"].f + i["height"] * i["transform"].e for i in infos)
+    dst = Affine(res_x, 0, west, 0, res_y, north)
+    width, height = round((east - west) / res_x), round((south - north) / res_y)
+    root = ET.Element("VRTDataset", rasterXSize=str(width), rasterYSize=str(height))
+    if infos[0]["crs"] is not None:
+        ET.SubElement(root, "SRS").text = infos[0]["crs"].to_wkt()
+    ET.SubElement(root, "GeoTransform").text = ", ".join(repr(float(v))
+                                                        for v in dst.to_gdal())
+    band = ET.SubElement(root, "VRTRasterBand", dataType=_gdal_type(infos[0]["dtype"]),
+                         band="1")
+    if infos[0]["nodata"] is not None:
+        ET.SubElement(band, "NoDataValue").text = repr(float(infos[0]["nodata"]))
+    if infos[0]["colours"]:
+        ET.SubElement(band, "ColorInterp").text = "Palette"
+        table = ET.SubElement(band, "ColorTable")
+        for k in range(max(infos[0]["colours"]) + 1):
+            r, g, b, a = infos[0]["colours"].get(k, (0, 0, 0, 0))
+            ET.SubElement(table, "Entry", c1=str(r), c2=str(g), c3=str(b), c4=str(a))
+    for info in infos:
+        _source(band, info, dst, vrt.parent)
+    tmp = vrt.with_name(f".{vrt.name}.{os.getpid()}.tmp")
+    ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=False)
+    os.replace(tmp, vrt)
+    return vrt
+
+
+def _source(band: ET.Element, info: dict[str, Any], dst: Affine, folder: Path) -> None:
+    src = ET.SubElement(band, "ComplexSource" if info["nodata"] is not None
+                        else "SimpleSource")
+    rel = os.path.relpath(info["path"], folder)
+    ET.SubElement(src, "SourceFilename", relativeToVRT="1").text = rel
+    ET.SubElement(src, "SourceBand").text = "1"
+    ET.SubElement(src, "SrcRect", xOff="0", yOff="0", xSize=str(info["width"]),
+                  ySize=str(info["height"]))
+    x, y, w, h = _window(info["transform"], dst, info["height"], info["width"])
+    ET.SubElement(src, "DstRect", xOff=repr(x), yOff=repr(y), xSize=repr(w), ySize=repr(h))
+    if info["nodata"] is not None:
+        ET.SubElement(src, "NODATA").text = repr(float(info["nodata"]))
+
+
+def _gdal_type(dtype: str) -> str:
+    return {"uint8": "Byte", "uint16": "UInt16", "int16": "Int16", "uint32": "UInt32",
+            "int32": "Int32", "float32": "Float32", "float64": "Float64"}[dtype]
+
+
+def write_mosaics(paths: Sequence[Path], folder: Path, name: str = "mosaic") -> list[Path]:
+    """One VRT per CRS of ``paths``: ``mosaic.vrt``, or ``mosaic_<epsg or n>.vrt`` for several."""
+    by_crs: dict[str, list[Path]] = {}
+    keys: dict[str, str] = {}
+    for p in paths:
+        crs = _describe(p)["crs"]
+        wkt = crs.to_wkt() if crs else ""
+        by_crs.setdefault(wkt, []).append(p)
+        keys[wkt] = str(crs.to_epsg() or len(keys)) if crs else "none"
+    if len(by_crs) == 1:
+        return [write_vrt(next(iter(by_crs.values())), folder / f"{name}.vrt")]
+    return [write_vrt(group, folder / f"{name}_{keys[wkt]}.vrt")
+            for wkt, group in by_crs.items()]

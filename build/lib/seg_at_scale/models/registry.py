@@ -1,0 +1,169 @@
+"""The model families a run or a model file may name: nothing else is ever constructed.
+
+A run folder (``run_config.yaml``) or an exported model (its card) names its network by a
+``_target_`` and keyword arguments. Building it with ``hydra.utils.instantiate`` would call
+*any* importable callable the file names (``_target_: torch.load`` with a pickled payload
+runs code). So prediction and export build models here instead: the target must be a
+registered family, every key must be one of its constructor's parameters, and every value
+must have the parameter's type; only then is the class called, with plain values (a nested
+``_target_`` stays a plain dict). ``trust=True`` (``trust_run=true`` on the command line)
+lifts these checks for a sender the user trusts, and says so in the log.
+
+A new family registers itself with :func:`register` (one line beside its class).
+
+>>> from seg_at_scale.models.registry import build_model
+>>> net = build_model({"_target_": "seg_at_scale.models.UNet", "in_channels": 4,
+...                    "num_classes": 3, "levels": 3, "base_width": 8, "padding": "same"},
+...                   where="example")
+>>> type(net).__name__, net.levels
+('UNet', 3)
+>>> build_model({"_target_": "torch.load"}, where="run")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+seg_at_scale.errors.ConfigError: run: model._target_='torch.load' is not a seg_at_scale model; ...
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from seg_at_scale.config_check import check_types, known_keys
+from seg_at_scale.errors import ConfigError
+
+__all__ = ["Family", "register", "families", "family_of", "check_model_config",
+           "build_model", "TRUST_HINT"]
+
+log = logging.getLogger(__name__)
+
+TRUST_HINT = "pass trust_run=true only if you trust whoever made it (it may then run code)"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: its short name, the ``_target_`` configs use, and the class.
+
+    Attributes:
+        name: short name (``unet``), as in ``conf/model_family/<name>.yaml``.
+        target: the dotted path configs write (``seg_at_scale.models.UNet``).
+        cls: the ``nn.Module`` subclass built from the keys.
+        aliases: other dotted paths of the same class (its defining module).
+    """
+
+    name: str
+    target: str
+    cls: type[nn.Module]
+    aliases: tuple[str, ...] = field(default=())
+
+    def parameters(self) -> dict[str, inspect.Parameter]:
+        """The constructor's keyword parameters (``self`` and ``**kwargs`` left out)."""
+        sig = inspect.signature(self.cls.__init__)
+        return {k: p for k, p in sig.parameters.items() if k != "self" and p.kind in
+                (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+    def hints(self) -> dict[str, Any]:
+        """The constructor's resolved type hints."""
+        return typing.get_type_hints(self.cls.__init__)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add a family (its target and aliases then name it); returns it."""
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> list[Family]:
+    """Every registered family, by name."""
+    _load_builtin()
+    return [_FAMILIES[k] for k in sorted(_FAMILIES)]
+
+
+def family_of(target: str) -> Family | None:
+    """The family a ``_target_`` names, or None."""
+    for fam in families():
+        if target == fam.target or target in fam.aliases:
+            return fam
+    return None
+
+
+def _listing() -> str:
+    return ", ".join(f"{f.name} ({f.target})" for f in families())
+
+
+def check_model_config(node: Mapping[str, Any], *, where: str) -> tuple[Family, dict[str, Any]]:
+    """Validate a model config against the registry; the family and its keyword arguments.
+
+    Args:
+        node: the ``model`` node as plain data (``_target_`` plus keys).
+        where: what the config came from, for messages (``run 'runs/x'``).
+
+    Raises:
+        ConfigError: an unregistered target, an unknown key, a missing required key, or a
+            value of the wrong type; nothing has been constructed.
+    """
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"{where}: model is {type(node).__name__}, not a mapping of keys; "
+                          "give a model node with _target_ and its keys")
+    target = node.get("_target_")
+    fam = family_of(str(target)) if isinstance(target, str) else None
+    if fam is None:
+        raise ConfigError(f"{where}: model._target_={target!r} is not a seg_at_scale model; "
+                          f"the model families are {_listing()}; {TRUST_HINT}")
+    params = fam.parameters()
+    kwargs = known_keys("model", {k: v for k, v in node.items() if not str(k).startswith("_")},
+                        params, where=f"{where} ({fam.name} model)",
+                        required=[k for k, p in params.items() if p.default is p.empty])
+    check_types("model", kwargs, fam.hints(), where=where)
+    return fam, kwargs
+
+
+def build_model(node: Mapping[str, Any], *, where: str, trust: bool = False) -> nn.Module:
+    """The network a config names, built from the registry only (see the module docstring).
+
+    Args:
+        node: the ``model`` node as plain data.
+        where: what the config came from, for messages.
+        trust: build any ``_target_`` with Hydra, unchecked (logged).
+    """
+    if trust:
+        target = node.get("_target_") if isinstance(node, Mapping) else None
+        if not isinstance(target, str) or family_of(target) is None:
+            from hydra.utils import instantiate
+
+            log.warning("%s: trust_run=true: building model._target_=%r unchecked (this can "
+                        "run any code the config names)", where, target)
+            return instantiate(dict(node), _convert_="all")  # type: ignore[no-any-return]
+        try:
+            fam, kwargs = check_model_config(node, where=where)
+        except ConfigError as exc:
+            log.warning("trust_run=true: building despite: %s", exc)
+            from hydra.utils import instantiate
+
+            return instantiate(dict(node), _convert_="all")  # type: ignore[no-any-return]
+        return fam.cls(**kwargs)
+    fam, kwargs = check_model_config(node, where=where)
+    return fam.cls(**kwargs)
+
+
+def _load_builtin() -> None:
+    """Register the project's own families (import here: their modules import torch)."""
+    if {"unet", "uresnet", "gscnn"} <= _FAMILIES.keys():
+        return
+    from seg_at_scale.models.gscnn import GSCNN
+    from seg_at_scale.models.unet import UNet
+    from seg_at_scale.models.uresnet import UResNet
+
+    register(Family("unet", "seg_at_scale.models.UNet", UNet, ("seg_at_scale.models.unet.UNet",)))
+    register(Family("uresnet", "seg_at_scale.models.UResNet", UResNet,
+                    ("seg_at_scale.models.uresnet.UResNet",)))
+    register(Family("gscnn", "seg_at_scale.models.GSCNN", GSCNN,
+                    ("seg_at_scale.models.gscnn.GSCNN",)))

@@ -1,0 +1,320 @@
+"""A trained model and what predicting with it needs, from a run folder or a model file.
+
+Prediction needs more than weights: the footprint it tiles with (halo, alignment,
+padding), the input normalisation, the classes and their names, the training imagery's
+sample type. :class:`TrainedModel` carries all of it, described by one *card* (plain
+JSON-able data). A run folder's card is made from its ``run_config.yaml`` and checkpoint
+(:func:`load_run`); an exported model (``seg-export``, :mod:`seg_at_scale.models.segmodel`)
+stores that same card beside its weights, so predicting with either gives the same bytes.
+
+Nothing here runs code from the files: the network is built from the model registry
+(:mod:`seg_at_scale.models.registry`) and the checkpoint loaded as plain data
+(:mod:`seg_at_scale.models.checkpoint`), unless ``trust`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+import seg_at_scale
+from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.io.preview import default_palette
+from seg_at_scale.models.checkpoint import load_checkpoint, model_state
+from seg_at_scale.models.registry import build_model, family_of
+from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.halo import footprint as measured_footprint
+
+__all__ = ["TrainedModel", "load_run", "load_trained", "footprint_with_halo",
+           "pick_checkpoint", "card_of_config", "load_weights", "model_files", "peek_card",
+           "normalizer_of_card",
+           "RUN_CONFIG", "CARD_FORMAT"]
+
+log = logging.getLogger(__name__)
+
+RUN_CONFIG = "run_config.yaml"  # resolved config + computed values, saved with every run
+CARD_FORMAT = "seg_at_scale.model/1"
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A network in eval mode with everything prediction reads from its card.
+
+    Attributes:
+        model: the network, weights loaded, eval mode, on the CPU.
+        card: the model card (see :func:`card_of_run`); the rest is read from it.
+        source: where it came from, for messages (``run 'runs/x'``).
+        config: the run's config (run folders only; None for a model file).
+        checkpoint: the checkpoint file read (run folders only).
+    """
+
+    model: nn.Module
+    card: dict[str, Any]
+    source: str
+    config: DictConfig | None = None
+    checkpoint: Path | None = None
+
+    @property
+    def footprint(self) -> Footprint:
+        f = self.card["footprint"]
+        return Footprint(int(f["halo"]), int(f["align"]), str(f["padding"]),
+                         int(f["out_residue"]))
+
+    @property
+    def normalizer(self) -> Normalizer:
+        return normalizer_of_card(self.card, self.source)
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.card["data"]["num_classes"])
+
+    @property
+    def class_names(self) -> list[str]:
+        return list(self.card["data"]["class_names"])
+
+    @property
+    def ignore_index(self) -> int:
+        return int(self.card["data"]["ignore_index"])
+
+    @property
+    def bands(self) -> int:
+        return int(self.card["data"]["bands"])
+
+    @property
+    def input(self) -> dict[str, Any]:
+        """The training imagery: ``dtype`` and ``high`` (mean + 3 std, raw), where recorded."""
+        return dict(self.card["data"].get("input") or {})
+
+
+def normalizer_of_card(card: dict[str, Any], source: str) -> Normalizer:
+    """The card's input normalisation; a scale or std that is not > 0 is refused."""
+    n = card["data"]["normalization"]
+    bad = [i for i, v in enumerate(n["std"]) if not v > 0]
+    if bad or not n["scale"] > 0:
+        what = f"std {n['std'][bad[0]]} for band {bad[0]}" if bad else f"scale {n['scale']}"
+        raise InputError(f"{source}: the normalisation has {what}, which must be > 0 (it "
+                         "divides); the config was edited: restore it")
+    return Normalizer(float(n["scale"]), tuple(n["mean"]), tuple(n["std"]))
+
+
+def footprint_with_halo(model: nn.Module, halo: Any) -> Footprint:
+    """The model's footprint; ``halo`` is ``"auto"`` or an int that overrides it."""
+    fp = measured_footprint(model)
+    if halo in (None, "auto"):
+        return fp
+    if not isinstance(halo, int) or isinstance(halo, bool) or halo < 0:
+        raise ConfigError(f"tiling.halo={halo!r}: use 'auto' or a whole number of pixels >= 0")
+    if halo < fp.halo:
+        log.warning("tiling.halo=%d is below the model's halo %d: tiles will NOT be exact",
+                    halo, fp.halo)
+    return Footprint(halo, fp.align, fp.padding, fp.out_residue)
+
+
+def _read_run_config(run: Path) -> DictConfig:
+    path = run / RUN_CONFIG
+    if not path.is_file():
+        raise InputError(f"run='{run}' has no {RUN_CONFIG}; give the folder of a training "
+                         "run (it holds run_config.yaml and checkpoints/)")
+    try:
+        cfg = OmegaConf.load(path)
+    except (yaml.YAMLError, ValueError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"'{path}' is not readable YAML ({first}); restore it from the run "
+                         "or a copy") from None
+    if not isinstance(cfg, DictConfig) or not isinstance(cfg.get("model"), DictConfig) \
+            or not isinstance(cfg.get("data"), DictConfig):
+        raise InputError(f"'{path}' holds no model and data sections; it is not the config "
+                         "of a training run (restore it from the run or a copy)")
+    return cfg
+
+
+def pick_checkpoint(run: Path, ckpt: str) -> Path:
+    """``best`` (highest val/miou in its name), ``last``, or a path."""
+    folder = run / "checkpoints"
+    if ckpt not in ("best", "last"):
+        path = Path(ckpt)
+    elif ckpt == "last":
+        path = folder / "last.ckpt"
+    else:
+        ranked = sorted((p for p in folder.glob("*.ckpt") if p.name != "last.ckpt"),
+                        key=lambda p: _miou_of(p.name))
+        path = ranked[-1] if ranked else folder / "last.ckpt"
+    if not path.exists():
+        raise InputError(f"ckpt={ckpt!r}: no checkpoint at '{path}'; use ckpt=last, ckpt=best "
+                         "or a path to a .ckpt file")
+    return path
+
+
+def _miou_of(name: str) -> float:
+    try:
+        return float(name.rsplit("miou", 1)[1].removesuffix(".ckpt"))
+    except (IndexError, ValueError):
+        return -1.0
+
+
+def load_weights(model: nn.Module, state: dict[str, Tensor], where: str) -> None:
+    """Load ``state`` strictly; a mismatch is one line naming the first keys and shapes."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [(k, tuple(state[k].shape), tuple(v.shape)) for k, v in own.items()
+              if k in state and tuple(state[k].shape) != tuple(v.shape)]
+    if missing or unexpected or shapes:
+        parts = []
+        if shapes:
+            k, a, b = shapes[0]
+            parts.append(f"{len(shapes)} shapes differ (first {k}: {list(a)} in the weights, "
+                         f"{list(b)} in the model)")
+        if missing:
+            parts.append(f"{len(missing)} weights missing (first {missing[0]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (first {unexpected[0]})")
+        raise InputError(f"{where}: the weights do not fit the model its config describes: "
+                         f"{'; '.join(parts)}. The config was edited or belongs to another "
+                         "run: restore it")
+    model.load_state_dict(state)
+
+
+def card_of_config(cfg: DictConfig, fp: Footprint) -> dict[str, Any]:
+    """The card of a training config's model: family and keys, footprint, data."""
+    node = OmegaConf.to_container(cfg.model, resolve=True)
+    assert isinstance(node, dict)
+    fam = family_of(str(node.get("_target_")))
+    data = cfg.data
+    computed = cfg.get("computed") or {}
+    k = int(data.num_classes)
+    names = list(data.class_names) if data.get("class_names") else [f"class_{i}"
+                                                                     for i in range(k)]
+    nodata = data.get("nodata")
+    return {
+        "format": CARD_FORMAT, "seg_at_scale_version": seg_at_scale.__version__,
+        "model": {"family": fam.name if fam else None, **node},
+        "footprint": {"halo": fp.halo, "align": fp.align, "padding": fp.padding,
+                      "out_residue": fp.out_residue},
+        "data": {"bands": int(data.get("bands") or node.get("in_channels")
+                              or node.get("planes")),
+                 "num_classes": k, "class_names": names,
+                 "colours": [list(c) for c in default_palette(k)],
+                 "ignore_index": int(data.ignore_index),
+                 "nodata": "nan" if isinstance(nodata, float) and math.isnan(nodata)
+                 else nodata,  # JSON has no NaN
+                 "normalization": {"scale": float(data.scale), "mean": list(data.mean),
+                                   "std": list(data.std)},
+                 "input": _plain(computed.get("input")),
+                 "fingerprint": computed.get("data_fingerprint")},
+    }
+
+
+def card_of_run(cfg: DictConfig, fp: Footprint, run: Path, ckpt: Path,
+                ckpt_data: dict[str, Any]) -> dict[str, Any]:
+    """The model card of a run (what ``seg-export`` writes beside the weights)."""
+    return {**card_of_config(cfg, fp), "metrics": _metrics(run, ckpt_data),
+            "training": {"run": str(run.resolve()), "checkpoint": ckpt.name,
+                         "epoch": ckpt_data.get("epoch"),
+                         "global_step": ckpt_data.get("global_step")}}
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def _metrics(run: Path, ckpt_data: dict[str, Any]) -> dict[str, Any]:
+    """``val/miou`` (and the test scenes' mIoU) from the run's summary, where it has one."""
+    out: dict[str, Any] = {}
+    summary = run / "summary.json"
+    if summary.is_file():
+        try:
+            doc = json.loads(summary.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        if doc.get("val/miou") is not None:
+            out["val/miou"] = doc["val/miou"]
+        tests = [t.get("miou") for t in doc.get("test") or [] if isinstance(t, dict)]
+        if tests:
+            out["test/miou"] = tests
+    for cb in (ckpt_data.get("callbacks") or {}).values():
+        score = cb.get("best_model_score") if isinstance(cb, dict) else None
+        if score is not None and "checkpoint/best_score" not in out:
+            out["checkpoint/best_score"] = round(float(score), 6)
+    return out
+
+
+def load_run(run: str | os.PathLike[str], ckpt: str = "best", *,
+             trust: bool = False) -> TrainedModel:
+    """A training run folder's network (``ckpt``: best, last or a path) and its card.
+
+    Raises:
+        InputError / ConfigError: no or unreadable config, a model the registry does not
+            know, an unreadable or unsafe checkpoint, weights that do not fit the config.
+    """
+    run = Path(run)
+    cfg = _read_run_config(run)
+    where = f"run '{run}'"
+    node = OmegaConf.to_container(cfg.model, resolve=True)
+    model = build_model(node, where=where, trust=trust)  # type: ignore[arg-type]
+    path = pick_checkpoint(run, ckpt)
+    data = load_checkpoint(path, trust=trust)
+    load_weights(model, model_state(data), f"{where}, checkpoint '{path}'")
+    model.eval()
+    fp = footprint_with_halo(model, cfg.get("tiling", {}).get("halo", "auto"))
+    card = card_of_run(cfg, fp, run, path, data)
+    return TrainedModel(model, card, where, cfg, path)
+
+
+def load_trained(run: str | os.PathLike[str] | None = None,
+                 model: str | os.PathLike[str] | None = None, *, ckpt: str = "best",
+                 trust: bool = False) -> TrainedModel:
+    """The model ``run=`` (a training run folder) or ``model=`` (a seg-export file) names."""
+    if (run is None) == (model is None):
+        raise ConfigError("give the model to predict with as run=<training run folder> or "
+                          "model=<file made by seg-export>, one of them"
+                          + (" (both were given)" if run is not None else ""))
+    if run is not None:
+        return load_run(run, ckpt, trust=trust)
+    from seg_at_scale.models.segmodel import read_model
+
+    return read_model(model, trust=trust)  # type: ignore[arg-type]
+
+
+def model_files(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] | None,
+                ckpt: str = "best") -> dict[str, Path]:
+    """The files a model is read from (no output may replace them), by what users call them."""
+    if run is not None:
+        return {"run config": Path(run) / RUN_CONFIG,
+                "checkpoint": pick_checkpoint(Path(run), ckpt)}
+    return {"model": Path(model)} if model is not None else {}
+
+
+def peek_card(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] | None,
+              ckpt: str = "best") -> tuple[dict[str, Any], str]:
+    """A model's card and name without building the network or loading weights.
+
+    The launching process of a multi-process prediction checks every input with it before
+    forking its ranks: it must run no torch computation (OpenMP does not survive a fork).
+    A run's footprint is the one its training computed (``computed`` in its config); the
+    ranks compare it with the network's own.
+    """
+    if (run is None) == (model is None):
+        load_trained(run, model)  # the same refusal
+    if model is not None:
+        from seg_at_scale.models.segmodel import read_card
+
+        return read_card(Path(model)), f"model '{model}'"
+    cfg = _read_run_config(Path(run))  # type: ignore[arg-type]
+    pick_checkpoint(Path(run), ckpt)  # type: ignore[arg-type]
+    c = cfg.get("computed") or {}
+    if not all(k in c for k in ("halo", "align", "padding", "out_residue")):
+        raise InputError(f"'{Path(run) / RUN_CONFIG}' has no computed footprint (halo, align, "
+                         "padding); predict with processes=1, or export the run with seg-export")
+    fp = Footprint(int(c.halo), int(c.align), str(c.padding), int(c.out_residue))
+    return card_of_config(cfg, fp), f"run '{run}'"

@@ -1,0 +1,131 @@
+"""Lightning strategies for sample parallelism, Pipe pipelines, and both.
+
+* :class:`SampleParallelStrategy` (``trainer=ddp``): Lightning's DDP process launch,
+  process group (gloo on CPU, NCCL on GPU) and samplers, but no ``DistributedDataParallel``
+  wrapper. The task accumulates an image's tile gradients locally and calls
+  :func:`all_reduce_gradients` once, on its last tile: the *sum* over ranks is the
+  whole-image gradient, exact and independent of how the tiles fell on the ranks.
+* :class:`PipelineStrategy` (one process, ``pipeline=manual|auto``): leaves Pipe's stages on
+  their devices (Pipe refuses ``.to()``); batches go to the first stage's device.
+* ``SampleParallelStrategy`` with a pipelined task is the hybrid: DDP across processes, a
+  Pipe in each.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
+from torch import Tensor
+
+__all__ = ["SampleParallelStrategy", "PipelineStrategy", "all_reduce_gradients",
+           "world_size"]
+
+
+def world_size() -> int:
+    """Processes in the default group (1 when not distributed)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter], op: str = "sum",
+                         extra: Tensor | None = None) -> Tensor | None:
+    """Sum (or average) the gradients of ``params`` over all ranks, one buffer per device.
+
+    Parameters without a gradient take part with zeros, so ranks that saw no tile of an
+    image (pad slots) still join. ``extra`` (e.g. the rank's loss) rides along in the
+    first buffer and is returned reduced.
+    """
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op={op!r}: use 'sum' or 'mean'")
+    world = world_size()
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for p in params:
+        by_device.setdefault(p.grad.device, []).append(p.grad)  # type: ignore[union-attr]
+    reduced_extra = extra
+    for k, (device, grads) in enumerate(sorted(by_device.items(), key=lambda kv: str(kv[0]))):
+        parts = [g.reshape(-1) for g in grads]
+        if k == 0 and extra is not None:
+            parts.append(extra.detach().reshape(-1).to(device, grads[0].dtype))
+        flat = torch.cat(parts)
+        if world > 1:
+            dist.all_reduce(flat)
+        if op == "mean":
+            flat /= world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        if k == 0 and extra is not None:
+            reduced_extra = flat[offset:].reshape(extra.shape).to(extra.device)
+    return reduced_extra
+
+
+def _pipe_of(module: Any) -> Any:
+    return getattr(module, "pipe", None)
+
+
+class _KeepsPipeInPlace:
+    """Strategy mixin: a task's attached Pipe stays where Pipe put it.
+
+    Pipe refuses ``.to()``; batches go to the first stage's device instead.
+    """
+
+    _lightning_module: Any
+
+    @property
+    def root_device(self) -> torch.device:
+        pipe = _pipe_of(self._lightning_module)
+        return pipe.devices[0] if pipe is not None else super().root_device  # type: ignore[misc]
+
+    def model_to_device(self) -> None:
+        if _pipe_of(self._lightning_module) is None:
+            super().model_to_device()  # type: ignore[misc]
+
+
+class SampleParallelStrategy(_KeepsPipeInPlace, DDPStrategy):
+    """DDP launch and process group; gradients reduced by the task, once per image.
+
+    Not wrapping the module keeps gradients local while an image's tiles accumulate (no
+    ``no_sync`` bookkeeping), lets ranks hold different numbers of tiles, and lets each
+    process hold a fairscale Pipe (hybrid).
+    """
+
+    strategy_name = "sample_parallel"
+
+    def setup_environment(self) -> None:
+        """Process group as DDP; on CPU, the cores are split among this node's processes."""
+        super().setup_environment()
+        if self.root_device.type == "cpu":
+            local = max(1, self.num_processes)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+    def configure_ddp(self) -> None:
+        """Start from rank 0's parameters; no DDP wrapper (the task reduces gradients)."""
+        assert self.model is not None
+        if world_size() > 1:
+            with torch.no_grad():
+                for t in [*self.model.parameters(), *self.model.buffers()]:
+                    dist.broadcast(t.data, src=0)
+
+    def determine_ddp_device_ids(self) -> list[int] | None:
+        if self.root_device.type == "cpu":
+            return None
+        return [self.root_device.index or 0]
+
+
+class PipelineStrategy(_KeepsPipeInPlace, SingleDeviceStrategy):
+    """One process running a Pipe: the model stays where Pipe put it."""
+
+    strategy_name = "pipeline"
+
+    def __init__(self, device: str | torch.device = "cpu", **kwargs: Any) -> None:
+        super().__init__(device=torch.device(device), **kwargs)
+

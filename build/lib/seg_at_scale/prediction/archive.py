@@ -1,0 +1,407 @@
+"""Many scenes, one run: a global work queue over every scene's tiles and every rank.
+
+``seg-predict images=<folder | glob | list.txt | STAC JSON> output_dir=<folder>`` loads the
+model once and predicts every scene into ``<output_dir>/<stem>.tif`` (or ``.zarr``). The
+work is one queue of units ``(scene, batch of tiles)`` in a fixed order; rank ``r`` of
+``N`` takes units ``r, r + N, ...``, so one 40,000² scene and 500 small ones keep every
+rank busy. Each scene is planned exactly as a single-scene run plans it
+(:mod:`.plan`): the same grid, batches and fingerprint, hence byte-identical outputs
+whatever ``N``. The rank that writes a scene's last tile finalises it (COG, preview,
+polygons, STAC Item), claiming it with an exclusive file so that exactly one does.
+
+A rerun skips finished scenes (their fingerprint), resumes partial ones from their
+stores, and computes scenes added since. Bad scenes do not sink the archive: every scene
+is checked before any tile (:func:`check_archive`); ``on_error=skip`` predicts the rest
+and records each bad or failing scene in the summary (``summary.csv`` / ``.json``).
+
+Models with a whole-image statistic (Gated-SCNN's pooling: two passes per scene) run
+scene after scene, every rank on each scene's tiles.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from seg_at_scale.errors import ConfigError, InputError, OutputExistsError, SegAtScaleError
+from seg_at_scale.models.trained import TrainedModel
+from seg_at_scale.prediction.checks import check_scene
+from seg_at_scale.prediction.finalize import finalize
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.plan import (
+    RasterPlan,
+    model_digest,
+    open_store,
+    plan_raster,
+    reusable,
+)
+from seg_at_scale.prediction.progress import progress_bar
+from seg_at_scale.prediction.raster import PredictionStats, predict_batches
+from seg_at_scale.prediction.scene import companions, predict_scene
+from seg_at_scale.prediction.store import PredictionStore
+from seg_at_scale.tiling.geometry import fill_of
+from seg_at_scale.tiling.statistics import uses_image_pool
+
+__all__ = ["ArchiveScene", "find_images", "archive_scenes", "check_archive",
+           "predict_archive", "SceneRecord", "RASTER_SUFFIXES", "VECTOR_FORMATS"]
+
+RASTER_SUFFIXES = (".tif", ".tiff")
+VECTOR_FORMATS = ("gpkg", "parquet", "fgb")
+CLAIM = "seg_finalize.claim"  # inside a scene's store: the rank finalising it
+MAX_LISTED = 5
+
+
+@dataclass(frozen=True)
+class ArchiveScene:
+    """One scene of an archive and where its outputs go."""
+
+    stem: str
+    image: Path
+    output: Path
+    mask: Path | None = None
+    vector: Path | None = None
+
+
+@dataclass
+class SceneRecord:
+    """What happened to one scene (a row of the summary)."""
+
+    stem: str
+    image: str
+    output: str
+    status: str = "pending"  # done | reused | skipped | failed
+    reason: str = ""
+    tiles: int = 0
+    tiles_computed: int = 0
+    tiles_resumed: int = 0
+    seconds: float = 0.0
+    megapixels: float = 0.0
+    finalized_by: int = -1
+    tiles_by_rank: list[int] = field(default_factory=list)
+    class_pixels: list[int] = field(default_factory=list)
+    miou: float | None = None
+    iou: list[float | None] = field(default_factory=list)
+
+
+def find_images(images: str) -> list[tuple[str, Path]]:
+    """``(stem, path)`` of every scene ``images`` names, in a fixed order.
+
+    ``images`` is a folder (its ``.tif`` / ``.tiff`` files), a glob pattern, a ``.txt``
+    list (one path per line, relative to the list's folder; ``#`` comments), or STAC JSON
+    (an ItemCollection, Catalog or Collection: its items' image assets).
+
+    Raises:
+        InputError: nothing found, or two scenes that would share an output name.
+    """
+    src = Path(images)
+    if src.suffix.lower() == ".json" and src.is_file():
+        from seg_at_scale.catalog import image_hrefs
+
+        found = [(stem, Path(href)) for stem, href in image_hrefs(src)]
+    elif src.suffix.lower() == ".txt" and src.is_file():
+        lines = [ln.split("#", 1)[0].strip() for ln in src.read_text().splitlines()]
+        paths = [src.parent / ln if not Path(ln).is_absolute() else Path(ln)
+                 for ln in lines if ln]
+        found = [(p.stem, p) for p in paths]
+    elif src.is_dir():
+        found = [(p.stem, p) for p in sorted(src.iterdir())
+                 if p.suffix.lower() in RASTER_SUFFIXES and not p.name.startswith(".")]
+    else:
+        found = [(Path(p).stem, Path(p)) for p in sorted(glob.glob(images))]
+    if not found:
+        raise InputError(f"images='{images}' names no rasters; give a folder of .tif files, "
+                         "a glob such as 'scenes/*.tif', a .txt list or a STAC JSON file")
+    seen: dict[str, Path] = {}
+    for stem, path in found:
+        if stem in seen:
+            raise InputError(f"images='{images}': '{seen[stem]}' and '{path}' would both be "
+                             f"written as '{stem}'; give scenes distinct names")
+        seen[stem] = path
+    return found
+
+
+def _mask_of(masks: Path | None, stem: str) -> Path | None:
+    if masks is None:
+        return None
+    for name in (f"{stem}.tif", f"{stem}_mask.tif", f"{stem}.tiff"):
+        if (masks / name).is_file():
+            return masks / name
+    return None
+
+
+def archive_scenes(images: str, output_dir: Path, *, output_format: str = "tif",
+                   masks: Path | None = None, vector: str | None = None,
+                   vector_merge: bool = False) -> list[ArchiveScene]:
+    """The archive's scenes with their outputs (``<output_dir>/<stem>.<format>``).
+
+    Polygons go to ``<output_dir>/<stem>.<vector>``, or with ``vector_merge`` to
+    ``<output_dir>/.vectors/`` (the pieces :func:`~.report.merge_vectors` joins into one
+    file; kept, so a rerun or an added scene merges again without recomputing).
+    """
+    if vector is not None and vector not in VECTOR_FORMATS:
+        raise ConfigError(f"vector={vector!r} with images=: give the format of one vector "
+                          f"file per scene, one of {', '.join(VECTOR_FORMATS)}")
+    if masks is not None and not masks.is_dir():
+        raise InputError(f"masks='{masks}' is not a folder; give the folder of ground-truth "
+                         "rasters named <stem>.tif or <stem>_mask.tif")
+    if vector_merge and vector is None:
+        raise ConfigError("vector_merge=true needs vector=<gpkg | parquet | fgb>")
+    pieces = output_dir / ".vectors" if vector_merge else output_dir
+    return [ArchiveScene(stem, image, output_dir / f"{stem}.{output_format}",
+                         _mask_of(masks, stem),
+                         pieces / f"{stem}.{vector}" if vector else None)
+            for stem, image in find_images(images)]
+
+
+def check_archive(scenes: Sequence[ArchiveScene], options: PredictOptions, *,
+                  card: dict[str, Any], source: str, model_files: dict[str, Path],
+                  cuda: bool, on_error: str) -> list[SceneRecord]:
+    """Check every scene before any tile; the bad ones as ``skipped`` records.
+
+    Raises:
+        InputError: with ``on_error=stop``, naming every bad scene and why (one message).
+    """
+    bad = []
+    for s in scenes:
+        try:
+            check_scene(s.image, s.output, options, card=card, source=source,
+                        model_files=model_files, mask=s.mask, cuda=cuda, vector=s.vector)
+        except (InputError, OutputExistsError) as exc:
+            bad.append(SceneRecord(s.stem, str(s.image), str(s.output), "skipped", str(exc)))
+    if bad and on_error == "stop":
+        listed = "; ".join(f"{r.stem}: {r.reason}" for r in bad[:MAX_LISTED])
+        more = f"; ... and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
+        raise InputError(f"{len(bad)} of {len(scenes)} scenes cannot be predicted, so nothing "
+                         f"was computed: {listed}{more}. Fix them, or pass on_error=skip to "
+                         "predict the others (summary.csv lists the skipped ones)")
+    return bad
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _rank_world()[1] > 1:
+        dist.barrier()
+
+
+def predict_archive(trained: TrainedModel, scenes: Sequence[ArchiveScene],
+                    options: PredictOptions, *, on_error: str = "stop",
+                    checked: Sequence[SceneRecord] = ()) -> list[SceneRecord]:
+    """Predict every scene on every rank's share of the global queue (module docstring).
+
+    Args:
+        trained: the model, on the device it runs on.
+        scenes: the archive's scenes (the ones ``checked`` lists as skipped are left out).
+        options: the prediction's options.
+        on_error: ``stop`` (a scene failing mid-run stops the run) or ``skip`` (recorded,
+            the others go on).
+        checked: records of the scenes refused by :func:`check_archive`.
+
+    Returns:
+        On rank 0, a record per scene (others: their own records).
+    """
+    skipped = {r.stem for r in checked}
+    todo = [s for s in scenes if s.stem not in skipped]
+    if uses_image_pool(trained.model):
+        records = _scene_by_scene(trained, todo, options, on_error)
+    else:
+        records = _queue(trained, todo, options, on_error)
+    return [*checked, *records]
+
+
+def _scene_by_scene(trained: TrainedModel, scenes: Sequence[ArchiveScene],
+                    options: PredictOptions, on_error: str) -> list[SceneRecord]:
+    """Two-pass models: every rank on one scene at a time (its pooled statistic first)."""
+    records = []
+    for s in scenes:
+        rec = SceneRecord(s.stem, str(s.image), str(s.output))
+        t0 = time.perf_counter()
+        try:
+            res = predict_scene(trained, s.image, s.output, options, mask=s.mask,
+                                checked=True, vector=s.vector)
+        except (InputError, OSError) as exc:
+            if on_error == "stop":
+                raise
+            rec.status, rec.reason = "failed", str(exc)
+        else:
+            rec.status = "reused" if res["tiles_computed"] == 0 else "done"
+            rec.tiles, rec.tiles_computed = res["tiles"], res["tiles_computed"]
+            rec.tiles_resumed, rec.class_pixels = res["tiles_resumed"], res["class_pixels"]
+            rec.miou, rec.iou = res.get("miou"), res.get("iou", [])
+        rec.seconds = time.perf_counter() - t0
+        records.append(rec)
+    return records
+
+
+def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: PredictOptions,
+           on_error: str) -> list[SceneRecord]:
+    """The global work queue (module docstring); the merged records on rank 0."""
+    rank, world = _rank_world()
+    model = trained.model.eval()
+    if options.channels_last:
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    device = next(model.parameters()).device
+    weights = model_digest(model)
+    plans = [plan_raster(s.image, s.output, options, fp=trained.footprint,
+                         normalizer=trained.normalizer, names=trained.class_names,
+                         weights=weights, device=device) for s in scenes]
+    records = [SceneRecord(s.stem, str(s.image), str(s.output), tiles=len(p.grid),
+                           megapixels=p.grid.height * p.grid.width / 1e6)
+               for s, p in zip(scenes, plans, strict=True)]
+    stores = _open_stores(plans, records, options, on_error)
+    units = [(i, b) for i, p in enumerate(plans) if stores[i] is not None
+             for b in p.batches if not all(stores[i].done(t) for t in b.tiles)]
+    for i, p in enumerate(plans):
+        if stores[i] is not None:
+            done = len(p.grid) - sum(len(b.tiles) for j, b in units if j == i)
+            records[i].tiles_resumed = done
+    _barrier()  # nobody writes before every rank has listed what is left
+    mine = units[rank::world]
+    show = options.progress if options.progress is not None else not os.environ.get("CI")
+    total = sum(len(b.tiles) for _, b in units)
+    per_tile = sum(r.megapixels for r in records) * 1e6 / max(1, sum(r.tiles for r in records))
+    with progress_bar(total, show and rank == 0, per_tile, world, "archive") as bar:
+        for i in _in_order(mine):
+            batches = [b for j, b in mine if j == i]
+            _run_scene(trained, model, scenes[i], plans[i], stores[i], batches, options,
+                       records[i], bar, on_error)
+    _barrier()
+    return _gather(records, plans, stores, scenes, trained, options)
+
+
+def _in_order(units: list[tuple[int, Any]]) -> list[int]:
+    return list(dict.fromkeys(i for i, _ in units))
+
+
+def _open_stores(plans: list[RasterPlan], records: list[SceneRecord],
+                 options: PredictOptions, on_error: str) -> list[PredictionStore | None]:
+    """Finished scenes reused; every other scene's store opened by one rank, then shared."""
+    rank, world = _rank_world()
+    for i, p in enumerate(plans):
+        try:
+            pixels = reusable(p, options.overwrite)  # every rank reads the same finished file
+        except OutputExistsError as exc:
+            if on_error == "stop":
+                raise
+            records[i].status, records[i].reason = "failed", str(exc)
+            continue
+        if pixels is not None:
+            records[i].status, records[i].class_pixels = "reused", pixels
+            records[i].tiles_resumed = records[i].tiles
+    for i, p in enumerate(plans):
+        if records[i].status == "pending" and i % world == rank:
+            store = open_store(p, options)
+            (p.working / CLAIM).unlink(missing_ok=True)  # a killed finaliser's claim
+            del store
+    _barrier()
+    return [PredictionStore.attach(p.working) if records[i].status == "pending" else None
+            for i, p in enumerate(plans)]
+
+
+def _run_scene(trained: TrainedModel, model: torch.nn.Module, scene: ArchiveScene,
+               plan: RasterPlan, store: PredictionStore | None, batches: list[Any],
+               options: PredictOptions, record: SceneRecord, bar: Any, on_error: str) -> None:
+    """This rank's batches of one scene; then finalise it if this rank completed it."""
+    from seg_at_scale.data.windows import RasterWindows
+
+    if store is None or record.status == "failed":
+        return
+    stats = PredictionStats(plan.output, plan.grid.height, plan.grid.width, len(plan.grid),
+                            plan.grid.efficiency)
+    t0 = time.perf_counter()
+    try:
+        source = RasterWindows(plan.reader, trained.normalizer, fill_of(trained.footprint))
+        predict_batches(model, source, batches, plan.grid, store, options, stats, bar)
+        if all(store.done(t) for t in plan.grid.tiles) and _claim(plan):
+            _finish(trained, scene, plan, store, options, record, stats)
+    except (SegAtScaleError, OSError) as exc:
+        if on_error == "stop" or _disk_full(exc):
+            raise
+        record.status, record.reason = "failed", str(exc)
+    record.tiles_computed += stats.tiles_computed
+    record.seconds += time.perf_counter() - t0
+
+
+def _disk_full(exc: BaseException) -> bool:
+    from seg_at_scale.cli.common import disk_full
+
+    return disk_full(exc) is not None
+
+
+def _claim(plan: RasterPlan) -> bool:
+    """Whether this rank is the one to finalise the scene (an exclusive file decides)."""
+    try:
+        os.close(os.open(plan.working / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _finish(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,
+            store: PredictionStore, options: PredictOptions, record: SceneRecord,
+            stats: PredictionStats) -> None:
+    """Finalise a completed scene: the COG (or the store marked complete), its companions."""
+    record.class_pixels = finalize(store, plan.output, plan.kind, plan.reader, plan.names,
+                                   options.probabilities, options.overwrite,
+                                   options.keep_store)
+    (plan.working / CLAIM).unlink(missing_ok=True)
+    record.finalized_by = _rank_world()[0]
+    companions(trained, scene.image, plan.output, options, scene.vector, stats)
+    record.status = "done"
+
+
+def _gather(records: list[SceneRecord], plans: list[RasterPlan],
+            stores: list[PredictionStore | None], scenes: Sequence[ArchiveScene],
+            trained: TrainedModel, options: PredictOptions) -> list[SceneRecord]:
+    """Rank 0: every rank's records merged; a complete scene nobody finalised, finalised."""
+    rank, world = _rank_world()
+    mine = [vars(r) for r in records]
+    every = [mine]
+    if world > 1:
+        every = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(every, mine)
+    merged = []
+    for i, rec in enumerate(records):
+        rows = [SceneRecord(**ranks[i]) for ranks in every]
+        out = SceneRecord(**vars(rec))
+        out.tiles_by_rank = [r.tiles_computed for r in rows]
+        out.tiles_computed = sum(out.tiles_by_rank)
+        out.seconds = sum(r.seconds for r in rows)
+        final = [r for r in rows if r.status in ("done", "failed")]
+        if final:
+            src = next((r for r in final if r.status == "failed"), final[0])
+            out.status, out.reason = src.status, src.reason
+            out.class_pixels, out.finalized_by = src.class_pixels, src.finalized_by
+        merged.append(out)
+    if rank == 0:
+        for i, rec in enumerate(merged):
+            _complete(trained, scenes[i], plans[i], stores[i], options, rec)
+    for plan in plans:
+        plan.reader.close()
+    return merged
+
+
+def _complete(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,
+              store: PredictionStore | None, options: PredictOptions,
+              rec: SceneRecord) -> None:
+    """Rank 0, at the end: what a killed earlier run (or finaliser) left undone."""
+    stats = PredictionStats(plan.output, plan.grid.height, plan.grid.width, len(plan.grid),
+                            plan.grid.efficiency)
+    if rec.status == "reused":  # a companion killed before it was written
+        stats.reused = True
+        companions(trained, scene.image, plan.output, options, scene.vector, stats)
+    elif rec.status == "pending" and store is not None and \
+            all(store.done(t) for t in plan.grid.tiles):  # a finaliser killed mid-way
+        _finish(trained, scene, plan, store, options, rec, stats)

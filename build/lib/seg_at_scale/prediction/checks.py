@@ -1,0 +1,261 @@
+"""Every check a prediction can make before its first tile, in one place.
+
+A check that lives beside the code it guards runs when that code is reached: a mask with
+a label >= num_classes failed after the whole prediction, an output that is a folder after
+every tile, a NaN image after 47 of 48 tiles. :func:`check_scene` runs them all from the
+files' headers (and one streamed pass over a ground-truth mask), needs no torch
+computation, and so runs in the launching process before any rank is forked:
+
+* outputs against inputs: no output may be an input (the image, the mask, the model's
+  files), whatever the path says (``./``, symlinks, hard links), and no input may lie
+  inside an output folder — ``output=gt.tif mask=gt.tif overwrite=true`` replaced the
+  ground truth with the prediction and scored 1.0;
+* outputs against the file system: a ``.tif`` output that is a folder, a ``.zarr`` that
+  is a plain file, an existing output without ``overwrite``;
+* the image: its size, bands against the model, its sample type against the training
+  data's (a uint16 or float image through a uint8 model changed 28-78 % of the labels),
+  a ``nodata`` value its type cannot hold;
+* the mask: its size, band count, label values against the model's classes;
+* the grid: enough batches for the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from seg_at_scale.data.scenes import check_mask_covers, class_histogram
+from seg_at_scale.errors import ConfigError, InputError, OutputExistsError
+from seg_at_scale.io import RasterReader
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.tiling import Footprint, make_grid
+from seg_at_scale.tiling.engine import plan_batches
+
+__all__ = ["SceneCheck", "check_scene", "check_outputs", "same_path", "scene_outputs",
+           "preview_path", "probabilities_path", "store_path", "check_dtype",
+           "check_nodata_fits", "DTYPE_HIGH_RATIO"]
+
+DTYPE_HIGH_RATIO = 4.0  # a float image whose typical high is 4x off the training data's
+
+
+@dataclass(frozen=True)
+class SceneCheck:
+    """What the checks found: the image's size and type, the grid's tiles and batches."""
+
+    height: int
+    width: int
+    dtype: str
+    tiles: int
+    batches: int
+
+
+def preview_path(output: Path) -> Path:
+    """The PNG drawn beside a prediction (``scene.v1.tif`` -> ``scene.v1_preview.png``)."""
+    return output.with_name(f"{output.stem}_preview.png")
+
+
+def probabilities_path(output: Path) -> Path:
+    """A ``.tif`` output's softmax COG, ``NAME_probabilities.tif``."""
+    return output.with_name(f"{output.stem}_probabilities{output.suffix}")
+
+
+def store_path(output: Path) -> Path:
+    """The working Zarr store: the output itself, or a hidden store beside a ``.tif``."""
+    return output if output.suffix.lower() == ".zarr" else \
+        output.with_name(f".{output.name}.zarr")
+
+
+def scene_outputs(output: Path, options: PredictOptions,
+                  vector: Path | None = None) -> dict[str, Path]:
+    """Every path a prediction of one scene writes, by the key users know it by."""
+    outs = {"output": output}
+    if output.suffix.lower() != ".zarr":
+        outs["working store"] = store_path(output)
+        if options.probabilities:
+            outs["probabilities"] = probabilities_path(output)
+    if options.preview:
+        outs["preview"] = preview_path(output)
+    if vector is not None:
+        outs["vector"] = vector
+    if options.stac:
+        from seg_at_scale.catalog.items import item_path
+
+        outs["stac"] = item_path(output)
+    return outs
+
+
+COMPANIONS = ("probabilities", "preview", "vector", "stac")  # written after the output
+
+
+def same_path(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: after ``./``, ``..`` and symlinks, or hard links."""
+    if Path(os.path.realpath(a)) == Path(os.path.realpath(b)):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _inside(inner: Path, folder: Path) -> bool:
+    return Path(os.path.realpath(folder)) in Path(os.path.realpath(inner)).parents
+
+
+def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
+                  overwrite: bool) -> None:
+    """Refuse outputs that are inputs, folders where files go, or exist (see module doc).
+
+    An output that is a finished seg_at_scale prediction may exist, and so may its
+    companions: the rank that opens it reuses it if this very prediction made it, and
+    refuses it otherwise (:mod:`seg_at_scale.prediction.finished`).
+    """
+    from seg_at_scale.prediction.finished import finished
+
+    for okey, out in outputs.items():
+        for ikey, inp in inputs.items():
+            if same_path(out, inp) or _inside(inp, out):
+                raise ConfigError(f"{okey} '{out}' is the {ikey} '{inp}' (or holds it): "
+                                  "writing it would destroy an input; choose another output "
+                                  "path")
+        zarr = out.suffix.lower() == ".zarr"
+        if zarr and out.exists() and not out.is_dir():
+            raise ConfigError(f"{okey} '{out}' is a plain file, not a Zarr store; remove it or "
+                              "choose another path")
+        if not zarr and out.is_dir():
+            raise ConfigError(f"{okey} '{out}' is a folder; a file is written there, and "
+                              "folders are never replaced: remove it or choose another path")
+    if overwrite or "output" not in outputs or finished(outputs["output"]) is not None:
+        return
+    for key in ("output", *COMPANIONS):
+        path = outputs.get(key)
+        if path is None or not path.exists():
+            continue
+        if key == "output" and path.suffix.lower() == ".zarr":
+            continue  # an interrupted store: resumed, or refused by its fingerprint
+        raise OutputExistsError(f"{key} '{path}' already exists; pass overwrite=true "
+                                "to replace it (or choose another path)")
+
+
+def check_nodata_fits(nodata: float | None, dtype: np.dtype, image: Path) -> None:
+    """Refuse a ``nodata`` value the image's sample type cannot hold (it would mask nothing)."""
+    if nodata is None or np.isnan(nodata) or not np.issubdtype(dtype, np.integer):
+        if nodata is not None and np.isnan(nodata) and np.issubdtype(dtype, np.integer):
+            raise ConfigError(f"nodata=nan but image '{image}' has integer samples ({dtype}), "
+                              "which are never NaN; give the value that marks no data")
+        return
+    info = np.iinfo(dtype)
+    if nodata != int(nodata) or not info.min <= nodata <= info.max:
+        raise ConfigError(f"nodata={nodata:g} cannot occur in image '{image}' ({dtype}, "
+                          f"{info.min}..{info.max}): it would mark no pixel; give a value "
+                          "of that range")
+
+
+def check_dtype(reader: RasterReader, trained: Mapping[str, Any], source: str, *,
+                strict: bool = True) -> None:
+    """Refuse an image whose samples are not the kind the model was trained on.
+
+    ``trained`` is the card's ``data.input`` (``dtype``, ``high``: the training sample's
+    largest band mean + 3 std, raw units). A float image of the training dtype is also
+    sampled, and refused when its typical high is :data:`DTYPE_HIGH_RATIO` x off.
+    Boolean and complex samples are refused always; the rest only when ``strict``
+    (``check_dtype=false`` vouches for the values).
+    """
+    kind = reader.dtype.kind
+    if kind in "cbV":
+        raise InputError(f"image '{reader.path}' has {reader.dtype} samples, which no model "
+                         "reads; convert it to the training data's type")
+    want = trained.get("dtype")
+    if not want or not strict:
+        return
+    fix = ("rescale the image to the training data's type and range, or pass "
+           "check_dtype=false if its values already match what the model was trained on")
+    if np.dtype(want) != reader.dtype:
+        raise InputError(f"image '{reader.path}' has {reader.dtype} samples but {source} was "
+                         f"trained on {want} imagery, whose normalisation would map these "
+                         f"values elsewhere; {fix}")
+    high = trained.get("high")
+    if kind == "f" and high:
+        from seg_at_scale.data.band_stats import sample_sums
+
+        mean, std = sample_sums(reader).mean_std()
+        now = float(np.max(mean + 3 * std))
+        if not high / DTYPE_HIGH_RATIO <= now <= high * DTYPE_HIGH_RATIO:
+            raise InputError(f"image '{reader.path}' reaches about {now:.4g} (mean + 3 std) "
+                             f"but {source} was trained on {want} imagery reaching about "
+                             f"{high:.4g}; {fix}")
+
+
+def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Mapping[str, Any],
+                source: str, model_files: Mapping[str, Path], mask: Path | None = None,
+                ranks: int = 1, cuda: bool = False, vector: Path | None = None) -> SceneCheck:
+    """All checks of one scene before any tile (see the module docstring).
+
+    Args:
+        image: the input raster.
+        output: ``.tif`` (COG) or ``.zarr``.
+        options: the prediction's options.
+        card: the model's card (:class:`~seg_at_scale.models.trained.TrainedModel`).
+        source: the model, for messages (``run 'runs/x'``).
+        model_files: the model's files (run config, checkpoint; or the model file).
+        mask: optional ground truth to score against.
+        ranks: processes that will share the grid's batches.
+        cuda: whether the model runs on a GPU (the default batch size).
+        vector: a vector output (``.gpkg``, ``.parquet``, ``.fgb``) of the labels' polygons.
+    """
+    from seg_at_scale.prediction.plan import default_batch_size
+    from seg_at_scale.prediction.raster import output_kind
+
+    output_kind(output)
+    if not image.is_file():
+        raise InputError(f"image='{image}' does not exist; give the path of a raster to "
+                         "predict" if not image.exists() else f"image='{image}' is a folder; "
+                         "give a raster file (images=<folder> predicts every raster in it)")
+    from seg_at_scale.models.trained import normalizer_of_card
+
+    normalizer_of_card(dict(card), source)  # a std or scale that is not > 0
+    inputs = {"image": image, **model_files, **({"mask": mask} if mask is not None else {})}
+    if vector is not None:
+        from seg_at_scale.vectors.polygonize import check_options
+        from seg_at_scale.vectors.write import vector_format
+
+        vector_format(vector, "vector")
+        check_options(options.vector_connectivity, options.vector_classes, None)
+    check_outputs(scene_outputs(output, options, vector), inputs, overwrite=options.overwrite)
+    data = card["data"]
+    with RasterReader(image, nodata=options.nodata) as reader:
+        if reader.height == 0 or reader.width == 0:
+            raise InputError(f"image '{image}' is {reader.height}x{reader.width} pixels: "
+                             "there is nothing to predict; give a non-empty raster")
+        if reader.bands != int(data["bands"]):
+            raise InputError(f"image '{image}' has {reader.bands} bands but {source} was "
+                             f"trained on {data['bands']}; predict an image with "
+                             f"{data['bands']} bands")
+        check_nodata_fits(options.nodata, reader.dtype, image)
+        check_dtype(reader, data.get("input") or {}, source, strict=options.check_dtype)
+        if mask is not None:
+            _check_mask(mask, reader, int(data["num_classes"]), int(data["ignore_index"]))
+        fp = Footprint(**card["footprint"])
+        grid = make_grid(reader.height, reader.width, fp, q=options.q,
+                         tile_size=options.tile_size, uniform=True)
+        batch = options.batch_size or default_batch_size(grid, "cuda" if cuda else "cpu")
+        batches = plan_batches(grid.tiles, batch)
+        if ranks > len(batches):
+            raise ConfigError(f"processes={ranks} but the grid of '{image}' has only "
+                              f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
+                              f"processes <= {len(batches)} or a smaller tile_size")
+        return SceneCheck(reader.height, reader.width, str(reader.dtype), len(grid),
+                          len(batches))
+
+
+def _check_mask(mask: Path, image: RasterReader, num_classes: int, ignore_index: int) -> None:
+    if not mask.is_file():
+        raise InputError(f"mask='{mask}' does not exist; give the ground-truth raster or drop "
+                         "mask=")
+    with RasterReader(mask) as m:
+        check_mask_covers(m, image)
+        class_histogram(m, num_classes, ignore_index)  # band count, integer, labels

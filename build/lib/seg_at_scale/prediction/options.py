@@ -1,0 +1,129 @@
+"""How to predict, as one frozen value validated once, before any rank starts.
+
+``seg-predict`` has some twenty keys. Each is checked here, once, for its type and range,
+and a bad one is refused naming the key, the value and the fix (``batch_size=0``,
+``fast=maybe``, ``tta=foo`` and ``q=2.5`` were silently accepted or failed deep inside the
+tile loop). The library takes the result: ``predict_raster(model, image, output,
+PredictOptions(tile_size=2048))``, the way MONAI's ``SlidingWindowInferer`` holds its
+settings apart from the data it runs on.
+
+>>> PredictOptions(tile_size=512, fast=True).autocast
+torch.bfloat16
+>>> PredictOptions.from_mapping({"batch_size": 0})  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+seg_at_scale.errors.ConfigError: batch_size=0: give tiles per forward pass as a whole number >= 1...
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+
+from seg_at_scale.config_check import check_types, known_keys
+from seg_at_scale.errors import ConfigError
+
+__all__ = ["PredictOptions"]
+
+
+@dataclass(frozen=True)
+class PredictOptions:
+    """Settings of a prediction, shared by every scene it predicts.
+
+    Attributes:
+        tile_size: largest input window per tile (pixels), or None with ``q``.
+        q: tiles per side (wins over ``tile_size``).
+        batch_size: tiles per forward pass; None = 1 on CPU, ~16 Mpix on a GPU.
+        fast: bf16 autocast + channels_last; False = the exact fp32 reference.
+        tta: ``"flips"`` or ``"d4"``: exact test-time augmentation (mean softmax).
+        probabilities: ``"uint8"`` (round(255 p)) or ``"float16"``: also write the softmax.
+        nodata: the input's no-data value (overrides the file's tag); NaN allowed.
+        resume: continue from the store of an interrupted run.
+        overwrite: replace existing outputs.
+        preview: draw a PNG of the labels over the image beside the output.
+        progress: a progress bar on rank 0 (None: on unless ``CI`` is set).
+        keep_store: keep the working Zarr store beside a ``.tif`` output.
+        check_dtype: refuse an image whose sample type differs from the training data's.
+        layout: the convolutions' memory layout: ``auto`` (channels_last on the fast path),
+            ``channels_last`` or ``contiguous``; the labels are the same either way.
+        stac: write a STAC Item (``<name>.stac.json``) beside each output.
+        vector_connectivity: polygons' pixel connectivity, 4 or 8 (vector outputs).
+        vector_min_area: drop polygons smaller than this (CRS units, e.g. m²).
+        vector_simplify: coverage-simplification tolerance (CRS units; 0 = pixel edges).
+        vector_classes: polygonize only these class ids (None: all).
+    """
+
+    tile_size: int | None = 1024
+    q: int | None = None
+    batch_size: int | None = None
+    fast: bool = False
+    tta: Literal["flips", "d4"] | None = None
+    probabilities: Literal["uint8", "float16"] | None = None
+    nodata: float | None = None
+    resume: bool = True
+    overwrite: bool = False
+    preview: bool = True
+    progress: bool | None = None
+    keep_store: bool = False
+    check_dtype: bool = True
+    layout: Literal["auto", "channels_last", "contiguous"] = "auto"
+    stac: bool = True
+    vector_connectivity: Literal[4, 8] = 4
+    vector_min_area: float = 0.0
+    vector_simplify: float = 0.0
+    vector_classes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        check_types("", {f.name: getattr(self, f.name) for f in fields(self)},
+                    typing.get_type_hints(PredictOptions))
+        _at_least("q", self.q, 1, "give tiles per side as a whole number >= 1 (1 = one tile), "
+                  "or q=null to tile by tile_size")
+        _at_least("tile_size", self.tile_size, 1, "give the largest input window in pixels, "
+                  "a whole number >= 1 (e.g. tile_size=1024)")
+        _at_least("batch_size", self.batch_size, 1, "give tiles per forward pass as a whole "
+                  "number >= 1, or batch_size=null (1 on a CPU, about 16 Mpix on a GPU)")
+        if self.q is None and self.tile_size is None:
+            raise ConfigError("q and tile_size are both null: give tile_size=<pixels> (e.g. "
+                              "1024) or q=<tiles per side>")
+        for key in ("vector_min_area", "vector_simplify"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"{key}={getattr(self, key)!r}: give a number >= 0 (CRS "
+                                  "units; 0 = off)")
+        if self.nodata is not None and math.isinf(self.nodata):
+            raise ConfigError(f"nodata={self.nodata!r}: give a finite value or nan (infinite "
+                              "samples are no data anyway)")
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The autocast dtype of the fast path (None: fp32)."""
+        return torch.bfloat16 if self.fast else None
+
+    @property
+    def channels_last(self) -> bool:
+        """Whether tiles run in the channels-last (NHWC) memory layout."""
+        return self.layout == "channels_last" or (self.layout == "auto" and self.fast)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> PredictOptions:
+        """Options from config keys (unknown keys refused naming the nearest valid one)."""
+        keys = known_keys("", values, [f.name for f in fields(cls)])
+        for key in ("nodata", "vector_min_area", "vector_simplify"):
+            if isinstance(keys.get(key), int) and not isinstance(keys[key], bool):
+                keys[key] = float(keys[key])
+        if isinstance(keys.get("vector_classes"), list):
+            keys["vector_classes"] = tuple(keys["vector_classes"])
+        return cls(**keys)
+
+    @staticmethod
+    def names() -> list[str]:
+        return [f.name for f in fields(PredictOptions)]
+
+
+def _at_least(key: str, value: int | None, low: int, fix: str) -> None:
+    if value is not None and value < low:
+        raise ConfigError(f"{key}={value!r}: {fix}")

@@ -1,0 +1,173 @@
+"""What predicting one raster involves, worked out before any tile: grid, batches, fingerprint.
+
+:func:`plan_raster` is shared by the one-raster path (:func:`~.raster.predict_raster`) and
+the archive's global work queue (:mod:`.archive`): both walk the same grid in the same
+batches and fingerprint the same values, so a scene predicted in an archive is
+byte-identical to the same scene predicted alone, with any number of processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.errors import OutputExistsError
+from seg_at_scale.io import RasterReader
+from seg_at_scale.prediction.checks import store_path
+from seg_at_scale.prediction.finalize import cog_outputs
+from seg_at_scale.prediction.finished import digest, finished
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.store import NODATA, PredictionStore
+from seg_at_scale.tiling import Footprint, TileGrid, make_grid
+from seg_at_scale.tiling.engine import Batch, plan_batches
+
+__all__ = ["RasterPlan", "plan_raster", "model_digest", "reusable", "open_store",
+           "default_batch_size"]
+
+
+def default_batch_size(grid: TileGrid, device: torch.device | str) -> int:
+    """Tiles per forward: 1 on CPU (no gain), else about 16 Mpix of input per batch."""
+    if torch.device(device).type != "cuda":
+        return 1
+    area = grid.tiles[0].read.area
+    return int(max(1, min(16, (16 << 20) // area)))
+
+
+def model_digest(model: nn.Module) -> str:
+    """SHA-256 of the model's weights and buffers (what the store's fingerprint names)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        x = t.detach().cpu()
+        if x.dtype in (torch.bfloat16, torch.float16):
+            x = x.view(torch.int16)  # same bytes; numpy has no bfloat16
+        h.update(x.numpy().tobytes())  # C order, whatever the memory format
+    return h.hexdigest()
+
+
+@dataclass
+class RasterPlan:
+    """One raster's prediction, planned.
+
+    Attributes:
+        image / output: the input and the output (``.tif`` or ``.zarr``).
+        kind: ``"cog"`` or ``"zarr"``.
+        working: the Zarr store tiles are written into.
+        reader: the input, open.
+        grid / batches: the uniform tile grid and its batches (fixed by the grid alone).
+        fingerprint: everything that determines the output's values.
+        names: the class names.
+    """
+
+    image: Path
+    output: Path
+    kind: str
+    working: Path
+    reader: RasterReader
+    grid: TileGrid
+    batches: list[Batch]
+    fingerprint: dict[str, Any]
+    names: list[str]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.names)
+
+
+def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footprint,
+                normalizer: Normalizer, names: list[str], weights: str,
+                device: torch.device | str) -> RasterPlan:
+    """Plan ``image`` -> ``output`` (see the module docstring); opens the input.
+
+    Args:
+        image: the raster.
+        output: where its prediction goes.
+        options: the prediction's options.
+        fp: the model's footprint.
+        normalizer: raw samples to model input.
+        names: the class names (their count is the model's classes).
+        weights: :func:`model_digest` of the model.
+        device: where the model runs (the default batch size).
+    """
+    from seg_at_scale.prediction.raster import output_kind
+
+    kind = output_kind(output)
+    reader = RasterReader(image, nodata=options.nodata)
+    grid = make_grid(reader.height, reader.width, fp, q=options.q, tile_size=options.tile_size,
+                     uniform=True)
+    batches = plan_batches(grid.tiles, options.batch_size or default_batch_size(grid, device))
+    nodata = reader.nodata
+    fingerprint = {"model": weights, "input": _file_id(image), "grid":
+                   [grid.height, grid.width, *grid.shape, grid.tiles[0].core.height,
+                    grid.tiles[0].core.width, fp.halo, fp.align, fp.padding],
+                   "batches": [len(b.tiles) for b in batches],
+                   "autocast": str(options.autocast), "channels_last": options.channels_last,
+                   "tta": options.tta, "probabilities": options.probabilities,
+                   "normalizer": [normalizer.scale, list(normalizer.mean),
+                                  list(normalizer.std)],
+                   "nodata": nodata if nodata is None else float(nodata)}
+    return RasterPlan(image, output, kind, store_path(output), reader, grid, batches,
+                      fingerprint, names)
+
+
+def _file_id(path: Path) -> list[Any]:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+
+def reusable(plan: RasterPlan, overwrite: bool) -> list[int] | None:
+    """The class histogram of this same prediction finished at the output, if any.
+
+    Another prediction's finished output is refused unless ``overwrite``.
+    """
+    state = finished(plan.output)
+    if state is None or overwrite:
+        return None
+    if state[0] != digest(plan.fingerprint):
+        raise OutputExistsError(f"output '{plan.output}' was made by another prediction "
+                                "(another model, input, tiling or options); pass "
+                                "overwrite=true to replace it, or choose another path")
+    return state[1]
+
+
+def open_store(plan: RasterPlan, options: PredictOptions) -> PredictionStore:
+    """Refuse to replace another output, then resume or create the plan's store."""
+    overwrite, resume = options.overwrite, options.resume
+    if plan.kind == "cog":
+        for p in cog_outputs(plan.output, options.probabilities):
+            if p.exists() and not overwrite:
+                raise OutputExistsError(f"output '{p}' already exists; pass overwrite=true "
+                                        "to replace it (or choose another path)")
+    elif plan.working.exists() and not overwrite:
+        if PredictionStore.attach(plan.working, key="output").complete:
+            raise OutputExistsError(f"output '{plan.working}' is a finished prediction; "
+                                    "pass overwrite=true to replace it")
+    elif plan.working.exists():
+        resume = False  # overwrite=true on a finished store: start afresh
+    attrs = {"class_names": plan.names, "nodata": NODATA, "source": str(plan.image),
+             **_georeference(plan.image)}
+    return PredictionStore.open(plan.working, plan.grid, fingerprint=plan.fingerprint,
+                                num_classes=plan.num_classes,
+                                probabilities=options.probabilities, attrs=attrs,
+                                resume=resume)
+
+
+def _georeference(path: Path) -> dict[str, Any]:
+    """GDAL geotransform and CRS WKT of the input (empty for an image without them)."""
+    import rasterio
+    from rasterio.errors import NotGeoreferencedWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotGeoreferencedWarning)
+        with rasterio.open(path) as ds:
+            if ds.crs is None and ds.transform.is_identity:
+                return {}
+            return {"geotransform": list(ds.transform.to_gdal()),
+                    "crs_wkt": ds.crs.to_wkt() if ds.crs else ""}

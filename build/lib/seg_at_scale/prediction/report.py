@@ -1,0 +1,132 @@
+"""An archive's report: per-scene scores, ``summary.csv`` / ``.json``, mosaics, STAC items.
+
+Written by rank 0 after every scene is finished, skipped or failed, atomically (a
+temporary file, then a rename), so a killed run never leaves half a summary:
+
+* ``summary.csv`` and ``summary.json``: per scene its status (``done``, ``reused``,
+  ``skipped``, ``failed``) and reason, tiles computed and resumed, seconds (summed over
+  ranks), Mpix/s, class histogram, and mIoU / per-class IoU where ``masks=`` had truth;
+* ``mosaic.vrt`` (one per CRS) over the ``.tif`` outputs: the archive as one layer;
+* ``items.json``: a STAC ItemCollection of the scenes' Items (``stac=true``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from seg_at_scale.metrics import confusion_from_rasters, iou_from_confusion
+from seg_at_scale.prediction.archive import ArchiveScene, SceneRecord
+
+__all__ = ["score", "write_report", "SUMMARY_COLUMNS"]
+
+SUMMARY_COLUMNS = ("stem", "status", "reason", "tiles", "tiles_computed", "tiles_resumed",
+                   "seconds", "megapixels", "mpix_per_s", "miou", "class_pixels", "iou",
+                   "finalized_by", "tiles_by_rank", "image", "output")
+
+
+def score(records: Sequence[SceneRecord], scenes: Sequence[ArchiveScene], num_classes: int,
+          ignore_index: int) -> None:
+    """MIoU and per-class IoU of every finished scene that has a mask (in place)."""
+    by_stem = {s.stem: s for s in scenes}
+    for rec in records:
+        mask = by_stem[rec.stem].mask if rec.stem in by_stem else None
+        if mask is None or rec.status not in ("done", "reused"):
+            continue
+        iou = iou_from_confusion(confusion_from_rasters(Path(rec.output), mask, num_classes,
+                                                         ignore_index))
+        rec.iou = [None if np.isnan(v) else round(float(v), 4) for v in iou]
+        rec.miou = round(float(np.nanmean(iou)), 4)
+
+
+def _row(rec: SceneRecord) -> dict[str, Any]:
+    row = asdict(rec)
+    row["mpix_per_s"] = round(rec.megapixels / rec.seconds, 3) if rec.seconds else None
+    row["seconds"] = round(rec.seconds, 2)
+    row["megapixels"] = round(rec.megapixels, 3)
+    return row
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def merge_vectors(records: Sequence[SceneRecord], scenes: Sequence[ArchiveScene],
+                  output_dir: Path) -> Path | None:
+    """Every finished scene's polygons in one file, ``vectors.<ext>``, with a ``scene`` column.
+
+    Scenes in another CRS than the first are reprojected to it (GeoPandas). GeoPackage and
+    FlatGeobuf are appended scene by scene; GeoParquet is written once (all polygons in
+    memory). Written under a temporary name and renamed when complete.
+    """
+    import geopandas as gpd
+    import pyogrio
+
+    done = {r.stem for r in records if r.status in ("done", "reused")}
+    pieces = [s.vector for s in scenes if s.stem in done and s.vector is not None
+              and s.vector.exists()]
+    if not pieces:
+        return None
+    out = output_dir / f"vectors{pieces[0].suffix}"
+    tmp = output_dir / f".vectors.{os.getpid()}.tmp{pieces[0].suffix}"
+    tmp.unlink(missing_ok=True)
+    crs, frames = None, []
+    parquet = out.suffix == ".parquet"  # GDAL here has no Parquet driver: one write
+    for k, piece in enumerate(pieces):
+        frame = gpd.read_file(piece) if not parquet else gpd.read_parquet(piece)
+        crs = crs or frame.crs
+        if crs is not None and frame.crs is not None and frame.crs != crs:
+            frame = frame.to_crs(crs)
+        frame.insert(0, "scene", piece.stem)
+        if parquet:
+            frames.append(frame)
+        else:  # streamed: one scene in memory at a time
+            pyogrio.write_dataframe(frame, tmp, layer="vectors", append=k > 0)
+    if parquet:
+        import pandas as pd
+
+        gpd.GeoDataFrame(pd.concat(frames, ignore_index=True), crs=crs).to_parquet(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def write_report(records: Sequence[SceneRecord], output_dir: Path, *,
+                 stac: bool) -> dict[str, Any]:
+    """Write the summary, the mosaics and the ItemCollection; what was written."""
+    rows = [_row(r) for r in records]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({**row, **{k: json.dumps(row[k])
+                                   for k in ("class_pixels", "iou", "tiles_by_rank")}})
+    _atomic(output_dir / "summary.csv", buf.getvalue())
+    counts = {k: sum(r.status == k for r in records)
+              for k in ("done", "reused", "skipped", "failed")}
+    doc: dict[str, Any] = {"scenes": len(records), **counts, "summary": rows}
+    finished = [Path(r.output) for r in records if r.status in ("done", "reused")]
+    tifs = [p for p in finished if p.suffix.lower() in (".tif", ".tiff")]
+    if tifs:
+        from seg_at_scale.io.vrt import write_mosaics
+
+        doc["mosaics"] = [str(p) for p in write_mosaics(tifs, output_dir)]
+    if stac and finished:
+        import pystac
+
+        from seg_at_scale.catalog import item_path, write_item_collection
+
+        items = [pystac.Item.from_file(str(item_path(p))) for p in finished
+                 if item_path(p).exists()]
+        doc["items"] = str(write_item_collection(items, output_dir / "items.json"))
+    _atomic(output_dir / "summary.json", json.dumps(doc, indent=2) + "\n")
+    return doc

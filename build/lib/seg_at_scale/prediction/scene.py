@@ -1,0 +1,139 @@
+"""One scene predicted with a trained model: checks, tiles, score, preview.
+
+>>> from seg_at_scale.models.trained import load_trained  # doctest: +SKIP
+>>> trained = load_trained(run="runs/same_unet_small/2026-11-25_10-00-00")  # doctest: +SKIP
+>>> predict_scene(trained, Path("scene.tif"), Path("scene_mask.tif"),
+...               PredictOptions(fast=True))["prediction"]  # doctest: +SKIP
+'scene_mask.tif'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from seg_at_scale.catalog.items import item_path, stac_item, write_item
+from seg_at_scale.io import RasterReader, read_overview, write_preview_png
+from seg_at_scale.io.zarr_raster import open_raster
+from seg_at_scale.metrics import confusion_from_rasters, iou_from_confusion
+from seg_at_scale.models.trained import TrainedModel
+from seg_at_scale.prediction.checks import check_scene, preview_path, probabilities_path
+from seg_at_scale.prediction.finished import finished
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.raster import PredictionStats, predict_raster
+from seg_at_scale.vectors import write_vectors
+
+__all__ = ["predict_scene"]
+
+
+def predict_scene(trained: TrainedModel, image: Path, output: Path, options: PredictOptions,
+                  *, mask: Path | None = None, model_files: Mapping[str, Path] | None = None,
+                  checked: bool = False, vector: Path | None = None) -> dict[str, Any]:
+    """Predict one image file whole; optionally score it against ``mask``; draw a preview.
+
+    Every check runs before the model does (:func:`~seg_at_scale.prediction.checks.check_scene`)
+    unless ``checked`` says the caller ran it (the launcher of a multi-process run).
+
+    Args:
+        trained: the model (its ``model`` already on the device to run on).
+        image: input raster.
+        output: ``.tif`` (COG) or ``.zarr``.
+        options: the prediction's options.
+        mask: ground truth to score against (per-class IoU, mIoU, pixel accuracy).
+        model_files: the model's files (no output may be one of them).
+        checked: the scene's checks already ran.
+        vector: also write the labels' polygons there (``.gpkg``, ``.parquet``, ``.fgb``).
+
+    Returns:
+        The result as plain data (what ``seg-predict`` prints).
+    """
+    model = trained.model.eval()
+    if not checked:
+        cuda = next(model.parameters()).device.type == "cuda"
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        check_scene(image, output, options, card=trained.card, source=trained.source,
+                    model_files=model_files or {}, mask=mask, ranks=ranks, cuda=cuda,
+                    vector=vector)
+    if options.channels_last:
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    stats = predict_raster(model, image, output, options, fp=trained.footprint,
+                           normalizer=trained.normalizer, class_names=trained.class_names)
+    out = _result(image, output, stats)
+    out["class_pixels"] = stats.class_pixels[:trained.num_classes]
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return out  # rank 0 scores and draws
+    if mask is not None:
+        cm = confusion_from_rasters(output, mask, trained.num_classes, trained.ignore_index)
+        iou = iou_from_confusion(cm)
+        out["iou"] = [None if np.isnan(v) else round(float(v), 4) for v in iou]
+        out["miou"] = round(float(np.nanmean(iou)), 4)
+        out["pixel_accuracy"] = round(float(np.trace(cm) / max(cm.sum(), 1)), 4)
+    out.update(companions(trained, image, output, options, vector, stats))
+    return out
+
+
+def companions(trained: TrainedModel, image: Path, output: Path, options: PredictOptions,
+               vector: Path | None, stats: PredictionStats) -> dict[str, str]:
+    """Rank 0: the preview, the polygons and the STAC Item of a finished output.
+
+    Written when the output was computed now; when this same prediction had finished it
+    before (``stats.reused``), only the ones missing (a run killed while writing them).
+    Existing ones were checked before any work (:func:`check_scene`).
+    """
+    def wanted(path: Path) -> bool:
+        return not (stats.reused and path.exists())
+
+    made: dict[str, str] = {}
+    png = preview_path(output)
+    if options.preview:
+        if wanted(png):
+            with RasterReader(image) as img, open_raster(output) as pred:
+                write_preview_png(png, read_overview(img, 1024), read_overview(pred, 1024)[0],
+                                  trained.num_classes, overwrite=True)
+        made["preview"] = str(png)
+    probs = _probabilities_source(output, options)
+    if vector is not None:
+        if wanted(vector):
+            vector.parent.mkdir(parents=True, exist_ok=True)
+            write_vectors(output, vector, class_names=trained.class_names,
+                          connectivity=options.vector_connectivity,
+                          min_area=options.vector_min_area, simplify=options.vector_simplify,
+                          classes=options.vector_classes, probabilities=probs,
+                          overwrite=True, key="vector")
+        made["vector"] = str(vector)
+    if options.stac:
+        item = item_path(output)
+        if wanted(item):
+            model = {"source": trained.source, "family": trained.card["model"].get("family"),
+                     "fingerprint": finished_digest(output)}
+            write_item(stac_item(output, source_image=image, class_names=trained.class_names,
+                                 colours=trained.card["data"].get("colours"), model=model,
+                                 probabilities=probs if isinstance(probs, Path) and
+                                 probs.suffix != ".zarr" else None, vectors=vector), output)
+        made["stac"] = str(item)
+    return made
+
+
+def _probabilities_source(output: Path, options: PredictOptions) -> Path | None:
+    """Where the softmax of a finished output is: its ``_probabilities.tif``, or the store."""
+    if not options.probabilities:
+        return None
+    return output if output.suffix.lower() == ".zarr" else probabilities_path(output)
+
+
+def finished_digest(output: Path) -> str | None:
+    state = finished(output)
+    return state[0] if state else None
+
+
+def _result(image: Path, output: Path, stats: PredictionStats) -> dict[str, Any]:
+    return {"image": str(image), "prediction": str(output), "tiles": stats.tiles,
+            "efficiency": round(stats.efficiency, 4), "processes": stats.processes,
+            "tiles_computed": stats.tiles_computed, "tiles_resumed": stats.tiles_resumed,
+            "seconds": round(stats.total_s, 2), "mpix_per_s": round(stats.mpix_per_s, 3),
+            "read_s": round(stats.read_s, 2), "model_s": round(stats.model_s, 2),
+            "write_s": round(stats.write_s, 2), "finalize_s": round(stats.finalize_s, 2)}

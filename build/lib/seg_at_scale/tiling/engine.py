@@ -1,0 +1,300 @@
+"""The one tile engine: window source + grid + batches -> (tile, core output).
+
+Every prediction path walks tiles through this module: in-memory tensors
+(:func:`seg_at_scale.tiling.predict_tiled`), raster files
+(:mod:`seg_at_scale.prediction`), and each of the transforms of exact test-time
+augmentation. A *window source* answers ``read(window) -> (input [C, h, w], no-data mask)``
+with the model's fill rule applied outside the image (:func:`~.geometry.fill_of`).
+
+Batches are planned from the grid alone (consecutive tiles of one input size), never from
+which process runs them or which tiles are left after a resume: a batch is computed the
+same way wherever and whenever it runs, so outputs are byte-identical under any number of
+processes and after any interruption.
+
+>>> from seg_at_scale.tiling.geometry import Footprint, make_grid
+>>> grid = make_grid(100, 172, Footprint(halo=5, align=4), tile_size=48, uniform=True)
+>>> grid.shape, [len(b.tiles) for b in plan_batches(grid.tiles, 3)][:6]
+((4, 6), [1, 3, 1, 1, 1, 3])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from seg_at_scale.tiling.geometry import Footprint, Tile, Window, cover, inside
+
+__all__ = ["WindowSource", "TensorWindows", "Batch", "plan_batches", "D4", "TTA",
+           "run_batches", "BatchOutput"]
+
+
+class WindowSource(Protocol):
+    """Model inputs by window (image coordinates, may reach outside), in two halves.
+
+    ``load`` runs on the engine's reader thread and should only read; ``prepare`` runs on
+    the model's thread (after the copy to its device), where torch's threads do the
+    arithmetic without competing with them.
+    """
+
+    def load(self, window: Window) -> tuple[Any, np.ndarray | None]:
+        """Raw window ``[C, h, w]`` or ``[B, C, h, w]`` (numpy or tensor), no-data mask."""
+        ...
+
+    def prepare(self, raws: list[Tensor], keeps: list[tuple[slice, slice]],
+                channels_last: bool) -> Tensor:
+        """The model input ``[n, C, h, w]`` of equal-size raw windows ``[B, C, h, w]``.
+
+        ``n`` is their B summed; ``keeps`` are the parts inside the image in each window's
+        frame (for the fill rule).
+        """
+        ...
+
+
+@dataclass
+class TensorWindows:
+    """Windows of an in-memory, already normalised ``[B, C, H, W]`` tensor."""
+
+    image: Tensor
+    fp: Footprint
+
+    def load(self, window: Window) -> tuple[Tensor, None]:
+        from seg_at_scale.tiling.predict import read_window  # the tensor fill rule
+
+        return read_window(self.image, window, self.fp), None
+
+    def prepare(self, raws: list[Tensor], keeps: list[tuple[slice, slice]],
+                channels_last: bool) -> Tensor:
+        x = torch.cat(raws)  # already the model's input, filled outside
+        return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Tiles run in one forward pass; ``index`` is the batch's place in the plan."""
+
+    index: int
+    tiles: tuple[Tile, ...]
+
+
+def plan_batches(tiles: Sequence[Tile], batch_size: int) -> list[Batch]:
+    """Consecutive runs of tiles with one input size, at most ``batch_size`` each."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: use at least 1")
+    out: list[list[Tile]] = []
+    for t in tiles:
+        last = out[-1] if out else None
+        size = (t.read.height, t.read.width)
+        if last and len(last) < batch_size and (last[0].read.height, last[0].read.width) == size:
+            last.append(t)
+        else:
+            out.append([t])
+    return [Batch(k, tuple(ts)) for k, ts in enumerate(out)]
+
+
+@dataclass(frozen=True)
+class D4:
+    """One element of the dihedral group of the square: transpose, then flips.
+
+    >>> g = D4(True, True, False)
+    >>> x = np.arange(6).reshape(2, 3)
+    >>> np.array_equal(g.invert(g.apply(x)), x)
+    True
+    >>> g.to_source(Window(0, 0, 1, 2), 2, 3)  # a window of g(x) (3 x 2) in x's frame
+    Window(row=0, col=2, height=2, width=1)
+    """
+
+    transpose: bool = False
+    flip_rows: bool = False
+    flip_cols: bool = False
+
+    def shape(self, height: int, width: int) -> tuple[int, int]:
+        """Size of the transformed image."""
+        return (width, height) if self.transpose else (height, width)
+
+    def apply(self, x: Any) -> Any:
+        """Transform the last two axes of an array or tensor."""
+        if self.transpose:
+            x = x.transpose(-1, -2) if isinstance(x, Tensor) else np.swapaxes(x, -1, -2)
+        return _flip(x, self.flip_rows, self.flip_cols)
+
+    def invert(self, x: Any) -> Any:
+        """Undo :meth:`apply`."""
+        x = _flip(x, self.flip_rows, self.flip_cols)
+        if self.transpose:
+            x = x.transpose(-1, -2) if isinstance(x, Tensor) else np.swapaxes(x, -1, -2)
+        return x
+
+    def to_source(self, w: Window, height: int, width: int) -> Window:
+        """The window of the source image that ``w`` (transformed frame) shows."""
+        th, tw = self.shape(height, width)
+        r = th - w.row_end if self.flip_rows else w.row
+        c = tw - w.col_end if self.flip_cols else w.col
+        return Window(c, r, w.width, w.height) if self.transpose else Window(r, c, w.height,
+                                                                              w.width)
+
+    def from_source(self, w: Window, height: int, width: int) -> Window:
+        """Where the source window ``w`` lands in the transformed frame."""
+        if self.transpose:
+            w = Window(w.col, w.row, w.width, w.height)
+        th, tw = self.shape(height, width)
+        r = th - w.row_end if self.flip_rows else w.row
+        c = tw - w.col_end if self.flip_cols else w.col
+        return Window(r, c, w.height, w.width)
+
+
+def _flip(x: Any, rows: bool, cols: bool) -> Any:
+    dims = [d for d, f in ((-2, rows), (-1, cols)) if f]
+    if not dims:
+        return x
+    return torch.flip(x, dims) if isinstance(x, Tensor) else np.flip(x, dims)
+
+
+#: Exact test-time augmentation: ``None`` (identity), the 4 flips, or all 8 of D4.
+TTA = {
+    None: (D4(),),
+    "flips": tuple(D4(False, r, c) for r in (False, True) for c in (False, True)),
+    "d4": tuple(D4(t, r, c) for t in (False, True) for r in (False, True) for c in (False, True)),
+}
+
+
+@dataclass
+class BatchOutput:
+    """One batch's result: per tile, the core output ``[K, h, w]`` on the model's device.
+
+    ``outputs`` are logits without TTA and mean softmax probabilities with it
+    (``probabilities`` tells which); ``invalid`` are the cores' no-data masks (or None).
+    """
+
+    batch: Batch
+    outputs: list[Tensor]
+    invalid: list[np.ndarray | None]
+    probabilities: bool
+
+
+def run_batches(model: nn.Module, source: WindowSource, batches: Sequence[Batch], *,
+                height: int, width: int, fp: Footprint, device: torch.device,
+                autocast: torch.dtype | None = None, channels_last: bool = False,
+                tta: str | None = None, on_read: Callable[[float, float], None] | None = None,
+                ) -> Iterator[BatchOutput]:
+    """Run ``batches`` through ``model``, reading the next batch on a background thread.
+
+    On CUDA the reader thread stages each batch in pinned memory and copies it on a side
+    stream, so the copy of batch k+1 overlaps the model on batch k; the model's stream
+    waits on an event, never on the host. ``on_read(read_s, waited_s)`` is told, per batch,
+    how long reading took (on the thread) and how long the model waited for it.
+    """
+    if tta not in TTA:
+        raise ValueError(f"tta={tta!r}: use null, 'flips' or 'd4'")
+    views = TTA[tta]
+    jobs = [(b, g) for b in batches for g in views]
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    ctx = (torch.autocast(device.type, dtype=autocast) if autocast is not None
+           else contextlib.nullcontext())
+
+    def load(job: tuple[Batch, D4]) -> tuple[Any, ...]:
+        return _load(source, job, height, width, fp, device, stream)
+
+    acc: list[Tensor] = []
+    masks: list[np.ndarray | None] = []
+    with ThreadPoolExecutor(1) as pool, torch.inference_mode(), ctx:
+        pending = pool.submit(load, jobs[0]) if jobs else None
+        for k, (batch, g) in enumerate(jobs):
+            assert pending is not None
+            t0 = time.perf_counter()
+            groups, invalid, event, seconds = pending.result()
+            waited = time.perf_counter() - t0
+            pending = pool.submit(load, jobs[k + 1]) if k + 1 < len(jobs) else None
+            if on_read is not None:
+                on_read(seconds, waited)
+            if event is not None:
+                torch.cuda.current_stream(device).wait_event(event)
+            cores = _forward(model, source, groups, g, tta is not None, len(batch.tiles),
+                             channels_last)
+            if g == views[0]:  # the identity: its no-data masks are the tiles'
+                acc, masks = cores, invalid
+            else:
+                acc = [a + c for a, c in zip(acc, cores, strict=True)]
+            if g == views[-1]:
+                outs = acc if tta is None else [a / len(views) for a in acc]
+                yield BatchOutput(batch, outs, masks, tta is not None)
+
+
+def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
+          fp: Footprint, device: torch.device, stream: Any
+          ) -> tuple[list[_Group], list[np.ndarray | None], Any, float]:
+    """Read a batch's raw windows in the view ``g``, grouped by input size.
+
+    On CUDA they are copied (pinned, on the side stream) to the device.
+    """
+    t0 = time.perf_counter()
+    batch, g = job
+    th, tw = g.shape(height, width)
+    by_size: dict[tuple[int, int], _Group] = {}
+    invalid: list[np.ndarray | None] = []
+    for i, tile in enumerate(batch.tiles):
+        view = cover(g.from_source(tile.core, height, width), th, tw, fp)
+        raw, bad = source.load(g.to_source(view.read, height, width))
+        x = g.apply(raw if isinstance(raw, Tensor) else torch.from_numpy(np.ascontiguousarray(raw)))
+        grp = by_size.setdefault(tuple(x.shape[-2:]), _Group([], [], [], [], x.dim() == 4))
+        grp.index.append(i)
+        grp.raws.append(x if x.dim() == 4 else x[None])
+        grp.views.append(view)
+        grp.keeps.append(inside(view.read, th, tw))
+        if g == D4():
+            invalid.append(None if bad is None else _core_mask(bad, tile))
+    event = None
+    if stream is not None:
+        for grp in by_size.values():
+            x = torch.cat(grp.raws).pin_memory()  # raw samples: uint8 is 4x fewer bytes
+            with torch.cuda.stream(stream):
+                grp.raws = list(x.to(device, non_blocking=True).split(
+                    [r.shape[0] for r in grp.raws]))
+        event = torch.cuda.Event()
+        event.record(stream)
+    elif device.type != "cpu":  # another accelerator: a plain copy
+        for grp in by_size.values():
+            grp.raws = [r.to(device) for r in grp.raws]
+    return list(by_size.values()), invalid, event, time.perf_counter() - t0
+
+
+@dataclass
+class _Group:
+    """Tiles of one batch with one input size: raw windows ``[B, C, h, w]`` each."""
+
+    index: list[int]
+    raws: list[Tensor]
+    views: list[Tile]
+    keeps: list[tuple[slice, slice]]
+    batched: bool
+
+
+def _core_mask(bad: np.ndarray, tile: Tile) -> np.ndarray:
+    r, c = tile.core.row - tile.read.row, tile.core.col - tile.read.col
+    return bad[r : r + tile.core.height, c : c + tile.core.width]
+
+
+def _forward(model: nn.Module, source: WindowSource, groups: list[_Group], g: D4,
+             softmax: bool, n: int, channels_last: bool) -> list[Tensor]:
+    """Core outputs per tile (``[K, h, w]``, or ``[B, K, h, w]`` when batched), source frame."""
+    out: list[Tensor] = [torch.empty(0)] * n
+    for grp in groups:
+        if grp.raws[0].is_cuda:
+            for raw in grp.raws:
+                raw.record_stream(torch.cuda.current_stream(raw.device))
+        y = model(source.prepare(grp.raws, grp.keeps, channels_last))
+        if softmax:
+            y = torch.softmax(y.float(), dim=1)
+        per = y.shape[0] // len(grp.index)
+        for k, (i, view) in enumerate(zip(grp.index, grp.views, strict=True)):
+            c = view.crop
+            core = g.invert(y[k * per : (k + 1) * per, :, c.row : c.row_end, c.col : c.col_end])
+            out[i] = core if grp.batched else core[0]
+    return out

@@ -1,0 +1,152 @@
+"""Receptive field and halo: analytic for the U-Net family, measured for any model.
+
+The *halo* is the context a tile needs beyond its core when the core starts on the
+pooling grid (a multiple of the downsampling factor ``align``): for every aligned block of
+``align`` output pixels, how far the receptive fields of its pixels reach past the block.
+It is smaller than the receptive-field radius of a single pixel (94 vs 107 for a five-level
+same-padding U-Net): a pixel late in a block sees further back, but it is also further
+from the block start. For valid-padding networks it is the context before the core, which
+equals the per-side shrink (92 for the 2015 U-Net); the context after the core follows
+from the size rule (``Footprint.out_residue``).
+
+The empirical measurement back-propagates from single output pixels, one per phase of
+the pooling grid, through a *structural copy* of the model: weights made positive,
+activations replaced by the identity and max-pooling by average pooling, in float64 and
+eval mode. That copy is linear with positive coefficients, so the gradient is non-zero
+exactly on the receptive field (a ReLU that happens to be off, or a max-pool that routes
+the gradient to one input, cannot hide part of it).
+
+>>> from seg_at_scale.models import UNet
+>>> net = UNet(in_channels=1, num_classes=2, levels=3, convs_per_level=2, base_width=2,
+...            padding="valid")
+>>> halo_width(net), empirical_halo(net)
+(20, 20)
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from seg_at_scale.tiling.geometry import Footprint
+
+__all__ = ["halo_width", "empirical_halo", "footprint"]
+
+_ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.PReLU,
+                nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Mish, nn.Softplus)
+
+
+def footprint(model: nn.Module, *, align: int | None = None) -> Footprint:
+    """The model's :class:`Footprint`, analytic when the model provides one.
+
+    Models with a ``footprint()`` method (the U-Nets) answer analytically; any other model
+    is measured (padding from a forward pass, halo by :func:`empirical_halo`).
+
+    Args:
+        model: any 2-D segmentation network ``[B, C, H, W] -> [B, K, H', W']``.
+        align: downsampling factor; defaults to ``model.downsampling_factor`` or 1.
+    """
+    if hasattr(model, "footprint"):
+        return model.footprint()  # type: ignore[no-any-return]
+    a = align or int(getattr(model, "downsampling_factor", 1))
+    halo, shrink, out_size = _measure(model, a)
+    if shrink == 0:
+        return Footprint(halo, a, "same", 0)
+    return Footprint(shrink, a, "valid", out_size % a)
+
+
+def halo_width(model: nn.Module, method: str = "auto") -> int:
+    """Context (pixels per side) a tile needs so its core output is exact.
+
+    Args:
+        model: the network.
+        method: ``"analytic"`` (needs ``model.footprint()``), ``"empirical"``, or
+            ``"auto"`` (analytic when the model provides it).
+    """
+    if method == "empirical" or (method == "auto" and not hasattr(model, "footprint")):
+        return empirical_halo(model)
+    if method not in ("auto", "analytic"):
+        raise ValueError(f"method={method!r}: use 'auto', 'analytic' or 'empirical'")
+    return model.footprint().halo  # type: ignore[operator,no-any-return]
+
+
+def empirical_halo(model: nn.Module, *, align: int | None = None) -> int:
+    """Aligned halo measured by back-propagation (see module docstring).
+
+    For ``valid`` padding, output pixel ``i`` is centred on input pixel ``i + shrink``.
+    """
+    a = align or int(getattr(model, "downsampling_factor", 1))
+    return _measure(model, a)[0]
+
+
+def _structural_copy(model: nn.Module) -> nn.Module:
+    net = copy.deepcopy(model).double().eval()
+    for name, child in list(net.named_modules()):
+        for attr, sub in list(child.named_children()):
+            if isinstance(sub, _ACTIVATIONS):
+                setattr(child, attr, nn.Identity())
+            elif isinstance(sub, nn.MaxPool2d):
+                setattr(child, attr, nn.AvgPool2d(sub.kernel_size, sub.stride, sub.padding))
+        del name
+    with torch.no_grad():
+        for p in net.parameters():
+            p.uniform_(0.5, 1.0)
+        for buf_name, buf in net.named_buffers():
+            if buf_name.endswith("running_mean"):
+                buf.zero_()
+            elif buf_name.endswith("running_var"):
+                buf.fill_(1.0)
+    return net
+
+
+def _probe_size(model: nn.Module, size: int) -> int:
+    fit = getattr(model, "valid_input_size", None)
+    return int(fit(size)) if callable(fit) else size
+
+
+@torch.enable_grad()  # the probe back-propagates, also when called under no_grad / inference
+def _measure(model: nn.Module, align: int, max_size: int = 4096) -> tuple[int, int, int]:
+    """Returns (halo, shrink per side, output size of the probe)."""
+    net = _structural_copy(model)
+    channels = int(getattr(model, "in_channels", 0)) or _first_conv_channels(net)
+    size = _probe_size(model, max(8 * align, 64))
+    while True:
+        x = torch.ones(1, channels, size, size, dtype=torch.float64, requires_grad=True)
+        y = net(x)
+        out = y.shape[-1]
+        shrink = (size - out) // 2
+        if out < 3 * align and size < max_size:
+            size = _probe_size(model, 2 * size)
+            continue
+        left = right = 0
+        touched = False
+        for phase in range(align):
+            i = out // 2 - out // 2 % align + phase - align  # one output pixel per phase
+            (g,) = torch.autograd.grad(y[0, :, i, i].sum(), x, retain_graph=True)
+            rows = g[0].abs().sum(dim=(0, 2)).nonzero().flatten()
+            lo, hi = int(rows[0]), int(rows[-1])
+            block = i - phase + shrink  # centre of the aligned block of outputs holding i
+            touched |= lo == 0 or hi == size - 1
+            left, right = max(left, block - lo), max(right, hi - (block + align - 1))
+        # valid nets: the context after a core is set by the size rule (out_residue)
+        halo = left if shrink > 0 else max(left, right)
+        if not touched or size >= max_size:
+            return halo, shrink, out
+        size = _probe_size(model, 2 * size)
+
+
+def _first_conv_channels(net: nn.Module) -> int:
+    for m in net.modules():
+        if isinstance(m, nn.Conv2d):
+            return int(m.in_channels)
+    raise ValueError("cannot infer the model's input channels; give it an in_channels attribute")
+
+
+def describe(model: nn.Module) -> dict[str, Any]:
+    """Footprint as a plain dict, for run configs and logs."""
+    fp = footprint(model)
+    return {"halo": fp.halo, "align": fp.align, "padding": fp.padding,
+            "context": fp.context, "out_residue": fp.out_residue}
