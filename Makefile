@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all test-gpu lint bench clean-data install
+.PHONY: demo test test-all test-gpu test-slurm slurm-up slurm-down lint bench clean-data install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,18 @@ test-all: $(STAMP)
 ## the CUDA paths on a GPU (tests/test_gpu.py; each skips with the reason where CUDA is absent)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(ARGS)
+
+## the Slurm tests alone (tests/slurm: a two-node cluster on this host; root and Debian's
+## slurmctld slurmd slurm-client munge, which .ci/run installs; they skip without them)
+test-slurm: $(STAMP)
+	$(PY) -m pytest -q -m slurm tests/slurm $(ARGS)
+
+## a two-node test cluster for a person to try (export SLURM_CONF=$(CURDIR)/.slurm/slurm.conf)
+slurm-up: $(STAMP)
+	$(PY) tools/slurm_cluster.py up .slurm
+
+slurm-down: $(STAMP)
+	$(PY) tools/slurm_cluster.py down .slurm
 
 lint: $(STAMP)
 	$(PY) -m ruff check seg_at_scale hydra_plugins tests experiments

@@ -59,7 +59,7 @@ def test_unknown_architecture_encoder_and_options_refused():
         SMPModel("Unet", "resnet35")
     with pytest.raises(ConfigError, match=r"model.options has \['decoder_chanels'\]"):
         SMPModel("Unet", "resnet18", options={"decoder_chanels": [8] * 5})
-    with pytest.raises(ConfigError, match="model.shape is not a key of the smp family"):
+    with pytest.raises(ConfigError, match=r"model.shape is not a model key: use one of .*arch"):
         build_model({"_target_": "seg_at_scale.models.SMPModel", "shape": 3}, where="t")
 
 

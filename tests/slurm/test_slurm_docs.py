@@ -1,5 +1,4 @@
-"""The README's "Running on Slurm" shows the sbatch scripts the Slurm tests submit, verbatim
-(``docs_slurm_section.md`` until it is merged into the README)."""
+"""The README's "Running on Slurm" shows the sbatch scripts the Slurm tests submit, verbatim."""
 
 from __future__ import annotations
 
@@ -9,9 +8,7 @@ from slurm_helpers import REPO, SCRIPTS
 
 def _section() -> str:
     readme = (REPO / "README.md").read_text()
-    if "## Running on Slurm" in readme:
-        return readme
-    return (REPO / "docs_slurm_section.md").read_text()
+    return readme[readme.index("## Running on Slurm"):]
 
 
 @pytest.mark.parametrize("script", ["train.sbatch", "predict.sbatch"])
