@@ -45,6 +45,7 @@ def positive(*xs: Any) -> bool:
     return all(isinstance(x, (int, float)) and x > 0 for x in xs)
 
 
+@pytest.mark.slow  # make test-all; the property is also proven by faster tests
 def test_quick_cpu_run_gives_every_section(tmp_path):
     out = tmp_path / "bench_gpu.json"
     proc = bench(tmp_path, "--device", "cpu", "--quick", "--out", str(out))

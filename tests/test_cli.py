@@ -103,6 +103,7 @@ def _predict_cfg(run: Path, image: Path, output: Path, *extra: str):
                                              f"output={output}", "preview=false", *extra])
 
 
+@pytest.mark.slow  # make test-all; the property is also proven by faster tests
 def test_notebook_runs_on_a_tiny_run(tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient

@@ -292,6 +292,7 @@ def test_cosmic_quick_composes():
     assert cfg.task.balance != "light" and cfg.data.class_weights is None
 
 
+@pytest.mark.slow  # make test-all; the property is also proven by faster tests
 def test_cosmic_experiment_trains_a_fast_step(tmp_path):
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "experiment=cosmic_uresnet_ds2",
            *TINY, f"hydra.run.dir={tmp_path / 'run'}"]

@@ -65,6 +65,7 @@ def test_bad_pipeline_is_refused_before_training(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # make test-all; the property is also proven by faster tests
 def test_two_process_ddp_training_equals_one_process(tmp_path: Path) -> None:
     """2 gloo ranks share each image's 9 tiles (uneven: 5 + 4); same steps, same weights."""
     common = ["tiling=grid", "tiling.q=3", "trainer.max_epochs=1", "predict_after_fit=false",

@@ -4,6 +4,7 @@ processes and after a kill, the COG is valid, TTA is exact, bad input is refused
 from __future__ import annotations
 
 import json
+import os
 import resource
 import signal
 import subprocess
@@ -90,6 +91,7 @@ def _arrays(store):
     return g["labels"][:], g["probabilities"][:]
 
 
+@pytest.mark.slow  # make test-all; the property is also proven by faster tests
 def test_processes_give_byte_identical_zarr_and_cog(cli_case, tmp_path):
     """processes = 1, 2, 3: the same labels and probabilities, and the same COG bytes; the
     COG passes GDAL's COG rules and carries the input's georeferencing."""
@@ -163,7 +165,12 @@ def test_second_writer_is_refused_and_first_completes(cli_case, tmp_path):
     store = out.with_name(".mask.tif.zarr")
     while chunks_written(store) < 1 and first.poll() is None:
         time.sleep(0.01)
-    second = seg_predict(run, image, out, "tile_size=64", "overwrite=true", check=False)
+    assert first.poll() is None
+    os.kill(first.pid, signal.SIGSTOP)  # held mid-run (else it may finish before the second)
+    try:
+        second = seg_predict(run, image, out, "tile_size=64", "overwrite=true", check=False)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     assert second.returncode != 0
     assert "being written by another run" in second.stderr and ".mask.tif.lock" in second.stderr
     stdout, stderr = first.communicate(timeout=300)

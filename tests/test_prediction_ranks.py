@@ -34,9 +34,9 @@ def _env_without_thread_count():
 def test_forked_ranks_run_openmp_and_equal_one_process(cli_case, tmp_path):
     run, image = cli_case
     ref = tmp_path / "one" / "mask.zarr"
-    seg_predict(run, image, ref, "tile_size=64", "probabilities=uint8")
+    seg_predict(run, image, ref, "tile_size=96", "probabilities=uint8")
     out = tmp_path / "two" / "mask.zarr"
-    proc = subprocess.run(_forked_cmd(run, image, out, "tile_size=64", "processes=2",
+    proc = subprocess.run(_forked_cmd(run, image, out, "tile_size=96", "processes=2",
                                       "probabilities=uint8"),
                           capture_output=True, text=True, env=_env_without_thread_count(),
                           timeout=240)

@@ -204,6 +204,7 @@ def _miou_history(run: Path) -> list[float]:
         return [float(m["val/miou"]) for m in csv.DictReader(f) if m["val/miou"]]
 
 
+@pytest.mark.slow  # make test-all; the property is also proven by faster tests
 def test_parallel_trials_get_their_share_of_threads_and_report_to_the_study(tmp_path):
     folder = tmp_path / "sweep"
     out = subprocess.run(_train_cmd(*OPTUNA, "hydra.sweeper.n_trials=2", "predict_after_fit=false",

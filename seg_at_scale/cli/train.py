@@ -66,7 +66,7 @@ from seg_at_scale.models.trained import (
     TrainedModel,
     card_of_config,
 )
-from seg_at_scale.parallel.pipe import PipelineConfig
+from seg_at_scale.parallel.pipe import PipelineConfig, close_live_pipes
 from seg_at_scale.parallel.setup import (
     pipeline_group,
     pipeline_strategy,
@@ -326,6 +326,7 @@ def _train(cfg: DictConfig, folder: Path) -> float | None:
         summary["test"] = predict_test(cfg, task, dm, fp, run.path, loggers)
     (run.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
+    close_live_pipes()  # the stage threads stop now, not during the interpreter's exit
     return summary["val/miou"]
 
 

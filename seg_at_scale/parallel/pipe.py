@@ -30,6 +30,7 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.layers import Skip, check_layers
 
 __all__ = ["PipelineConfig", "build_pipe", "pipe_sequential", "check_devices", "close_pipe",
+           "close_live_pipes",
            "CHECKPOINT_MODES"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -50,7 +51,12 @@ def close_pipe(pipe: Pipe) -> None:
 
 
 @atexit.register
-def _close_live_pipes() -> None:
+def close_live_pipes() -> None:
+    """Close every Pipe built here.
+
+    ``seg-train`` calls it when its run is done, before the interpreter exits; ``atexit``
+    calls it too, for notebooks and scripts.
+    """
     for pipe in list(_LIVE):
         close_pipe(pipe)
 
