@@ -50,3 +50,14 @@ def cli_case(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     run = make_run(tmp / "run", make_model("same", levels=3, width=8))
     return run, make_image(tmp / "scene.tif")
+
+
+@pytest.fixture(scope="module")
+def cli_reference(cli_case, tmp_path_factory):
+    """The uninterrupted ``seg-predict`` COG of ``cli_case`` at ``tile_size=64`` (computed
+    once per module: the fault tests compare their resumed outputs with it)."""
+    from prediction_helpers import seg_predict
+
+    ref = tmp_path_factory.mktemp("cli_ref") / "mask.tif"
+    seg_predict(*cli_case, ref, "tile_size=64")
+    return ref

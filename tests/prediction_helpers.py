@@ -98,27 +98,8 @@ def seg_predict_here(*args: str, cwd: Path | None = None) -> subprocess.Complete
     The same entry point as the console script: the override precheck, Hydra, the one-line
     error wrapper and its exit status; stdout and stderr are captured.
     """
-    import contextlib
-    import io
-
-    from hydra.core.global_hydra import GlobalHydra
+    from cli_helpers import run_here
 
     from seg_at_scale.cli.predict import main
 
-    out, err = io.StringIO(), io.StringIO()
-    argv, here = sys.argv, os.getcwd()
-    code = 0
-    try:
-        sys.argv = ["seg-predict", "progress=false", *args]
-        if cwd is not None:
-            os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main()
-            except SystemExit as exc:
-                code = int(exc.code or 0)
-    finally:
-        sys.argv = argv
-        os.chdir(here)
-        GlobalHydra.instance().clear()
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return run_here(main, ["seg-predict", "progress=false", *args], cwd=cwd)

@@ -129,10 +129,10 @@ def test_processes_give_byte_identical_zarr_and_cog(cli_case, tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_killed_prediction_resumes_to_the_uninterrupted_output(cli_case, tmp_path, sig):
+def test_killed_prediction_resumes_to_the_uninterrupted_output(cli_case, cli_reference, tmp_path,
+                                                               sig):
     run, image = cli_case
-    ref = tmp_path / "ref" / "mask.tif"
-    seg_predict(run, image, ref, "tile_size=64")
+    ref = cli_reference
     out = tmp_path / "killed" / "mask.tif"
     out.parent.mkdir()
     proc = subprocess.Popen(predict_cmd(run, image, out, "tile_size=64"), env=env(),

@@ -64,13 +64,13 @@ def test_forked_ranks_refuse_bad_input_once(cli_case, tmp_path):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_a_stopped_launcher_stops_every_rank_and_the_rerun_completes(cli_case, tmp_path, sig):
+def test_a_stopped_launcher_stops_every_rank_and_the_rerun_completes(cli_case, cli_reference,
+                                                                    tmp_path, sig):
     """SIGTERM or SIGKILL to the launching process alone (``kill PID``, the OOM killer):
     no rank goes on; after SIGTERM it exits 143 with the resume hint; the same command
     completes the prediction with the uninterrupted bytes."""
     run, image = cli_case
-    ref = tmp_path / "ref" / "mask.tif"
-    seg_predict(run, image, ref, "tile_size=64")
+    ref = cli_reference
     out = tmp_path / "killed" / "mask.tif"
     out.parent.mkdir()
     cmd = predict_cmd(run, image, out, "tile_size=64", "processes=2")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from cli_helpers import run_train
+from cli_helpers import run_train, seg_train_here
 from omegaconf import OmegaConf
 
 from seg_at_scale.cli.common import reports_errors
@@ -42,8 +42,8 @@ def test_rerun_with_another_config_is_refused_and_changes_no_file(tmp_path: Path
     run = tmp_path / "run"
     before = snapshot(run)
     assert ".hydra/config.yaml" in before and "run_config.yaml" in before
-    out = seg_train(tmp_path, *TINY, "predict_after_fit=false", "model=unet_small",
-                    f"hydra.run.dir={run}")
+    out = seg_train_here(tmp_path, *TINY, "predict_after_fit=false", "model=unet_small",
+                         f"hydra.run.dir={run}")
     assert out.returncode == 2
     message = out.stderr.strip()
     assert message.startswith("seg-train: error: hydra.run.dir=") and "Traceback" not in message
@@ -99,7 +99,7 @@ def test_project_errors_print_alone_unless_hydra_full_error(monkeypatch, capsys)
 
 
 def test_bad_tiling_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    out = seg_train(tmp_path, *TINY, "tiling.q=abc", f"hydra.run.dir={tmp_path / 'run'}")
+    out = seg_train_here(tmp_path, *TINY, "tiling.q=abc", f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "seg-train: error: tiling.q='abc': give the tiles per side as a whole number >= 1 (1 = "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_train
+from cli_helpers import run_train, seg_train_here
 
 from seg_at_scale.data.config import data_config
 from seg_at_scale.errors import ConfigError
@@ -67,7 +67,7 @@ def test_resume_takes_the_newest_checkpoint_that_loads_or_refuses_naming_what_is
     for p in ckpts.glob("*.ckpt"):
         p.unlink()
     hydra = sorted(p.name for p in (run / ".hydra").iterdir())
-    out = _train(tmp_path, run, "trainer.max_epochs=3")
+    out = seg_train_here(tmp_path, f"hydra.run.dir={run}", *TINY, "trainer.max_epochs=3")
     assert out.returncode == 2
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith(f"seg-train: error: hydra.run.dir='{run}' holds a run")
@@ -84,7 +84,7 @@ def test_a_second_seg_train_into_the_same_folder_is_refused(tmp_path):
     while not (run / "checkpoints" / "last.ckpt").exists():  # the first one is training
         assert first.poll() is None and time.time() < deadline, first.stderr.read()[-2000:]
         time.sleep(0.05)
-    second = _train(tmp_path, run, "trainer.max_epochs=500")
+    second = seg_train_here(tmp_path, f"hydra.run.dir={run}", *TINY, "trainer.max_epochs=500")
     assert second.returncode == 2
     assert "is in use by another seg-train" in second.stderr.strip().splitlines()[-1]
     assert first.poll() is None  # still training: the refusal came while it held the lock
