@@ -41,6 +41,29 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+# Modules whose tests start real processes, clusters and sweeps (the suite's longest, ~2/3 of
+# its time): collected first, so that `make test` (pytest-xdist, --dist loadscope: a module's
+# tests share one worker and its module fixtures) ends on short modules on both workers
+# instead of one worker finishing a long module alone. The Slurm modules, which mostly wait on
+# the cluster, alternate with modules that use the CPU.
+FIRST = ("slurm/test_slurm_requeue.py", "test_stops.py", "slurm/test_slurm_sweeps.py",
+         "test_prediction.py", "slurm/test_slurm_training.py", "test_prediction_ranks.py",
+         "slurm/test_slurm_prediction.py", "test_sweeps.py", "cli/test_train_faults.py",
+         "models/test_smp_cli.py", "test_cli.py", "test_parallel_cli.py",
+         "models/test_smp_predict.py", "models/test_trust.py", "models/test_segmodel.py",
+         "prediction/test_archive.py", "test_runs.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        name = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+        return FIRST.index(name) if name in FIRST else len(FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="module")
 def cli_case(tmp_path_factory):
     """A run folder (random 3-level same-padding U-Net) and a georeferenced scene for
