@@ -1,6 +1,6 @@
 """Two Slurm nodes against one process, on this machine: a training step and a prediction.
 
-    .venv/bin/python experiments/bench_slurm.py        # root, Slurm installed; ~5 min on 2 cores
+    .venv/bin/python experiments/bench_slurm.py        # root, Slurm installed; ~2-5 min on 2 cores
 
 Starts the tests' cluster (``tests/slurm/cluster.py``: a controller and two 1-CPU
 ``slurmd`` on this host) and runs the README's sbatch scripts on it against the same
@@ -161,7 +161,7 @@ def bench_prediction(cluster: Cluster, env: dict[str, str], tmp: Path, side: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--side", type=int, default=3072, help="prediction raster side")
+    ap.add_argument("--side", type=int, default=4096, help="prediction raster side")
     ap.add_argument("--repeats", type=int, default=2, help="prediction pairs")
     args = ap.parse_args()
     reason = unavailable()
