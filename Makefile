@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 ## the fast test suite, in parallel (slow tests: `make test-all`)
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadscope $(ARGS)
+	$(PY) -m pytest -q -n auto --dist loadscope --no-loadscope-reorder $(ARGS)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(ARGS)
