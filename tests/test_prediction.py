@@ -45,16 +45,20 @@ def _reference(model, image, tta=None):
         return torch.softmax(predict_full(model, x), 1)[0]
 
 
-@pytest.mark.parametrize("padding", ["same", "valid"])
-def test_file_prediction_equals_untiled_forward(tmp_path, padding, one_torch_thread):
+@pytest.mark.parametrize(("padding", "layout"), [("same", "auto"), ("valid", "auto"),
+                                                  ("same", "contiguous")])
+def test_file_prediction_equals_untiled_forward(tmp_path, padding, layout, one_torch_thread):
     """517 x 743 (not a multiple of the alignment 8), mean 0.5 / std 0.25: every pixel,
     borders included, equals the untiled network on the normalised image. (Zero-filling
-    raw pixels before normalising, as the file path did, changed ~0.4 % of the labels.)"""
+    raw pixels before normalising, as the file path did, changed ~0.4 % of the labels.)
+    The exact fp32 path runs its tiles channels-last by default (faster on CPU) against the
+    contiguous untiled forward; ``layout=contiguous`` gives the same labels."""
     model = make_model(padding, levels=4, width=4)
     image = make_image(tmp_path / "a.tif")
-    stats = predict_raster(model, image, tmp_path / "a.zarr",
-                           PredictOptions(tile_size=120, probabilities="float16", progress=False),
-                           normalizer=NORMALIZER)
+    options = PredictOptions(tile_size=120, probabilities="float16", progress=False,
+                             layout=layout)
+    assert options.channels_last == (layout == "auto") and options.autocast is None
+    stats = predict_raster(model, image, tmp_path / "a.zarr", options, normalizer=NORMALIZER)
     ref = _reference(model, image)
     store = zarr.open_group(tmp_path / "a.zarr", mode="r")
     assert stats.tiles > 20 and store.attrs["complete"]
