@@ -40,6 +40,9 @@ def run_train(tmp: Path, run: str, *overrides: str, timeout: int = 400,
            "WANDB_MODE": "offline"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
+    # Lightning's "`weights_only` was not set, defaulting to `False`" (a save of the
+    # resume state, read by users as a load that runs code): every save says what it keeps
+    assert "`weights_only` was not set" not in out.stdout + out.stderr
     assert_plain_checkpoints(tmp / run)
     return json.loads((tmp / run / "summary.json").read_text()) | {"log": out.stdout + out.stderr}
 

@@ -138,7 +138,10 @@ class SaveOnStop(pl.Callback):
             self._lightning[sig](sig, None)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)  # collective: every rank gets here
+        # collective: every rank gets here. weights_only=False is the full training state
+        # (optimizer, loops, callbacks) for a resume; it is still plain data that loads
+        # with torch.load(weights_only=True). Said here, Lightning logs nothing about it
+        trainer.save_checkpoint(self.path, weights_only=False)
 
     def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
         """First Ctrl+C: stop like SIGTERM (at the image's end); the second: at once."""
@@ -159,7 +162,7 @@ class SaveOnStop(pl.Callback):
             return  # a failure: the last epoch's checkpoint stays the one to resume from
         self.signal = self.signal or signal.SIGTERM
         self._requeue_now()  # a requeue agreed with the stop: still requeue the job
-        trainer.save_checkpoint(self.path)  # collective: every rank gets here
+        trainer.save_checkpoint(self.path, weights_only=False)  # collective, as above
         if trainer.is_global_zero:
             log.warning("stopped by %s at epoch %d, step %d: saved %s; rerun with "
                         "hydra.run.dir=%s to resume", signal.Signals(self.signal).name,
