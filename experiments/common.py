@@ -126,25 +126,19 @@ def fake_run(folder: Path, levels: int = 4, base_width: int = 16) -> Path:
     The default is the demo's small U-Net (levels 4, base width 16); levels 3 / width 8 is
     the tiny one. Prediction throughput is the same as a trained model's.
     """
-    from omegaconf import OmegaConf
+    import sys
 
     from seg_at_scale.models import UNet
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from prediction_helpers import write_run
+
     if (folder / "checkpoints" / "last.ckpt").exists():
         return folder
-    (folder / "checkpoints").mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     net = UNet(4, 5, levels=levels, convs_per_level=2, base_width=base_width, padding="same")
-    fp = net.footprint()
-    cfg = {"model": {"_target_": "seg_at_scale.models.UNet", "in_channels": 4, "num_classes": 5,
-                     "levels": levels, "convs_per_level": 2, "base_width": base_width,
-                     "padding": "same"},
-           "data": {"bands": 4, "num_classes": 5, "class_names": None, "ignore_index": 255,
-                    "nodata": None, "scale": 1 / 255, "mean": [0.5], "std": [0.25]},
-           "tiling": {"halo": "auto"},
-           "computed": {"halo": fp.halo, "align": fp.align, "padding": fp.padding,
-                        "out_residue": fp.out_residue, "input": {"dtype": "uint8"}}}
-    (folder / "run_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
-    torch.save({"state_dict": {f"model.{k}": v for k, v in net.state_dict().items()}},
-               folder / "checkpoints" / "last.ckpt")
-    return folder
+    node = {"_target_": "seg_at_scale.models.UNet", "in_channels": 4, "num_classes": 5,
+            "levels": levels, "convs_per_level": 2, "base_width": base_width, "padding": "same"}
+    data = {"bands": 4, "num_classes": 5, "class_names": None, "ignore_index": 255,
+            "nodata": None, "scale": 1 / 255, "mean": [0.5], "std": [0.25]}
+    return write_run(folder, node, net, data)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ from omegaconf import OmegaConf
 
 from seg_at_scale.io import example_geotags, write_raster
 from seg_at_scale.models import UNet
+from seg_at_scale.tiling import Footprint
 
 CLASSES = ["background", "vegetation", "water", "road", "building"]
 NORM = {"scale": 1 / 255, "mean": [0.5], "std": [0.25]}
@@ -32,19 +34,28 @@ def make_model(padding: str = "same", levels: int = 3, width: int = 8, seed: int
 
 def make_run(folder: Path, model: UNet) -> Path:
     """A run folder as seg-train leaves it: run_config.yaml and checkpoints/last.ckpt."""
+    node = {"_target_": "seg_at_scale.models.UNet", "in_channels": 4, "num_classes": 5,
+            "levels": model.levels, "base_width": model.base_width, "padding": model.padding}
+    data = {"bands": 4, "num_classes": 5, "class_names": CLASSES, "ignore_index": 255,
+            "nodata": None, **NORM}
+    return write_run(folder, node, model, data, high=230.0)
+
+
+def write_run(folder: Path, node: dict[str, Any], net: torch.nn.Module, data: dict[str, Any],
+              *, fp: Footprint | None = None, tiling: dict[str, Any] | None = None,
+              high: float | None = None) -> Path:
+    """A run folder for ``net`` built from the model config ``node``: ``run_config.yaml``
+    (its model, ``data`` and ``tiling`` nodes and the computed footprint ``fp``, by default
+    the network's exact one) and ``checkpoints/last.ckpt`` holding the weights as
+    ``seg-train`` saves them. ``high`` is the training images' largest value, if known."""
     (folder / "checkpoints").mkdir(parents=True, exist_ok=True)
-    fp = model.footprint()
-    cfg = {"model": {"_target_": "seg_at_scale.models.UNet", "in_channels": 4,
-                     "num_classes": 5, "levels": model.levels,
-                     "base_width": model.base_width, "padding": model.padding},
-           "data": {"bands": 4, "num_classes": 5, "class_names": CLASSES, "ignore_index": 255,
-                    "nodata": None, **NORM},
-           "tiling": {"halo": "auto"},
+    fp = fp or net.footprint()  # type: ignore[operator]
+    seen = {"dtype": "uint8", **({} if high is None else {"high": high})}
+    cfg = {"model": node, "data": data, "tiling": tiling or {"halo": "auto"},
            "computed": {"halo": fp.halo, "align": fp.align, "padding": fp.padding,
-                        "out_residue": fp.out_residue,
-                        "input": {"dtype": "uint8", "high": 230.0}}}
+                        "out_residue": fp.out_residue, "input": seen}}
     (folder / "run_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
-    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    state = {f"model.{k}": v for k, v in net.state_dict().items()}
     torch.save({"state_dict": state}, folder / "checkpoints" / "last.ckpt")
     return folder
 

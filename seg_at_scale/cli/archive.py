@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from seg_at_scale.models.trained import TrainedModel
+from seg_at_scale.parallel.launch import rank_world
 from seg_at_scale.prediction.archive import (
     ArchiveScene,
     SceneRecord,
@@ -58,7 +57,7 @@ def predict_archive_job(job: PredictJob, trained: TrainedModel,
     """Every rank: predict the archive; rank 0: score, report, and what to print."""
     output_dir = Path(job.output_dir)  # type: ignore[arg-type]
     output_dir.mkdir(parents=True, exist_ok=True)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank = rank_world()[0]
     lock = output_lock(output_dir / "archive") if rank == 0 else contextlib.nullcontext()
     with lock:
         records = predict_archive(trained, work.scenes, job.options, on_error=job.on_error,

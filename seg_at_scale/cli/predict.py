@@ -45,6 +45,7 @@ from seg_at_scale.cli.common import USER_ERROR_EXIT, disk_full, format_iou, repo
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError, SegAtScaleError
 from seg_at_scale.models.trained import load_trained, model_files, peek_card
+from seg_at_scale.parallel.launch import rank_world
 from seg_at_scale.parallel.lifetime import die_with_parent
 from seg_at_scale.prediction.checks import check_scene
 from seg_at_scale.prediction.options import PredictOptions
@@ -284,7 +285,7 @@ def _main(cfg: DictConfig) -> None:
         print(f"seg-predict: stopped by {what}; the finished tiles are kept in the store: run "
               "the same command again to resume", file=sys.stderr, flush=True)
         raise SystemExit(143 if isinstance(exc, Stopped) else 130) from None
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    if rank_world()[0] == 0:
         print(json.dumps(res, indent=2))
 
 

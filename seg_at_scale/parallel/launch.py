@@ -15,7 +15,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "free_port", "cpu_threads"]
+__all__ = ["spawn", "free_port", "cpu_threads", "rank_world", "barrier"]
+
+
+def rank_world() -> tuple[int, int]:
+    """This process's rank and the world size of the default group ((0, 1) when not distributed)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    """Wait for every rank of the default group (nothing when not distributed)."""
+    if rank_world()[1] > 1:
+        dist.barrier()
 
 
 def cpu_threads(processes: int = 1) -> int:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor
 
-from seg_at_scale.parallel.launch import cpu_threads
+from seg_at_scale.parallel.launch import cpu_threads, rank_world
 
 __all__ = ["SampleParallelStrategy", "PipelineStrategy", "all_reduce_gradients",
            "world_size"]
@@ -29,7 +29,7 @@ __all__ = ["SampleParallelStrategy", "PipelineStrategy", "all_reduce_gradients",
 
 def world_size() -> int:
     """Processes in the default group (1 when not distributed)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return rank_world()[1]
 
 
 def all_reduce_gradients(params: Iterable[torch.nn.Parameter], op: str = "sum",

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError, SegAtScaleError
 from seg_at_scale.models.trained import TrainedModel
+from seg_at_scale.parallel.launch import barrier, rank_world
 from seg_at_scale.prediction.checks import check_scene
 from seg_at_scale.prediction.finalize import finalize
 from seg_at_scale.prediction.options import PredictOptions
@@ -186,17 +187,6 @@ def check_archive(scenes: Sequence[ArchiveScene], options: PredictOptions, *,
     return bad
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier() -> None:
-    if _rank_world()[1] > 1:
-        dist.barrier()
-
-
 def predict_archive(trained: TrainedModel, scenes: Sequence[ArchiveScene],
                     options: PredictOptions, *, on_error: str = "stop",
                     checked: Sequence[SceneRecord] = ()) -> list[SceneRecord]:
@@ -249,7 +239,7 @@ def _scene_by_scene(trained: TrainedModel, scenes: Sequence[ArchiveScene],
 def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: PredictOptions,
            on_error: str) -> list[SceneRecord]:
     """The global work queue (module docstring); the merged records on rank 0."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     model = trained.model.eval()
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -269,7 +259,7 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
         if stores[i] is not None:
             done = len(p.grid) - sum(len(b.tiles) for j, b in units if j == i)
             records[i].tiles_resumed = done
-    _barrier()  # nobody writes before every rank has listed what is left
+    barrier()  # nobody writes before every rank has listed what is left
     mine = units[rank::world]
     show = options.progress if options.progress is not None else not os.environ.get("CI")
     total = sum(len(b.tiles) for _, b in units)
@@ -279,7 +269,7 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
             batches = [b for j, b in mine if j == i]
             _run_scene(trained, model, scenes[i], plans[i], stores[i], batches, options,
                        records[i], bar, on_error)
-    _barrier()
+    barrier()
     return _gather(records, plans, stores, scenes, trained, options)
 
 
@@ -290,7 +280,7 @@ def _in_order(units: list[tuple[int, Any]]) -> list[int]:
 def _open_stores(plans: list[RasterPlan], records: list[SceneRecord],
                  options: PredictOptions, on_error: str) -> list[PredictionStore | None]:
     """Finished scenes reused; every other scene's store opened by one rank, then shared."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     for i, p in enumerate(plans):
         try:
             pixels = reusable(p, options.overwrite)  # every rank reads the same finished file
@@ -307,7 +297,7 @@ def _open_stores(plans: list[RasterPlan], records: list[SceneRecord],
             store = open_store(p, options)
             (p.working / CLAIM).unlink(missing_ok=True)  # a killed finaliser's claim
             del store
-    _barrier()
+    barrier()
     return [PredictionStore.attach(p.working) if records[i].status == "pending" else None
             for i, p in enumerate(plans)]
 
@@ -359,7 +349,7 @@ def _finish(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,
                                    options.probabilities, options.overwrite,
                                    options.keep_store)
     (plan.working / CLAIM).unlink(missing_ok=True)
-    record.finalized_by = _rank_world()[0]
+    record.finalized_by = rank_world()[0]
     companions(trained, scene.image, plan.output, options, scene.vector, stats)
     record.status = "done"
 
@@ -368,7 +358,7 @@ def _gather(records: list[SceneRecord], plans: list[RasterPlan],
             stores: list[PredictionStore | None], scenes: Sequence[ArchiveScene],
             trained: TrainedModel, options: PredictOptions) -> list[SceneRecord]:
     """Rank 0: every rank's records merged; a complete scene nobody finalised, finalised."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     mine = [vars(r) for r in records]
     every = [mine]
     if world > 1:

@@ -34,6 +34,7 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.windows import RasterWindows
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
+from seg_at_scale.parallel.launch import barrier, rank_world
 from seg_at_scale.prediction.checks import check_outputs, store_path
 from seg_at_scale.prediction.finalize import finalize
 from seg_at_scale.prediction.lock import output_lock
@@ -105,17 +106,6 @@ def output_kind(path: Path) -> str:
                       "this writes; use .tif (Cloud-Optimized GeoTIFF) or .zarr (Zarr v3)")
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier() -> None:
-    if _rank_world()[1] > 1:
-        dist.barrier()
-
-
 def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str | os.PathLike[str],
                    options: PredictOptions | None = None, *, fp: Footprint | None = None,
                    normalizer: Normalizer | None = None,
@@ -142,7 +132,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     t_start = time.perf_counter()
     out_path, image = Path(output), Path(image)
     output_kind(out_path)
-    rank, world = _rank_world()
+    rank, world = rank_world()
     check_outputs({"output": out_path, "working store": store_path(out_path)},
                   {"image": image}, overwrite=True)  # existing outputs: open_store
     fp = fp or footprint(model)
@@ -167,11 +157,11 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
             return stats
         if rank == 0:
             store = open_store(plan, o)
-        _barrier()
+        barrier()
         if rank != 0:
             store = PredictionStore.attach(plan.working)
         todo = [b for b in batches if not all(store.done(t) for t in b.tiles)]
-        _barrier()  # nobody writes before every rank has listed what is left
+        barrier()  # nobody writes before every rank has listed what is left
         stats.tiles_resumed = len(grid) - sum(len(b.tiles) for b in todo)
         mine = todo[rank::world]
         stats.batches = len(mine)
@@ -182,13 +172,13 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         with pool_ctx, progress_bar(sum(len(b.tiles) for b in todo), show and rank == 0,
                                     grid.height * grid.width / len(grid), world) as bar:
             predict_batches(model, source, mine, grid, store, o, stats, bar)
-        _barrier()
+        barrier()
         if rank == 0:
             t0 = time.perf_counter()
             stats.class_pixels = finalize(store, out_path, plan.kind, plan.reader, plan.names,
                                           o.probabilities, o.overwrite, o.keep_store)
             stats.finalize_s = time.perf_counter() - t0
-        _barrier()
+        barrier()
     stats.total_s = time.perf_counter() - t_start
     return stats
 
@@ -222,7 +212,7 @@ def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: 
     with torch.inference_mode(), ctx, progress_bar(len(grid), show, grid.height * grid.width
                                                    / len(grid), world, "pass 1") as bar:
         total, dtype = image_pool_sum_of(model, inputs(bar))
-    if _rank_world()[1] > 1:
+    if rank_world()[1] > 1:
         dist.all_reduce(total)
     pooled = (total / feature_count(model, grid)).to(dtype)
     stats.statistics_s = time.perf_counter() - t0
@@ -299,7 +289,7 @@ def _names(model: nn.Module, image: Path, fp: Footprint,
 
 def _share(value: Any) -> Any:
     """Rank 0's ``value`` on every rank."""
-    if _rank_world()[1] == 1:
+    if rank_world()[1] == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)

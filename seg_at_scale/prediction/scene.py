@@ -22,6 +22,7 @@ from seg_at_scale.io import RasterReader, read_overview, write_preview_png
 from seg_at_scale.io.zarr_raster import open_raster
 from seg_at_scale.metrics import confusion_from_rasters, iou_from_confusion
 from seg_at_scale.models.trained import TrainedModel
+from seg_at_scale.parallel.launch import rank_world
 from seg_at_scale.prediction.checks import check_scene, preview_path, probabilities_path
 from seg_at_scale.prediction.finished import finished
 from seg_at_scale.prediction.options import PredictOptions
@@ -57,7 +58,7 @@ def predict_scene(trained: TrainedModel, image: Path, output: Path, options: Pre
     model = trained.model.eval()
     if not checked:
         cuda = next(model.parameters()).device.type == "cuda"
-        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        ranks = rank_world()[1]
         check_scene(image, output, options, card=trained.card, source=trained.source,
                     model_files=model_files or {}, mask=mask, ranks=ranks, cuda=cuda,
                     vector=vector)
@@ -74,7 +75,7 @@ def predict_scene(trained: TrainedModel, image: Path, output: Path, options: Pre
     out = _result(image, output, stats)
     out["exact"] = exact
     out["class_pixels"] = stats.class_pixels[:trained.num_classes]
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if rank_world()[0] != 0:
         return out  # rank 0 scores and draws
     if mask is not None:
         cm = confusion_from_rasters(output, mask, trained.num_classes, trained.ignore_index)

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import rasterio
 import torch
-from omegaconf import OmegaConf
-from prediction_helpers import make_image, seg_predict, seg_predict_here
+from prediction_helpers import make_image, seg_predict, seg_predict_here, write_run
 from smp_helpers import lively, model_node, preset_model
 from test_smp_files import DATA, check_labels
 
@@ -29,19 +28,13 @@ SE = {"_target_": "seg_at_scale.models.SMPModel", "arch": "Unet",
 def smp_run(folder: Path, node: dict, net: torch.nn.Module, *, exact: bool = True) -> Path:
     """A run folder as seg-train leaves it for ``net`` (its config ``node``), the data
     normalised as ``DATA``; the pretrained weights file the config names does not exist."""
-    (folder / "checkpoints").mkdir(parents=True)
     fp = net.footprint() if exact else net.approximate_footprint()
-    cfg = {"model": {**node, "encoder_weights": str(folder / "gone" / "encoder.safetensors")},
-           "data": {"bands": 4, "num_classes": int(node["num_classes"]), "class_names": None,
-                    "ignore_index": 255, "nodata": None, "scale": DATA.scale,
-                    "mean": list(DATA.mean), "std": list(DATA.std)},
-           "tiling": {"halo": "auto", "exact": exact},
-           "computed": {"halo": fp.halo, "align": fp.align, "padding": fp.padding,
-                        "out_residue": fp.out_residue, "input": {"dtype": "uint8"}}}
-    (folder / "run_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
-    torch.save({"state_dict": {f"model.{k}": v for k, v in net.state_dict().items()}},
-               folder / "checkpoints" / "last.ckpt")
-    return folder
+    data = {"bands": 4, "num_classes": int(node["num_classes"]), "class_names": None,
+            "ignore_index": 255, "nodata": None, "scale": DATA.scale, "mean": list(DATA.mean),
+            "std": list(DATA.std)}
+    gone = str(folder / "gone" / "encoder.safetensors")
+    return write_run(folder, {**node, "encoder_weights": gone}, net, data, fp=fp,
+                     tiling={"halo": "auto", "exact": exact})
 
 
 def tiling_tag(path: Path) -> str:
