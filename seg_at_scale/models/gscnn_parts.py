@@ -119,7 +119,7 @@ class ImagePool(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         m = x.mean(dim=(2, 3), keepdim=True) if self.fixed is None else self.fixed.to(x)
-        return F.relu(self.conv(m)).expand(-1, -1, *x.shape[-2:])
+        return F.relu(self.conv(m)).expand(x.shape[0], -1, *x.shape[-2:])  # a batch of tiles
 
 
 class ASPP(nn.Module):

@@ -51,7 +51,7 @@ from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, footprint
 from seg_at_scale.tiling.engine import Batch, BatchOutput, run_batches
 from seg_at_scale.tiling.geometry import fill_of
-from seg_at_scale.tiling.passes import fixed_statistics, has_statistics
+from seg_at_scale.tiling.passes import check_no_tta, fixed_statistics, has_statistics
 from seg_at_scale.tiling.statistics import feature_count, image_pool_sum_of, uses_image_pool
 
 __all__ = ["PredictionStats", "predict_raster", "output_kind", "default_batch_size"]
@@ -129,6 +129,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         :class:`PredictionStats` of this process (class histogram on rank 0).
     """
     o = options or PredictOptions()
+    check_no_tta(model, o.tta)
     t_start = time.perf_counter()
     out_path, image = Path(output), Path(image)
     output_kind(out_path)

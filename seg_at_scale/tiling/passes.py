@@ -55,6 +55,7 @@ from seg_at_scale.tiling.sites import (  # noqa: F401 (GroupNormSite: the doctes
     site_levels,
     statistic_sites,
 )
+from seg_at_scale.tiling.statistics import uses_image_pool
 
 __all__ = ["has_statistics", "statistic_passes", "fixed_statistics", "predict_tiled_exact",
            "tiled_backward_exact", "TileInputs", "tensor_tiles", "source_tiles",
@@ -318,8 +319,17 @@ def _backward_level(model: nn.Module, tiles: TileInputs, grid: TileGrid,
 
 
 def check_no_tta(model: nn.Module, tta: str | None) -> None:
-    """Refuse test-time augmentation for a model with statistic sites (one line, the fix)."""
-    if tta is not None and has_statistics(model):
+    """Refuse test-time augmentation for a model with whole-image statistics (one line).
+
+    Each augmented view would need its own statistics; the passes compute the plain image's.
+    """
+    if tta is None:
+        return
+    if has_statistics(model):
         names = ", ".join(n for n, _ in statistic_sites(model))
-        raise ConfigError(f"tta={tta!r}: this model takes whole-image statistics ({names}), "
-                          "which each augmented view would need computed again; use tta=null")
+    elif uses_image_pool(model):
+        names = "its image-level pooling"
+    else:
+        return
+    raise ConfigError(f"tta={tta!r}: this model takes whole-image statistics ({names}), "
+                      "which each augmented view would need computed again; use tta=null")

@@ -124,9 +124,14 @@ class PooledMean(StatisticSite):
         raise NotImplementedError  # the owner knows its channels
 
     def pooled(self, x: Tensor) -> Tensor:
-        """``[B, C, 1, 1]``: the mean of ``x`` or the fixed statistic."""
+        """``[B, C, 1, 1]``: the mean of ``x``, or the fixed statistic.
+
+        The fixed statistic is one image's (``[1, C, 1, 1]``), shared by every tile of a batch.
+        """
         stat = self.observe(x)
-        return x.mean(dim=(2, 3), keepdim=True) if stat is None else stat.to(x.dtype)
+        if stat is None:
+            return x.mean(dim=(2, 3), keepdim=True)
+        return stat.to(x.dtype).expand(x.shape[0], -1, -1, -1)
 
 
 def statistic_sites(model: nn.Module) -> list[tuple[str, StatisticSite]]:
