@@ -39,36 +39,71 @@ def use_weights_normalization(cfg: DictConfig, model: nn.Module, run: RunFolder,
                               computed: dict[str, Any]) -> None:
     """Apply ``finetune.normalization`` to the data group (before anything reads it).
 
-    ``weights`` fills ``data.mean/std`` (and ``scale`` when the weights state one) from the
-    model's recorded normalisation, band by band (bands the weights do not cover keep the
-    data's values); ``data`` keeps them and reports a difference. Recorded in the run's
-    computed values either way.
+    ``weights`` gives ``data.mean/std`` (and ``data.scale`` when the weights state one) the
+    model's recorded normalisation, all of it or none: bands the weights do not cover keep
+    the data's values, which must then be given (``auto`` cannot be half filled) and be for
+    the same scale; otherwise nothing is applied and the log says why. ``data`` keeps the
+    data's and reports a difference. Recorded in the run's computed values either way.
     """
-    record = getattr(model, "input_normalization", None)
-    norm = record() if callable(record) else None
-    if norm is None:
-        return
     policy = str((cfg.get("finetune") or {}).get("normalization", "weights"))
     if policy not in ("weights", "data"):
         raise ConfigError(f"finetune.normalization={policy!r}: use 'weights' (the data takes "
                           "the pretrained weights' mean/std) or 'data' (keep data.mean/std)")
-    bands = int(cfg.data.bands)
+    record = getattr(model, "input_normalization", None)
+    norm = record() if callable(record) else None
+    if norm is None:
+        return
     computed["weights_normalization"] = norm
-    for key in ("mean", "std"):
-        have = _per_band(cfg.data[key], bands)
-        want = [w if w is not None else (have[i] if have else None)
-                for i, w in enumerate(norm[key])]
-        if None in want or want == have:
-            continue
-        if policy == "weights":
-            run.fill(cfg, f"data.{key}", lambda want=want: want)
-            log.info("data.%s from the weights: %s (was %s)", key, want, cfg.data[key])
-        else:
-            log.warning("data.%s=%s differs from the pretrained weights' %s "
-                        "(finetune.normalization=data keeps the data's)", key, have, want)
-    if norm.get("scale") is not None and float(cfg.data.scale) != norm["scale"]:
-        if policy == "weights":
-            run.fill(cfg, "data.scale", lambda: norm["scale"])
-        else:
-            log.warning("data.scale=%s differs from the weights' %s", cfg.data.scale,
-                        norm["scale"])
+    want, why_not = _from_weights(cfg.data, norm)
+    if policy == "weights" and why_not:
+        log.warning("finetune.normalization=weights: none of the weights' normalisation is "
+                    "applied, data.mean/std/scale stay as given: %s", why_not)
+        return
+    if policy == "data":
+        for key, value in want.items():
+            if str(cfg.data[key]) != "auto" and value != _configured(cfg.data, key):
+                log.warning("data.%s=%s differs from the pretrained weights' %s "
+                            "(finetune.normalization=data keeps the data's)", key,
+                            cfg.data[key], value)
+        return
+    for key, value in want.items():
+        if value != _configured(cfg.data, key):
+            was = cfg.data[key]
+            run.fill(cfg, f"data.{key}", lambda value=value: value)
+            log.info("data.%s from the weights: %s (was %s)", key, value, was)
+
+
+def _configured(data: DictConfig, key: str) -> Any:
+    value = data[key]
+    if isinstance(value, str):
+        return value
+    return float(value) if key == "scale" else _per_band(value, int(data.bands))
+
+
+def _from_weights(data: DictConfig, norm: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The data values the weights' normalisation gives, and why not all of them apply.
+
+    The reason is ``""`` when they do (every band covered, or the others' statistics given
+    for the same scale).
+    """
+    bands = int(data.bands)
+    have = {k: _per_band(data[k], bands) for k in ("mean", "std")}
+    uncovered = [i for i, m in enumerate(norm["mean"]) if m is None]
+    want: dict[str, Any] = {k: [w if w is not None else (have[k][i] if have[k] else None)
+                                for i, w in enumerate(norm[k])] for k in ("mean", "std")}
+    scale = norm.get("scale")
+    if scale is not None:
+        want["scale"] = float(scale)
+    if not uncovered:
+        return want, ""
+    if None in want["mean"] or None in want["std"]:
+        return want, (f"bands {uncovered} have no pretrained statistics and data.mean/std "
+                      "are auto; give data.mean and data.std for every band")
+    if scale is not None and str(data.scale) != "auto" and float(data.scale) != scale:
+        return want, (f"bands {uncovered} keep data.mean/std, given for data.scale="
+                      f"{data.scale}, not the weights' {scale}; give data.scale={scale} and "
+                      "those bands' statistics at that scale")
+    if scale is not None and str(data.scale) == "auto":
+        return want, (f"bands {uncovered} keep data.mean/std, but data.scale=auto; give "
+                      f"data.scale={scale} (the weights') to apply their statistics")
+    return want, ""

@@ -241,6 +241,10 @@ class GSCNN(nn.Module):
         rep = self.regular.report if self.regular is not None else ""
         return {"model.backbone_weights": rep} if rep else {}
 
+    def encoder_parameters(self) -> Iterator[nn.Parameter]:
+        """The timm backbone's parameters (fine-tuning); none for the built-in stream."""
+        return self.regular.parameters() if self.regular is not None else iter(())
+
     # ----- forward ----------------------------------------------------------------------
 
     def backbone(self, x: Tensor) -> list[Tensor]:

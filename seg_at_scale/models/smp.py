@@ -14,8 +14,9 @@ Tiling: the alignment is the encoder's output stride (32; 16 or 8 for dilated De
 encoders), the halo is measured by the empirical probe (cached per architecture), and
 whole-image statistics run in extra passes (:mod:`seg_at_scale.tiling.passes`).
 Operations no pass can fix (squeeze-excitation, attention) make :meth:`SMPModel.footprint`
-refuse exact tiling in one line naming the module; ``tiling.exact=false`` runs them with
-overlap-and-blend (:mod:`seg_at_scale.tiling.blend`).
+refuse exact tiling in one line naming the module; ``tiling.exact=false`` runs them on
+overlapping tiles with the approximate halo (:meth:`SMPModel.approximate_footprint`, each
+tile's centre kept): not the whole-image result.
 
 >>> net = SMPModel("Unet", "tu-test_resnet", in_channels=4, num_classes=3,
 ...                options={"decoder_channels": [16, 16, 8, 8, 8]}).eval()
@@ -39,7 +40,13 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import weights as W
-from seg_at_scale.models.smp_exact import ASPPImagePool, make_exact, non_local_modules, refusal
+from seg_at_scale.models.smp_exact import (
+    ASPPImagePool,
+    make_exact,
+    non_local_modules,
+    refusal,
+    skip_non_local,
+)
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import WholeImageDependency, empirical_halo
 from seg_at_scale.tiling.sites import site_levels, statistic_sites
@@ -121,7 +128,8 @@ class SMPModel(nn.Module):
                 if j is not None and j < n:
                     self.input_mean[i] = norm["mean"][j]
                     self.input_std[i] = norm["std"][j]
-            self.input_scale.fill_(float(norm.get("scale", math.nan)))
+            scale = norm.get("scale")  # absent or null: inputs at the data's own scale
+            self.input_scale.fill_(math.nan if scale is None else float(scale))
 
     def input_normalization(self) -> dict[str, Any] | None:
         """The weights' normalisation per input band, or None when no weights recorded one.
@@ -183,22 +191,31 @@ class SMPModel(nn.Module):
     def approximate_footprint(self) -> Footprint:
         """For ``tiling.exact=false``: the local receptive field, non-local modules skipped.
 
-        Squeeze-excitation and attention modules are replaced by the identity in the probe's
-        copy; where the network still reaches the whole input, the halo is two alignment
-        steps. Tiles with this halo are *not* exact (overlap-and-blend or training only).
+        The probe runs on a copy with squeeze-excitation and attention skipped and the
+        upsampling translation-invariant (:func:`~seg_at_scale.models.smp_exact.skip_non_local`);
+        where the network still reaches the whole input, the halo is two alignment steps.
+        Tiles with this halo are *not* exact (overlapping tiles, each core kept).
+
+        Raises:
+            ConfigError: the probe fails even so (the network and the reason named).
         """
         key = ("approximate", self.arch, self.encoder_name, self.in_channels,
-               repr(sorted(self.options.items())))
+               repr(sorted(self.options.items())), self.align_corners)
         if key not in _HALOS:
-            twin = copy.deepcopy(self)
-            for name, _ in non_local_modules(twin.net):
-                parent, _, attr = name.rpartition(".")
-                owner = twin.net.get_submodule(parent) if parent else twin.net
-                setattr(owner, attr, _Pass())
+            a = self.downsampling_factor
+            twin = copy.deepcopy(self).eval()
             try:
-                _HALOS[key] = empirical_halo(twin, align=self.downsampling_factor)
+                skip_non_local(twin.net, torch.zeros(1, self.in_channels, 2 * a, 2 * a))
+                _HALOS[key] = empirical_halo(twin, align=a)
             except WholeImageDependency:
-                _HALOS[key] = 2 * self.downsampling_factor
+                _HALOS[key] = 2 * a
+            except (RuntimeError, ValueError) as exc:
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+                raise ConfigError(f"tiling.exact=false with model.arch={self.arch} "
+                                  f"model.encoder={self.encoder_name}: the halo probe fails "
+                                  f"on the network with its non-local modules skipped "
+                                  f"({reason}); use a local encoder (e.g. "
+                                  "model.encoder=resnet34)") from None
         return Footprint(_HALOS[key], self.downsampling_factor, "same", 0)
 
     def _halo(self) -> int:
@@ -256,13 +273,6 @@ class SMPModel(nn.Module):
         a = self.downsampling_factor
         levels = site_levels(self, torch.zeros(1, self.in_channels, 2 * a, 2 * a))
         return max(levels.values(), default=0)
-
-
-class _Pass(nn.Module):
-    """The identity for any call signature (stands in for a non-local module)."""
-
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return x
 
 
 def _create(arch: str, encoder: str, in_channels: int, num_classes: int,

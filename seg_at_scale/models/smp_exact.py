@@ -22,6 +22,7 @@ such a model before any work, naming the module.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.tiling.sites import GroupNormSite, PooledMean
 
-__all__ = ["make_exact", "non_local_modules", "ASPPImagePool", "refusal"]
+__all__ = ["make_exact", "non_local_modules", "ASPPImagePool", "refusal", "skip_non_local"]
 
 _SQUEEZE = re.compile(r"SqueezeExcit|SEModule|SELayer|EffectiveSE|EcaModule|CecaModule|"
                       r"CbamModule|LightCbam|GatherExcite|SCSE|SelectiveKernel|GlobalContext|"
@@ -124,15 +125,74 @@ def _kind(m: nn.Module) -> str | None:
         return "adaptive pooling (averages regions of the whole input)"
     if isinstance(m, _FPNBlock) and m.upsample and m.align_corners or isinstance(
             m, nn.Upsample) and m.mode == "bilinear" and m.align_corners:
-        return "bilinear upsampling with align_corners=True (positions depend on the size)"
+        return _CORNERS
     return None
+
+
+_CORNERS = "bilinear upsampling with align_corners=True (positions depend on the size)"
+
+
+def skip_non_local(net: nn.Module, x: Tensor) -> list[str]:
+    """For ``tiling.exact=false``'s probe: ``net`` (a copy) with its local operations only.
+
+    Upsampling takes the translation-invariant form (same reach); squeeze-excitation inside
+    a block (smp's EfficientNet ``MBConvBlock``) is switched off, the block kept; any other
+    non-local module becomes the identity where its output has its input's shape (``x``
+    [B, C, H, W] shows the shapes). Returns the modules left in place.
+    """
+    for m in net.modules():
+        if isinstance(m, _FPNBlock) or isinstance(m, nn.Upsample) and m.mode == "bilinear":
+            m.align_corners = False  # type: ignore[assignment]
+    found = [name for name, _ in non_local_modules(net)]
+    shapes: dict[str, bool] = {}
+
+    def note(name: str) -> Any:
+        def hook(_m: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            shapes.setdefault(name, _same_shape(args, out))
+        return hook
+
+    hooks = [net.get_submodule(n).register_forward_hook(note(n)) for n in found]
+    try:
+        with torch.no_grad():
+            net(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    left = []
+    for name in found:
+        m = net.get_submodule(name)
+        if hasattr(m, "_se_reduce"):  # smp's MBConvBlock: SE is a branch inside the block
+            m._has_se = False
+        elif shapes.get(name, False):
+            parent, _, attr = name.rpartition(".")
+            setattr(net.get_submodule(parent) if parent else net, attr, _Pass())
+        else:
+            left.append(name)
+    return left
+
+
+def _same_shape(args: tuple[Any, ...], out: Any) -> bool:
+    return bool(args) and isinstance(args[0], Tensor) and isinstance(out, Tensor) and \
+        out.shape == args[0].shape
+
+
+class _Pass(nn.Module):
+    """The identity for any call signature (stands in for a non-local module)."""
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return x
 
 
 def refusal(where: str, found: list[tuple[str, str]]) -> str:
     """The one-line refusal of exact tiling: the module, why, and the fixes."""
     name, kind = found[0]
     more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    fixes = []
+    if any(k != _CORNERS for _, k in found):
+        fixes.append("use a local encoder/architecture (e.g. model.encoder=resnet34 or "
+                     "tu-convnext_tiny; Unet, FPN, DeepLabV3Plus)")
+    if any(k == _CORNERS for _, k in found):
+        fixes.append("set model.align_corners=false (size-invariant upsampling)")
     return (f"{where}: {name} is {kind}{more}, so no tiling reproduces the whole-image "
-            "result; use a local encoder/architecture (e.g. model.encoder=resnet34 or "
-            "tu-convnext_tiny; Unet, FPN, DeepLabV3Plus), or tiling.exact=false "
-            "(overlap-and-blend, approximate, as MONAI's sliding window)")
+            f"result; {' and '.join(fixes)}, or tiling.exact=false (approximate: "
+            "overlapping tiles with the local halo, each tile's centre kept)")

@@ -36,6 +36,7 @@ import logging
 import os
 import pickle
 import socket
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.models.checkpoint import _GLOBAL as PICKLED_GLOBAL
 
 __all__ = ["read_weights", "match_weights", "WeightsMatch", "adapt_first_conv",
            "normalization_of", "is_offline", "resolve_weights", "WEIGHT_SUFFIXES",
@@ -55,6 +57,9 @@ log = logging.getLogger(__name__)
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
 _WRAPPERS = ("state_dict", "model", "module", "model_state_dict", "net")
 _TARGET_PREFIXES = ("", "model.")  # smp wraps a timm encoder as encoder.model
+# what torch.load raises on a file that is not one (text: KeyError, a bad zip, ...), as
+# seg_at_scale.models.checkpoint catches
+_UNREADABLE = (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile)
 
 
 def read_weights(path: str | os.PathLike[str], *, key: str) -> tuple[dict[str, Tensor],
@@ -84,14 +89,28 @@ def read_weights(path: str | os.PathLike[str], *, key: str) -> tuple[dict[str, T
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise InputError(f"{key}='{p}' holds Python objects that loading without running "
-                         f"code refuses ({str(exc).splitlines()[0][:120]}); save its "
-                         "state_dict() alone (torch.save(model.state_dict(), ...)) or as "
-                         ".safetensors") from None
-    except (RuntimeError, EOFError, OSError) as exc:
-        raise InputError(f"{key}='{p}' is not a readable PyTorch file ({exc}); give a "
-                         "state dict saved with torch.save or a .safetensors file") from None
+        found = PICKLED_GLOBAL.search(str(exc))  # as checkpoints: the global it asks for
+        if found is None:  # "invalid load key": text, HTML, not a pickle at all
+            raise _unreadable(p, key, exc) from None
+        raise InputError(f"{key}='{p}' holds a Python object ({found.group(1)}) that "
+                         "loading would run; refused. Save its state_dict() alone "
+                         "(torch.save(model.state_dict(), ...)) or as .safetensors") from None
+    except _UNREADABLE as exc:
+        raise _unreadable(p, key, exc) from None
     return _tensors(obj, p, key), {}
+
+
+def _unreadable(path: Path, key: str, exc: BaseException) -> InputError:
+    with path.open("rb") as f:
+        head = f.read(16)
+    if not head:
+        reason = "it is empty"
+    elif isinstance(exc, KeyError | pickle.UnpicklingError):  # torch's text is no help here
+        reason = f"neither a zip nor a pickle: it begins {head!r}"
+    else:
+        reason = (str(exc).strip().splitlines() or [""])[0][:120] or type(exc).__name__
+    return InputError(f"{key}='{path}' is not a readable PyTorch file ({reason}); give a "
+                      "state dict saved with torch.save or a .safetensors file")
 
 
 def _tensors(obj: Any, path: Path, key: str) -> dict[str, Tensor]:
@@ -123,6 +142,8 @@ class WeightsMatch:
         unexpected: file keys (under the prefix) that match nothing.
         mismatched: ``(target key, file shape, target shape)`` of same-named tensors whose
             shapes differ.
+        ambiguous: other prefixes that match as many tensors, holding other values (two
+            networks in one file); :func:`check_fit` refuses the file.
     """
 
     prefix: str
@@ -130,6 +151,7 @@ class WeightsMatch:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    ambiguous: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line: matched, missing, unexpected and mismatched counts with examples."""
@@ -139,7 +161,7 @@ class WeightsMatch:
         return (f"{len(self.keys)} tensors loaded, {len(self.missing)} missing"
                 f"{some(self.missing)}, {len(self.unexpected)} unexpected"
                 f"{some(self.unexpected)}, {len(self.mismatched)} of another shape"
-                f"{some([m[0] for m in self.mismatched])}")
+                f"{some([m[0] for m in self.mismatched])}, file prefix {self.prefix!r}")
 
 
 def _candidates(name: str) -> list[str]:
@@ -162,14 +184,31 @@ def match_weights(source: Mapping[str, Tensor], target: Mapping[str, Tensor], *,
 
     Tries every prefix of the file's keys and keeps the one matching most tensors of the
     right shape (see the module docstring); ``first_conv`` may differ in dimension 1.
+    Prefixes that tie with other tensors (MoCo's ``encoder_q.`` and ``encoder_k.``): the
+    query encoder ``encoder_q`` when it is one of them, else the tie is recorded in
+    :attr:`WeightsMatch.ambiguous` and :func:`check_fit` refuses the file.
     """
-    best: WeightsMatch | None = None
-    for prefix in sorted(_prefixes(list(source)), key=len):
-        m = _match_under(source, target, prefix, first_conv)
-        if best is None or len(m.keys) > len(best.keys):
-            best = m
-    assert best is not None
-    return best
+    matches = [_match_under(source, target, prefix, first_conv)
+               for prefix in sorted(_prefixes(list(source)), key=lambda p: (len(p), p))]
+    top = max(len(m.keys) for m in matches)
+    best = [m for m in matches if len(m.keys) == top]
+    query = [m for m in best if "encoder_q" in m.prefix.split(".")]
+    if top and len(query) == 1:
+        return query[0]
+    if top == 0 or len(best) == 1:
+        return best[0]
+    tied: list[WeightsMatch] = []
+    for m in best:
+        if not any(_same_tensors(source, m, t) for t in tied):
+            tied.append(m)  # the shortest prefix stands for those holding equal tensors
+    tied[0].ambiguous = [m.prefix for m in tied[1:]]
+    return tied[0]
+
+
+def _same_tensors(source: Mapping[str, Tensor], a: WeightsMatch, b: WeightsMatch) -> bool:
+    """Whether two matches load the same values (e.g. ``""`` and a duplicate prefix)."""
+    return a.keys.keys() == b.keys.keys() and all(
+        torch.equal(source[a.keys[k]], source[b.keys[k]]) for k in a.keys)
 
 
 def _match_under(source: Mapping[str, Tensor], target: Mapping[str, Tensor], prefix: str,
@@ -238,17 +277,48 @@ def normalization_of(path: str | os.PathLike[str], metadata: Mapping[str, str]
     """
     p = Path(path)
     found: dict[str, Any] = {}
+    where = f"'{p}' (its safetensors header)"
     if {"mean", "std"} <= set(metadata):
-        found = {k: json.loads(metadata[k]) for k in ("mean", "std", "scale") if k in metadata}
+        found = {k: _json(metadata[k], where, k) for k in ("mean", "std", "scale")
+                 if k in metadata}
     for side in (p.with_name(p.name + ".json"), p.with_name("config.json")):
         if not found and side.is_file():
-            doc = json.loads(side.read_text())
+            where = f"'{side}'"
+            doc = _json(side.read_text(), where, None)
             doc = doc.get("pretrained_cfg", doc) if isinstance(doc, dict) else {}
             found = {k: doc[k] for k in ("mean", "std", "scale") if k in doc}
     if not {"mean", "std"} <= set(found):
         return None
-    found["mean"] = [float(v) for v in found["mean"]]
-    found["std"] = [float(v) for v in found["std"]]
+    return _checked_normalization(found, where)
+
+
+def _json(text: str, where: str, key: str | None) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        what = f"{key}={text[:40]!r}" if key else f"{text[:40]!r}..."
+        raise InputError(f"{where}: {what} is not JSON; write the statistics as JSON (e.g. "
+                         '"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225])') from None
+
+
+def _checked_normalization(found: dict[str, Any], where: str) -> dict[str, Any]:
+    """``mean`` / ``std`` as float lists of one length, ``scale`` a float (null: absent)."""
+    for k in ("mean", "std"):
+        v = found[k]
+        if not isinstance(v, list) or not v or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) for x in v):
+            raise InputError(f"{where}: {k}={v!r} is not a list of numbers; give one value "
+                             "per pretrained input channel (e.g. [0.485, 0.456, 0.406])")
+        found[k] = [float(x) for x in v]
+    if len(found["mean"]) != len(found["std"]) or min(found["std"]) <= 0:
+        raise InputError(f"{where}: mean={found['mean']} and std={found['std']} need one "
+                         "value per input channel each, std above zero; correct them")
+    scale = found.pop("scale", None)
+    if scale is not None:
+        if not isinstance(scale, int | float) or isinstance(scale, bool) or scale <= 0:
+            raise InputError(f"{where}: scale={scale!r} is not a positive number; give the "
+                             "factor the statistics assume (1/255 for 8-bit) or leave it out")
+        found["scale"] = float(scale)
     return found
 
 
@@ -291,7 +361,14 @@ def resolve_weights(spec: str, encoder: str, *, key: str) -> Path:
                           "give a weights file path or a hub id (hf-hub:org/name)")
     from huggingface_hub import hf_hub_download
 
-    path = Path(hf_hub_download(repo, "model.safetensors"))
+    try:
+        path = Path(hf_hub_download(repo, "model.safetensors"))
+    except Exception as exc:  # noqa: BLE001 (the hub raises HTTP, OS and its own errors)
+        reason = (str(exc).strip().splitlines() or [""])[0][:120] or type(exc).__name__
+        raise ConfigError(f"{key}={spec!r}: downloading model.safetensors of {repo} from "
+                          f"the Hugging Face hub failed ({reason}); download it where there "
+                          f"is internet (`hf download {repo} model.safetensors config.json`) "
+                          f"and pass the file: {key}=/path/to/model.safetensors") from None
     try:
         hf_hub_download(repo, "config.json")  # the normalisation, read beside the file
     except Exception:  # noqa: BLE001 (a repository without it: no recorded normalisation)
@@ -371,6 +448,10 @@ def first_conv_key(module: nn.Module, in_channels: int) -> str:
 def check_fit(key: str, path: Any, match: WeightsMatch, target: Mapping[str, Tensor],
               tensors: Mapping[str, Tensor], encoder: str) -> None:
     """Refuse a file that does not fit the module, naming the first keys and shapes."""
+    if match.ambiguous:
+        raise InputError(f"{key}='{path}' holds several networks that fit encoder {encoder} "
+                         f"equally, under prefixes {[match.prefix, *match.ambiguous]}; save "
+                         "the one you mean alone (its state dict, prefix stripped)")
     params = [k for k in match.missing if not k.endswith("num_batches_tracked")]
     if match.mismatched:
         k, have, want = match.mismatched[0]

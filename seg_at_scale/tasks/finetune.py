@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
 from torch import nn
 
 from seg_at_scale.errors import ConfigError
@@ -38,12 +37,6 @@ FREEZE_BN = ("auto", "all", "encoder", "none")
 
 def _bn(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-
-
-def _encoder_of(model: nn.Module) -> nn.Module | None:
-    """The pretrained encoder module (smp models), or None."""
-    net = getattr(model, "net", None)
-    return getattr(net, "encoder", None) if net is not None else None
 
 
 def resolve_freeze_bn(model: nn.Module, freeze_bn: str) -> str:
@@ -64,8 +57,10 @@ def freeze_batch_norm(model: nn.Module, which: str) -> int:
     """
     if which == "none":
         return 0
-    scope = _encoder_of(model) if which == "encoder" else model
-    layers = _bn(scope) if scope is not None else []
+    layers = _bn(model)
+    if which == "encoder":  # the encoder's: those holding its parameters
+        enc = {id(p) for p in encoder_parameters(model)}
+        layers = [m for m in layers if any(id(p) in enc for p in m.parameters())]
     for m in layers:
         m.eval()
     return len(layers)
@@ -121,9 +116,5 @@ def check_finetune(model: nn.Module, freeze_bn: str, freeze_encoder_epochs: int,
         raise ConfigError(f"finetune.freeze_encoder_epochs={freeze_encoder_epochs}, "
                           f"encoder_lr_scale={encoder_lr_scale}, freeze_bn={freeze_bn!r} need "
                           f"a model with a pretrained encoder ({type(model).__name__} has "
-                          "none); use model=unet_resnet34 (or any smp preset) or the defaults")
-
-
-def has_grad(params: Iterable[torch.Tensor]) -> bool:
-    """Whether any of ``params`` requires a gradient."""
-    return any(p.requires_grad for p in params)
+                          "none); use model=unet_resnet34 (or any smp preset), Gated-SCNN "
+                          "with model.backbone=<timm network>, or the defaults")

@@ -141,8 +141,8 @@ def test_a_file_of_another_encoder_is_refused_naming_keys(tmp_path):
 def test_files_that_would_run_code_or_do_not_exist_are_refused(tmp_path):
     torch.save({"state_dict": {"conv1.weight": torch.zeros(1)}, "cfg": torch.nn.ReLU()},
                tmp_path / "pickled.ckpt")
-    with pytest.raises(InputError, match="holds Python objects that loading without running "
-                       "code refuses"):
+    with pytest.raises(InputError, match=r"holds a Python object \(torch\.nn\.modules\."
+                       r"activation\.ReLU\) that loading would run; refused"):
         read_weights(tmp_path / "pickled.ckpt", key="model.encoder_weights")
     with pytest.raises(InputError, match=r"model.weights='.*nope.pth' does not exist"):
         unet(weights=str(tmp_path / "nope.pth"))
