@@ -60,7 +60,7 @@ def image_asset(item: pystac.Item, key: str | None = None) -> pystac.Asset:
     if key is not None:
         if key not in item.assets:
             raise InputError(f"item '{item.id}' has no asset '{key}' (its assets: {keys}); "
-                             "pass one of them as the asset key")
+                             "pass one of them as asset=")
         return item.assets[key]
     assets = list(item.assets.values())
     tiff = [a for a in assets if (a.media_type or "").startswith("image/tiff")]
@@ -69,7 +69,8 @@ def image_asset(item: pystac.Item, key: str | None = None) -> pystac.Asset:
         if choice:
             return choice[0]
     raise InputError(f"item '{item.id}' has no image asset (no role 'data', no image/tiff "
-                     f"media type; its assets: {keys}); pass the asset key to use")
+                     f"media type; its assets: {keys}); in the STAC JSON, give its image "
+                     "asset the role 'data' or the type 'image/tiff; application=geotiff'")
 
 
 def _items(source: str | os.PathLike[str] | Mapping[str, Any]
@@ -95,10 +96,12 @@ def _items(source: str | os.PathLike[str] | Mapping[str, Any]
         if kind in ("Catalog", "Collection"):
             catalog = pystac.read_file(str(path)) if path else pystac.read_dict(doc)
             assert isinstance(catalog, pystac.Catalog)
-            return ((item, _folder(item, base)) for item in catalog.get_items(recursive=True)
-                    ), where
-    except (pystac.STACError, KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"{where} is not a valid STAC {kind}: {exc}") from exc
+            # read every linked Item now: get_items is lazy, and a broken link raised later
+            return [(item, _folder(item, base)) for item in catalog.get_items(recursive=True)
+                    ], where
+    except (pystac.STACError, OSError, KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"{where} is not a valid STAC {kind}: {exc}; fix the file or the "
+                         "link it names") from exc
     raise InputError(f"{where} has type {kind!r}; expected a STAC ItemCollection "
                      "(FeatureCollection), Catalog, Collection or Item")
 

@@ -55,6 +55,7 @@ log = logging.getLogger("seg_at_scale.predict")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf_predict")  # shipped in the wheel
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # ranks that never meet fail, they do not hang
 _LAUNCHER: list[int] = []  # pid of the process that forks the ranks
+_REPORTED: list[Any] = []  # shared with the forked ranks: whether one printed the error
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,7 @@ def _launch(job: PredictJob, device: torch.device, fork: bool, work: Any) -> dic
     if not forked:
         return fabric.launch(_rank_main, job, False, work)  # type: ignore[no-any-return]
     _LAUNCHER[:] = [os.getpid()]  # the forked ranks' parent
+    _REPORTED[:] = [multiprocessing.Value("b", 0)]  # inherited by every forked rank
     try:
         return fabric.launch(_rank_main, job, True, work)  # type: ignore[no-any-return]
     except torch.multiprocessing.ProcessExitedException as exc:
@@ -235,7 +237,9 @@ def _rank_main(fabric: Any, job: PredictJob, forked: bool, work: Any) -> dict[st
 
     A forked rank dies with the launching process (even a SIGKILLed one: the kernel sends it
     SIGKILL, and its output lock goes with it), and ends a refused input or a stop by its
-    exit status (rank 0 prints the message); the launcher turns that into its own.
+    exit status; the launcher turns that into its own. The message is printed by the first
+    rank that raises one, whichever it is (an archive's failing scene may be rank 1's
+    alone), and only by that rank (a refusal every rank raises prints once).
     """
     if forked:
         die_with_parent(_LAUNCHER[0] if _LAUNCHER else None)
@@ -250,13 +254,25 @@ def _rank_main(fabric: Any, job: PredictJob, forked: bool, work: Any) -> dict[st
         own = exc if isinstance(exc, SegAtScaleError) else disk_full(exc)
         if own is None:
             raise
-        if fabric.global_rank == 0 or not isinstance(exc, SegAtScaleError):
-            print(f"seg-predict: error: {own}", file=sys.stderr, flush=True)
+        _report_once(f"seg-predict: error: {own}")
         status = USER_ERROR_EXIT
     except KeyboardInterrupt as exc:
         status = 143 if isinstance(exc, Stopped) else 130
     sys.stderr.flush()
     os._exit(status)  # every rank the same way; the launcher stops the others
+
+
+def _report_once(line: str) -> None:
+    """Print ``line`` on stderr unless another forked rank already printed its error."""
+    if not _REPORTED:
+        print(line, file=sys.stderr, flush=True)
+        return
+    flag = _REPORTED[0]
+    with flag.get_lock():
+        if flag.value:
+            return
+        flag.value = 1
+        print(line, file=sys.stderr, flush=True)
 
 
 def _cores() -> int:

@@ -106,14 +106,22 @@ def _gdal_type(dtype: str) -> str:
 
 
 def write_mosaics(paths: Sequence[Path], folder: Path, name: str = "mosaic") -> list[Path]:
-    """One VRT per CRS of ``paths``: ``mosaic.vrt``, or ``mosaic_<epsg or n>.vrt`` for several."""
+    """One VRT per CRS of ``paths``: ``mosaic.vrt``, or ``mosaic_<epsg or n>.vrt`` for several.
+
+    Rasters that are not north-up maps (no georeferencing: an identity transform, rows
+    going down in y) are left out: placed by pixel rows they would all lie at one spot.
+    """
     by_crs: dict[str, list[Path]] = {}
     keys: dict[str, str] = {}
     for p in paths:
-        crs = _describe(p)["crs"]
-        wkt = crs.to_wkt() if crs else ""
+        info = _describe(p)
+        if info["transform"].e >= 0:
+            continue
+        wkt = info["crs"].to_wkt() if info["crs"] else ""
+        if wkt not in keys:  # a name per CRS, given once and never shared
+            key = str(info["crs"].to_epsg() or f"crs{len(keys) + 1}") if info["crs"] else "none"
+            keys[wkt] = key if key not in keys.values() else f"{key}_{len(keys) + 1}"
         by_crs.setdefault(wkt, []).append(p)
-        keys[wkt] = str(crs.to_epsg() or len(keys)) if crs else "none"
     if len(by_crs) == 1:
         return [write_vrt(next(iter(by_crs.values())), folder / f"{name}.vrt")]
     return [write_vrt(group, folder / f"{name}_{keys[wkt]}.vrt")

@@ -170,14 +170,19 @@ def check_archive(scenes: Sequence[ArchiveScene], options: PredictOptions, *,
 
     Raises:
         InputError: with ``on_error=stop``, naming every bad scene and why (one message).
+        SegAtScaleError: every scene refused for one reason (a key of the run, not a scene).
     """
-    bad = []
+    bad, errors = [], []
     for s in scenes:
         try:
             check_scene(s.image, s.output, options, card=card, source=source,
                         model_files=model_files, mask=s.mask, cuda=cuda, vector=s.vector)
-        except (InputError, OutputExistsError) as exc:
+        except SegAtScaleError as exc:  # a scene's input, its output or a value it cannot hold
             bad.append(SceneRecord(s.stem, str(s.image), str(s.output), "skipped", str(exc)))
+            errors.append(exc)
+    one_reason = len(bad) == len(scenes) and len({r.reason for r in bad}) == 1
+    if one_reason and (len(scenes) > 1 or isinstance(errors[0], ConfigError)):
+        raise errors[0]  # a bad option (vector_classes=, the model's card): not the scenes
     if bad and on_error == "stop":
         listed = "; ".join(f"{r.stem}: {r.reason}" for r in bad[:MAX_LISTED])
         more = f"; ... and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
@@ -245,10 +250,13 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     device = next(model.parameters()).device
     weights = model_digest(model)
-    plans = [plan_raster(s.image, s.output, options, fp=trained.footprint,
-                         normalizer=trained.normalizer, names=trained.class_names,
-                         weights=weights, device=device,
-                         exact=bool(trained.card.get("exact", True))) for s in scenes]
+    plans = []
+    for s in scenes:
+        plans.append(plan_raster(s.image, s.output, options, fp=trained.footprint,
+                                 normalizer=trained.normalizer, names=trained.class_names,
+                                 weights=weights, device=device,
+                                 exact=bool(trained.card.get("exact", True))))
+        plans[-1].reader.close()  # reopened by the rank that reads it: one file open at once
     records = [SceneRecord(s.stem, str(s.image), str(s.output), tiles=len(p.grid),
                            megapixels=p.grid.height * p.grid.width / 1e6)
                for s, p in zip(scenes, plans, strict=True)]
@@ -270,7 +278,7 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
             _run_scene(trained, model, scenes[i], plans[i], stores[i], batches, options,
                        records[i], bar, on_error)
     barrier()
-    return _gather(records, plans, stores, scenes, trained, options)
+    return _gather(records, plans, stores, scenes, trained, options, on_error)
 
 
 def _in_order(units: list[tuple[int, Any]]) -> list[int]:
@@ -292,14 +300,32 @@ def _open_stores(plans: list[RasterPlan], records: list[SceneRecord],
         if pixels is not None:
             records[i].status, records[i].class_pixels = "reused", pixels
             records[i].tiles_resumed = records[i].tiles
+    refused: dict[int, str] = {}
     for i, p in enumerate(plans):
         if records[i].status == "pending" and i % world == rank:
-            store = open_store(p, options)
+            try:  # a leftover store of another prediction, an output of another run
+                store = open_store(p, options)
+            except SegAtScaleError as exc:
+                refused[i] = str(exc)
+                continue
             (p.working / CLAIM).unlink(missing_ok=True)  # a killed finaliser's claim
             del store
-    barrier()
+    refused = _everyone(refused)  # every rank agrees (and waits for every store)
+    for i, reason in sorted(refused.items()):
+        if on_error == "stop":
+            raise OutputExistsError(reason)
+        records[i].status, records[i].reason = "failed", reason
     return [PredictionStore.attach(p.working) if records[i].status == "pending" else None
             for i, p in enumerate(plans)]
+
+
+def _everyone(mine: dict[int, str]) -> dict[int, str]:
+    """Every rank's entries merged, on every rank (a collective: every rank calls it)."""
+    if rank_world()[1] == 1:
+        return mine
+    every: list[Any] = [None] * rank_world()[1]
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
 
 
 def _run_scene(trained: TrainedModel, model: torch.nn.Module, scene: ArchiveScene,
@@ -322,6 +348,8 @@ def _run_scene(trained: TrainedModel, model: torch.nn.Module, scene: ArchiveScen
         if on_error == "stop" or _disk_full(exc):
             raise
         record.status, record.reason = "failed", str(exc)
+    finally:
+        plan.reader.close()
     record.tiles_computed += stats.tiles_computed
     record.seconds += time.perf_counter() - t0
 
@@ -356,7 +384,7 @@ def _finish(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,
 
 def _gather(records: list[SceneRecord], plans: list[RasterPlan],
             stores: list[PredictionStore | None], scenes: Sequence[ArchiveScene],
-            trained: TrainedModel, options: PredictOptions) -> list[SceneRecord]:
+            trained: TrainedModel, options: PredictOptions, on_error: str) -> list[SceneRecord]:
     """Rank 0: every rank's records merged; a complete scene nobody finalised, finalised."""
     rank, world = rank_world()
     mine = [vars(r) for r in records]
@@ -379,7 +407,7 @@ def _gather(records: list[SceneRecord], plans: list[RasterPlan],
         merged.append(out)
     if rank == 0:
         for i, rec in enumerate(merged):
-            _complete(trained, scenes[i], plans[i], stores[i], options, rec)
+            _complete(trained, scenes[i], plans[i], stores[i], options, rec, on_error)
     for plan in plans:
         plan.reader.close()
     return merged
@@ -387,13 +415,26 @@ def _gather(records: list[SceneRecord], plans: list[RasterPlan],
 
 def _complete(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,
               store: PredictionStore | None, options: PredictOptions,
-              rec: SceneRecord) -> None:
-    """Rank 0, at the end: what a killed earlier run (or finaliser) left undone."""
+              rec: SceneRecord, on_error: str) -> None:
+    """Rank 0, at the end: what a killed earlier run (or finaliser) left undone.
+
+    Raises:
+        InputError: with ``on_error=stop``, a scene whose tiles are not all written though
+            every rank finished without an error (else it is recorded as failed).
+    """
     stats = PredictionStats(plan.output, plan.grid.height, plan.grid.width, len(plan.grid),
                             plan.grid.efficiency)
     if rec.status == "reused":  # a companion killed before it was written
         stats.reused = True
         companions(trained, scene.image, plan.output, options, scene.vector, stats)
-    elif rec.status == "pending" and store is not None and \
-            all(store.done(t) for t in plan.grid.tiles):  # a finaliser killed mid-way
-        _finish(trained, scene, plan, store, options, rec, stats)
+    elif rec.status == "pending" and store is not None:
+        missing = sum(not store.done(t) for t in plan.grid.tiles)
+        if not missing:  # a finaliser killed mid-way
+            _finish(trained, scene, plan, store, options, rec, stats)
+            return
+        rec.status = "failed"
+        rec.reason = (f"{missing} of {len(plan.grid)} tiles of '{plan.output}' are missing "
+                      f"from its store '{plan.working}' after every rank finished; rerun the "
+                      "same command to compute them")
+        if on_error == "stop":
+            raise InputError(rec.reason)

@@ -38,7 +38,7 @@ from seg_at_scale.tiling.engine import plan_batches
 
 __all__ = ["SceneCheck", "check_scene", "check_outputs", "same_path", "scene_outputs",
            "preview_path", "probabilities_path", "store_path", "check_dtype",
-           "check_nodata_fits", "DTYPE_HIGH_RATIO"]
+           "check_nodata_fits", "DTYPE_HIGH_RATIO", "rewritten_by_resume"]
 
 DTYPE_HIGH_RATIO = 4.0  # a float image whose typical high is 4x off the training data's
 
@@ -92,6 +92,17 @@ def scene_outputs(output: Path, options: PredictOptions,
 COMPANIONS = ("probabilities", "preview", "vector", "stac")  # written after the output
 
 
+def rewritten_by_resume(key: str, output: Path) -> bool:
+    """Whether an existing ``key`` file of ``output`` is a killed finaliser's, not another's.
+
+    The finaliser writes a ``.tif`` output's probabilities before its labels; killed between
+    the two, it leaves them beside the working store, which the rerun resumes (or refuses by
+    its fingerprint) and finalises again, rewriting them.
+    """
+    return key == "probabilities" and output.suffix.lower() != ".zarr" and \
+        (store_path(output) / "zarr.json").is_file()
+
+
 def same_path(a: Path, b: Path) -> bool:
     """Whether two paths name one file: after ``./``, ``..`` and symlinks, or hard links."""
     if Path(os.path.realpath(a)) == Path(os.path.realpath(b)):
@@ -137,6 +148,8 @@ def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
             continue
         if key == "output" and path.suffix.lower() == ".zarr":
             continue  # an interrupted store: resumed, or refused by its fingerprint
+        if rewritten_by_resume(key, outputs["output"]):
+            continue
         raise OutputExistsError(f"{key} '{path}' already exists; pass overwrite=true "
                                 "to replace it (or choose another path)")
 

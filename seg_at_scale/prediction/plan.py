@@ -20,7 +20,7 @@ from torch import nn
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import OutputExistsError
 from seg_at_scale.io import RasterReader
-from seg_at_scale.prediction.checks import store_path
+from seg_at_scale.prediction.checks import rewritten_by_resume, store_path
 from seg_at_scale.prediction.finalize import cog_outputs
 from seg_at_scale.prediction.finished import digest, finished
 from seg_at_scale.prediction.options import PredictOptions
@@ -144,8 +144,9 @@ def open_store(plan: RasterPlan, options: PredictOptions) -> PredictionStore:
     """Refuse to replace another output, then resume or create the plan's store."""
     overwrite, resume = options.overwrite, options.resume
     if plan.kind == "cog":
-        for p in cog_outputs(plan.output, options.probabilities):
-            if p.exists() and not overwrite:
+        for key, p in zip(("output", "probabilities"),
+                          cog_outputs(plan.output, options.probabilities), strict=False):
+            if p.exists() and not overwrite and not rewritten_by_resume(key, plan.output):
                 raise OutputExistsError(f"output '{p}' already exists; pass overwrite=true "
                                         "to replace it (or choose another path)")
     elif plan.working.exists() and not overwrite:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -92,41 +93,79 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
     """Rank 0: the preview, the polygons and the STAC Item of a finished output.
 
     Written when the output was computed now; when this same prediction had finished it
-    before (``stats.reused``), only the ones missing (a run killed while writing them).
-    Existing ones were checked before any work (:func:`check_scene`).
+    before (``stats.reused``), the preview only if missing (a run killed while writing it),
+    the polygons if missing or made with other vector options (:func:`_vector_stale`), and
+    the STAC Item if missing, if its assets are not this run's companions, or if the
+    polygons were written again. Existing ones were checked before any work
+    (:func:`check_scene`).
     """
-    def wanted(path: Path) -> bool:
-        return not (stats.reused and path.exists())
-
     made: dict[str, str] = {}
     png = preview_path(output)
     if options.preview:
-        if wanted(png):
+        if not (stats.reused and png.exists()):
             with RasterReader(image) as img, open_raster(output) as pred:
                 write_preview_png(png, read_overview(img, 1024), read_overview(pred, 1024)[0],
                                   trained.num_classes, overwrite=True)
         made["preview"] = str(png)
     probs = _probabilities_source(output, options)
+    rewritten = not stats.reused
     if vector is not None:
-        if wanted(vector):
+        made_with = _vector_options(output, options, probs)
+        if not stats.reused or _vector_stale(vector, made_with):
             vector.parent.mkdir(parents=True, exist_ok=True)
+            vector_record(vector).unlink(missing_ok=True)  # never beside another's polygons
             write_vectors(output, vector, class_names=trained.class_names,
                           connectivity=options.vector_connectivity,
                           min_area=options.vector_min_area, simplify=options.vector_simplify,
                           classes=options.vector_classes, probabilities=probs,
                           overwrite=True, key="vector")
+            vector_record(vector).write_text(json.dumps(made_with))
+            rewritten = True  # new polygons: the Item's checksum of them changes
         made["vector"] = str(vector)
     if options.stac:
         item = item_path(output)
-        if wanted(item):
+        tif_probs = probs if probs is not None and probs.suffix != ".zarr" else None
+        assets = {"labels", *(["probabilities"] if tif_probs else []),
+                  *(["vectors"] if vector is not None else [])}
+        if rewritten or _assets(item) != assets:
             model = {"source": trained.source, "family": trained.card["model"].get("family"),
                      "fingerprint": finished_digest(output)}
             write_item(stac_item(output, source_image=image, class_names=trained.class_names,
                                  colours=trained.card["data"].get("colours"), model=model,
-                                 probabilities=probs if isinstance(probs, Path) and
-                                 probs.suffix != ".zarr" else None, vectors=vector), output)
+                                 probabilities=tif_probs, vectors=vector), output)
         made["stac"] = str(item)
     return made
+
+
+def _assets(item: Path) -> set[str] | None:
+    """The asset keys of an existing STAC Item (None: missing or unreadable)."""
+    try:
+        return set(json.loads(item.read_text())["assets"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def vector_record(vector: Path) -> Path:
+    """Beside a vector file, the options it was made with (``.NAME.json``)."""
+    return vector.with_name(f".{vector.name}.json")
+
+
+def _vector_options(output: Path, options: PredictOptions,
+                    probs: Path | None) -> dict[str, Any]:
+    """What decides a vector file's polygons, beside the labels they are drawn from."""
+    return {"output": finished_digest(output), "connectivity": options.vector_connectivity,
+            "min_area": options.vector_min_area, "simplify": options.vector_simplify,
+            "classes": None if options.vector_classes is None else list(options.vector_classes),
+            "probabilities": None if probs is None else str(probs)}
+
+
+def _vector_stale(vector: Path, made_with: dict[str, Any]) -> bool:
+    """Whether a reused output's vector file is missing or was made with other options."""
+    try:
+        return json.loads(vector_record(vector).read_text()) != made_with or \
+            not vector.exists()
+    except (OSError, ValueError):
+        return True
 
 
 def _probabilities_source(output: Path, options: PredictOptions) -> Path | None:

@@ -18,6 +18,7 @@ is refused, never resumed into.
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -59,7 +60,7 @@ class PredictionStore:
             store = cls._existing(path, key)
             old = store.group.attrs.get("fingerprint", {})
             keys = set(old) | set(fingerprint)
-            diff = sorted(k for k in keys if old.get(k) != fingerprint.get(k))
+            diff = sorted(k for k in keys if not _same(old.get(k), fingerprint.get(k)))
             if diff:
                 raise OutputExistsError(
                     f"{key}: the store '{path}' was made by another prediction (differs in: "
@@ -185,3 +186,10 @@ def _coordinates(group: zarr.Group, grid: TileGrid, attrs: dict[str, Any]) -> No
                                          "spatial_ref": attrs.get("crs_wkt", ""),
                                          "GeoTransform": " ".join(repr(float(v)) for v in gt)})
     ref[...] = 0
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal fingerprint values, NaN equal to NaN (``nodata=nan`` never equals itself)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)

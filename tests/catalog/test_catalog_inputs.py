@@ -84,7 +84,8 @@ def test_refusals(tmp_path):
         "S2_tile", meta=tiff("m.json", ("metadata",), pystac.MediaType.JSON),
         thumb=tiff("t.png", ("thumbnail",), pystac.MediaType.PNG)))
     with pytest.raises(InputError, match=r"item 'S2_tile' has no image asset .*its assets: "
-                                         r"meta, thumb\); pass the asset key"):
+                                         r"meta, thumb\); in the STAC JSON, give its image "
+                                         r"asset the role 'data' or the type 'image/tiff"):
         image_hrefs(path)
     with pytest.raises(InputError, match=r"item 'S2_tile' has no asset 'B04' \(its assets: "
                                          r"meta, thumb\)"):
@@ -103,3 +104,17 @@ def test_refusals(tmp_path):
     (tmp_path / "geo.json").write_text('{"type": "Point", "coordinates": [0, 0]}')
     with pytest.raises(InputError, match="has type 'Point'; expected a STAC ItemCollection"):
         image_hrefs(tmp_path / "geo.json")
+
+
+def test_a_catalogue_linking_a_missing_item_is_refused_in_one_line(tmp_path):
+    catalog = pystac.Catalog("archive", "test archive")
+    catalog.add_item(item("x", data=tiff("./x.tif")))
+    catalog.add_item(item("y", data=tiff("./y.tif")))
+    catalog.normalize_hrefs(str(tmp_path / "stac"))
+    catalog.save(pystac.CatalogType.SELF_CONTAINED)
+    (tmp_path / "stac" / "y" / "y.json").unlink()
+    path = tmp_path / "stac" / "catalog.json"
+    with pytest.raises(InputError) as exc:
+        image_hrefs(path)
+    assert str(exc.value).startswith(f"{path} is not a valid STAC Catalog: ")
+    assert "y.json" in str(exc.value) and "\n" not in str(exc.value)
