@@ -76,8 +76,8 @@ class TilingConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.exact, bool):
             raise ConfigError(f"tiling.exact={self.exact!r}: use true (halo tiling equal to "
-                              "the whole-image forward) or false (overlap-and-blend, for "
-                              "networks that need the whole input)")
+                              "the whole-image forward) or false (approximate halo tiles, "
+                              "for networks that need the whole input)")
         if self.mode not in ("grid", "random"):
             raise ConfigError(f"tiling.mode={self.mode!r}: use 'grid' (exact whole-image "
                               "gradient) or 'random' (random aligned tiles)")

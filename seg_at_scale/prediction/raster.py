@@ -51,7 +51,12 @@ from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, footprint
 from seg_at_scale.tiling.engine import Batch, BatchOutput, run_batches
 from seg_at_scale.tiling.geometry import fill_of
-from seg_at_scale.tiling.passes import check_no_tta, fixed_statistics, has_statistics
+from seg_at_scale.tiling.passes import (
+    check_no_tta,
+    fixed_statistics,
+    has_statistics,
+    source_tiles,
+)
 from seg_at_scale.tiling.statistics import feature_count, image_pool_sum_of, uses_image_pool
 
 __all__ = ["PredictionStats", "predict_raster", "output_kind", "default_batch_size"]
@@ -225,10 +230,7 @@ def _statistic_passes(model: nn.Module, source: RasterWindows, grid: TileGrid,
                       share: list[Batch], device: torch.device, stats: PredictionStats,
                       world: int) -> Iterator[None]:
     """The statistic passes over this rank's share of every batch (all-reduced sums)."""
-    def tiles() -> Iterator[tuple[Any, Tensor]]:
-        for batch in share:
-            for tile in batch.tiles:
-                yield tile, torch.from_numpy(source.read(tile.read)[0]).unsqueeze(0).to(device)
+    tiles = source_tiles(source, [t for batch in share for t in batch.tiles], device)
 
     def reduce(total: Tensor) -> Tensor:
         dist.all_reduce(total)

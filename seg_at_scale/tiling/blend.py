@@ -1,11 +1,13 @@
-"""Overlap-and-blend inference (``tiling.exact=false``): what peers do, approximate.
+"""Overlap-and-blend inference: what peers do, approximate (a reference, not a code path).
 
-For networks no tiling reproduces exactly (squeeze-excitation, attention; see
-:mod:`seg_at_scale.models.smp_exact`), the image is covered by overlapping windows and
-their logits are averaged with Gaussian weights, as MONAI's ``sliding_window_inference``
-(``mode="gaussian"``, ``sigma_scale=0.125``) does: a window's centre counts most, its
-borders least. The result is *not* the whole-image forward; :func:`label_deviation`
-measures how far it is, and :func:`blend_metadata` says so in an output's metadata.
+The image is covered by overlapping windows and their logits are averaged with Gaussian
+weights, as MONAI's ``sliding_window_inference`` (``mode="gaussian"``,
+``sigma_scale=0.125``) does: a window's centre counts most, its borders least. The result
+is *not* the whole-image forward; :func:`label_deviation` measures how far it is. The
+tests use it to show what blending costs on the networks this package refuses to tile
+exactly (squeeze-excitation, attention; :mod:`seg_at_scale.models.smp_exact`). What
+``tiling.exact=false`` runs is different: halo tiles sized by the approximate footprint,
+each tile's core kept (:meth:`seg_at_scale.models.SMPModel.approximate_footprint`).
 
 Windows are aligned to the network's downsampling factor and the image is extended with
 zeros to a multiple of it, as the exact path does (the model input's zero is its own
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 
-__all__ = ["gaussian_weights", "window_starts", "predict_blended", "label_deviation",
-           "blend_metadata"]
+__all__ = ["gaussian_weights", "window_starts", "predict_blended", "label_deviation"]
 
 
 def gaussian_weights(height: int, width: int, sigma_scale: float = 0.125) -> Tensor:
@@ -126,9 +126,3 @@ def label_deviation(approx: Tensor, reference: Tensor) -> dict[str, float]:
     return {"labels_off_pct": round(100 * float(labels), 4),
             "max_logit_gap": float((approx - reference).abs().max())}
 
-
-def blend_metadata(window: int, overlap: float, sigma_scale: float = 0.125) -> dict[str, Any]:
-    """What an output made by :func:`predict_blended` records about itself."""
-    return {"exact": False, "tiling": "overlap-and-blend (Gaussian, as MONAI's sliding "
-            "window): not the whole-image forward", "window": window, "overlap": overlap,
-            "sigma_scale": sigma_scale}

@@ -9,12 +9,13 @@ from the block start. For valid-padding networks it is the context before the co
 equals the per-side shrink (92 for the 2015 U-Net); the context after the core follows
 from the size rule (``Footprint.out_residue``).
 
-The empirical measurement back-propagates from single output pixels, one per phase of
-the pooling grid, through a *structural copy* of the model: weights made positive,
-activations replaced by the identity and max-pooling by average pooling, in float64 and
-eval mode. That copy is linear with positive coefficients, so the gradient is non-zero
-exactly on the receptive field (a ReLU that happens to be off, or a max-pool that routes
-the gradient to one input, cannot hide part of it).
+The empirical measurement back-propagates from one aligned block of ``align`` output
+pixels near the middle, along each axis in turn (for same padding on a strip two blocks
+wide, so a wide pretrained encoder probes fast), through a *structural copy* of the model:
+weights made positive, activations replaced by the identity and max-pooling by average
+pooling, in float64 and eval mode. That copy is linear with positive coefficients, so the
+gradient is non-zero exactly on the receptive field (a ReLU that happens to be off, or a
+max-pool that routes the gradient to one input, cannot hide part of it).
 
 >>> from seg_at_scale.models import UNet
 >>> net = UNet(in_channels=1, num_classes=2, levels=3, convs_per_level=2, base_width=2,
@@ -149,8 +150,9 @@ def _extent(net: nn.Module, x: Tensor, axis: int, align: int
     seed = y.narrow(axis, i, align)
     (g,) = torch.autograd.grad(seed.sum(), x)
     if not bool(torch.isfinite(g).all()):
-        raise ValueError("the halo probe overflowed (non-finite gradients); give the model "
-                         "a footprint() or tiling.halo=<pixels>")
+        raise ValueError("the halo probe overflowed (non-finite gradients in the model's "
+                         "linearised copy); give the model a footprint() method that returns "
+                         "its Footprint")
     dims = tuple(d for d in range(g.dim()) if d != g.dim() + axis)
     hit = g.abs().sum(dim=dims).nonzero().flatten()
     return int(hit[0]), int(hit[-1]), i + shrink, out
@@ -175,7 +177,7 @@ def _measure(model: nn.Module, align: int, max_size: int = 4096) -> tuple[int, i
         probe = net(torch.ones(1, channels, size, size, dtype=torch.float64))
     shrink = (size - probe.shape[-1]) // 2
     narrow = 2 * align if shrink == 0 else None
-    whole_before = False
+    whole_before, before = False, size
     while True:
         left = right = 0
         touched, whole = False, True
@@ -199,13 +201,13 @@ def _measure(model: nn.Module, align: int, max_size: int = 4096) -> tuple[int, i
             halo = left if shrink > 0 else max(left, right)
             if whole and whole_before and size >= _GLOBAL_SIZE:
                 raise WholeImageDependency(
-                    f"output pixels depend on the whole input at {size // 2} and {size} "
+                    f"output pixels depend on the whole input at {before} and {size} "
                     "pixels (a whole-image statistic: global pooling, squeeze-excitation, "
                     "attention, or a norm over the image)")
             if not touched or size >= max_size:
                 return halo, shrink, out
             whole_before = whole
-        size = _probe_size(model, 2 * size)
+        before, size = size, _probe_size(model, 2 * size)
 
 
 def _first_conv_channels(net: nn.Module) -> int:

@@ -8,11 +8,10 @@ DeepLab's image pooling, FPN's GroupNorms) is tiled exactly in passes over the t
    before are held at their whole-image statistics; the forward stops as soon as the
    level's sites have recorded (a level-1 pass of DeepLabV3+ runs only the encoder);
 2. the final pass runs the tiles with every statistic fixed: the stitched cores equal the
-   whole-image forward (:func:`predict_tiled_exact`). For a raster file, read the windows
-   with :func:`source_tiles` and run any tiler inside :func:`fixed_statistics`::
-
-       with fixed_statistics(model, source_tiles(RasterWindows(...), grid), grid):
-           predict_raster(model, "scene.tif", "labels.tif", ...)
+   whole-image forward (:func:`predict_tiled_exact`). ``predict_raster`` (``seg-predict``)
+   runs these passes itself over windows read from the file (:func:`source_tiles`), each
+   rank over its share, the sums all-reduced: call it directly, not inside
+   :func:`fixed_statistics` (a model whose sites are already fixed is refused).
 
 :func:`tiled_backward_exact` adds reverse passes: the final pass collects the gradient of
 the whole-image loss with respect to each fixed statistic, and one pass per level, deepest
@@ -153,6 +152,14 @@ def statistic_passes(model: nn.Module, tiles: TileInputs, grid: TileGrid, *,
     Returns:
         Per level, its sites and their float64 sums (keyed by ``id(site)``).
     """
+    if grid.footprint.padding == "valid":  # the recorder maps cores by stride alone
+        raise ConfigError("whole-image statistics (GroupNorm, image pooling) are tiled exactly "
+                          "for same-padding networks only; this one shrinks its input (valid "
+                          "padding): use padding='same'")
+    held = [n for n, s in statistic_sites(model) if s.fixed is not None]
+    if held:
+        raise ValueError(f"statistic_passes: the sites {held} already hold a statistic (inside "
+                         "fixed_statistics?); run the passes once, outside it")
     first = next(iter(tiles()), None)
     if first is None:
         raise ValueError("statistic_passes needs at least one tile")
@@ -209,9 +216,12 @@ class WindowReader(Protocol):
         ...
 
 
-def source_tiles(source: WindowReader, grid: TileGrid,
+def source_tiles(source: WindowReader, grid: TileGrid | Iterable[Tile],
                  device: torch.device | None = None) -> TileInputs:
-    """:data:`TileInputs` read window by window (a raster file: nothing whole in memory)."""
+    """:data:`TileInputs` read window by window (a raster file: nothing whole in memory).
+
+    ``grid``: all its tiles, or only some (a rank's share, whose sums are then reduced).
+    """
     def tiles() -> Iterator[tuple[Tile, Tensor]]:
         for tile in grid:
             x = torch.as_tensor(source.read(tile.read)[0])[None]
@@ -238,6 +248,10 @@ def predict_tiled_exact(model: nn.Module, image: Tensor, *,
     passes when the model has sites (test-time augmentation is not offered here: each
     view of the image would need its own statistics).
     """
+    if image.dim() == 3:  # [C, H, W], as predict_tiled takes it
+        return predict_tiled_exact(model, image[None], q=q, tile_size=tile_size, fp=fp,
+                                   autocast=autocast, out_dtype=out_dtype,
+                                   channels_last=channels_last)[0]
     grid = _grid(model, image, q, tile_size, fp)
     if not has_statistics(model):
         return predict_tiled(model, image, q=q, tile_size=tile_size, fp=grid.footprint,

@@ -154,6 +154,9 @@ def reader_path(reader: BandReader) -> str:
     return str(getattr(reader, "path", "array"))
 
 
+BLOCK_STRIPS = 4  # a storage block up to this many strips tall is read whole
+
+
 def block_rows(reader: BandReader) -> int:
     """Rows of one storage block (TIFF tile or strip, zarr chunk); 1 for arrays.
 
@@ -171,7 +174,9 @@ def row_bands(readers: Sequence[BandReader], strip_rows: int | None = None
     """The rasters top to bottom in strips of ``strip_rows`` rows (all of the same rows).
 
     Files are read in bands of whole storage blocks (of the first reader) and cut into
-    strips, so no block is decoded twice.
+    strips, so no block is decoded twice; a block taller than ``BLOCK_STRIPS`` strips (a
+    single-strip TIFF holds the whole raster in one) is read strip by strip instead, so
+    memory stays at a strip.
 
     Args:
         readers: rasters of one size; the first decides the block alignment.
@@ -183,7 +188,7 @@ def row_bands(readers: Sequence[BandReader], strip_rows: int | None = None
     first = readers[0]
     rows = strip_rows or max(1, STRIP_PIXELS // first.width)
     block = max(1, block_rows(first))
-    band_rows = math.ceil(rows / block) * block
+    band_rows = math.ceil(rows / block) * block if block <= BLOCK_STRIPS * rows else rows
     for top in range(0, first.height, band_rows):
         window = Window(top, 0, min(band_rows, first.height - top), first.width)
         bands = [r.read(window) for r in readers]

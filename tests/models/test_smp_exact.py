@@ -53,6 +53,33 @@ def test_tiled_equals_untiled_at_odd_size(preset, tiling):
     assert_exact(predict_tiled_exact(net, x, **tiling), predict_full(net, x))
 
 
+def test_an_unbatched_image_and_a_nested_pass_as_predict_tiled_takes_them():
+    """``[C, H, W]`` is accepted as by ``predict_tiled`` (was: the height read as channels, a
+    raw RuntimeError); passes run inside ``fixed_statistics`` are refused in one line (was:
+    a raw KeyError)."""
+    from seg_at_scale.tiling.passes import fixed_statistics, tensor_tiles
+
+    net = preset_model("fpn_test_resnet")
+    x = torch.randn(4, 197, 229)
+    ref = predict_full(net, x[None])[0]
+    assert_exact(predict_tiled_exact(net, x, q=2)[None], ref[None])
+    grid = make_grid(197, 229, net.footprint(), q=2)
+    with fixed_statistics(net, tensor_tiles(x[None], grid), grid), \
+            pytest.raises(ValueError, match=r"already hold a statistic .*outside it"):
+        predict_tiled_exact(net, x, q=2)
+
+
+def test_statistic_sites_in_a_valid_padding_network_are_refused():
+    """The passes map a tile's core onto a site's map by its stride alone, which a network
+    that shrinks its input breaks: refused in one line rather than wrong."""
+    from seg_at_scale.tiling.sites import GroupNormSite
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), GroupNormSite(2, 4),
+                              torch.nn.Conv2d(4, 2, 1)).eval()
+    with pytest.raises(ConfigError, match="same-padding networks only"):
+        predict_tiled_exact(net, torch.randn(1, 1, 61, 53), q=2)
+
+
 def test_deeplab_two_pass_protocol_equals_untiled():
     """DeepLabV3+ also offers the single image-pooling pass the raster path runs."""
     net = preset_model("deeplabv3plus_test_resnet")

@@ -1,4 +1,4 @@
-"""Networks that need the whole input: refused under exact tiling, run by overlap-and-blend."""
+"""Networks that need the whole input: refused under exact tiling; what blending costs."""
 
 from __future__ import annotations
 

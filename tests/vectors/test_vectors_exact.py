@@ -31,6 +31,27 @@ def test_equals_whole_array_large(connectivity, strip_rows):
     assert_same_regions(reference(LARGE, connectivity), streamed(LARGE, connectivity, strip_rows))
 
 
+def test_a_single_strip_tiff_is_read_a_strip_at_a_time(tmp_path, monkeypatch):
+    """tifffile's default TIFF is one strip: reading whole storage blocks read the whole
+    raster at once (not "memory stays at one strip"). The polygons stay the same."""
+    import tifffile
+
+    from seg_at_scale.io import RasterReader
+
+    tifffile.imwrite(tmp_path / "one_strip.tif", LARGE)
+    heights = []
+    read = RasterReader.read
+
+    def spy(self, window, *args, **kwargs):
+        heights.append(window.height)
+        return read(self, window, *args, **kwargs)
+
+    monkeypatch.setattr(RasterReader, "read", spy)
+    got = streamed(str(tmp_path / "one_strip.tif"), 8, 64)
+    assert heights and max(heights) <= 64
+    assert_same_regions(reference(LARGE, 8), got)
+
+
 def test_shapes_that_matter_are_there():
     """The test raster really has what the exactness tests are about."""
     ref4, ref8 = reference(SMALL, 4), reference(SMALL, 8)
