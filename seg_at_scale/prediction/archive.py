@@ -45,7 +45,7 @@ from seg_at_scale.prediction.plan import (
     reusable,
 )
 from seg_at_scale.prediction.progress import progress_bar
-from seg_at_scale.prediction.raster import PredictionStats, predict_batches
+from seg_at_scale.prediction.raster import PredictionStats, predict_batches, raised_everywhere
 from seg_at_scale.prediction.scene import companions, predict_scene
 from seg_at_scale.prediction.store import PredictionStore
 from seg_at_scale.tiling.geometry import fill_of
@@ -227,9 +227,9 @@ def _scene_by_scene(trained: TrainedModel, scenes: Sequence[ArchiveScene],
         try:
             res = predict_scene(trained, s.image, s.output, options, mask=s.mask,
                                 checked=True, vector=s.vector)
-        except (InputError, OSError) as exc:
-            if on_error == "stop":
-                raise
+        except (SegAtScaleError, OSError) as exc:
+            if on_error == "stop" or not raised_everywhere(exc):
+                raise  # an error on this rank alone, mid-scene: the others cannot go on
             rec.status, rec.reason = "failed", str(exc)
         else:
             rec.status = "reused" if res["tiles_computed"] == 0 else "done"

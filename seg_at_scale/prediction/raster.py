@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.windows import RasterWindows
-from seg_at_scale.errors import ConfigError
+from seg_at_scale.errors import ConfigError, SegAtScaleError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.parallel.launch import barrier, rank_world
 from seg_at_scale.prediction.checks import check_outputs, store_path
@@ -149,23 +149,21 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
                        device=device, exact=exact)
     grid, batches = plan.grid, plan.batches
     if world > len(batches):
-        raise ConfigError(f"processes={world} but the grid of '{image}' has only "
-                          f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
-                          f"processes <= {len(batches)} or a smaller tile_size")
+        raise agreed(ConfigError(f"processes={world} but the grid of '{image}' has only "
+                                 f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
+                                 f"processes <= {len(batches)} or a smaller tile_size"))
     stats = PredictionStats(out_path, grid.height, grid.width, len(grid), grid.efficiency,
                             processes=world, store=str(plan.working))
     lock = output_lock(out_path) if rank == 0 else contextlib.nullcontext()
     with lock:
-        reused = _share(reusable(plan, o.overwrite) if rank == 0 else None)
+        reused = _on_rank0(lambda: reusable(plan, o.overwrite))
         if reused is not None:  # this very prediction finished before: nothing to compute
             stats.tiles_resumed, stats.class_pixels, stats.reused = len(grid), reused, True
             stats.total_s = time.perf_counter() - t_start
             return stats
-        if rank == 0:
-            store = open_store(plan, o)
-        barrier()
-        if rank != 0:
-            store = PredictionStore.attach(plan.working)
+        opened: list[PredictionStore] = []
+        _on_rank0(lambda: opened.append(open_store(plan, o)))
+        store = opened[0] if rank == 0 else PredictionStore.attach(plan.working)
         todo = [b for b in batches if not all(store.done(t) for t in b.tiles)]
         barrier()  # nobody writes before every rank has listed what is left
         stats.tiles_resumed = len(grid) - sum(len(b.tiles) for b in todo)
@@ -288,6 +286,37 @@ def _names(model: nn.Module, image: Path, fp: Footprint,
                             device=next(model.parameters()).device)
             k = int(model(x).shape[1])
     return [f"class_{i}" for i in range(k)]
+
+
+def agreed(exc: SegAtScaleError) -> SegAtScaleError:
+    """Mark ``exc`` as raised by every rank at the same point (:func:`raised_everywhere`)."""
+    exc.all_ranks = True  # type: ignore[attr-defined]
+    return exc
+
+
+def raised_everywhere(exc: BaseException) -> bool:
+    """Whether every rank raised ``exc`` at the same point (one process: always).
+
+    The ranks can then go on together, to an archive's next scene; otherwise only this rank
+    raised it, mid-work, and the others wait for it in a collective.
+    """
+    return bool(getattr(exc, "all_ranks", False)) or rank_world()[1] == 1
+
+
+def _on_rank0(fn: Any) -> Any:
+    """``fn()`` on rank 0; its result on every rank, or its refusal raised on every rank."""
+    if rank_world()[1] == 1:
+        return fn()
+    value, error = None, None
+    if rank_world()[0] == 0:
+        try:
+            value = fn()
+        except SegAtScaleError as exc:
+            error = str(exc), type(exc)
+    value, error = _share((value, error))
+    if error is not None:
+        raise agreed(error[1](error[0]))
+    return value
 
 
 def _share(value: Any) -> Any:
