@@ -121,6 +121,7 @@ def test_a_probe_failing_under_exact_false_is_one_line(monkeypatch):
         raise RuntimeError("stack expects each tensor to be equal size\nmore")
 
     monkeypatch.setattr(smp_module, "empirical_halo", fails)
+    monkeypatch.setattr(smp_module, "_HALOS", {})  # not a halo another test probed
     net = SMPModel("Unet", "tu-test_efficientnet", in_channels=4, num_classes=3,
                    options=DEC)
     with pytest.raises(ConfigError) as err:
