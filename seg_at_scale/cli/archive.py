@@ -58,7 +58,8 @@ def predict_archive_job(job: PredictJob, trained: TrainedModel,
     output_dir = Path(job.output_dir)  # type: ignore[arg-type]
     output_dir.mkdir(parents=True, exist_ok=True)
     rank = rank_world()[0]
-    lock = output_lock(output_dir / "archive") if rank == 0 else contextlib.nullcontext()
+    lock = output_lock(output_dir / "archive", what=f"output_dir '{output_dir}'") if rank == 0 \
+        else contextlib.nullcontext()
     with lock:
         records = predict_archive(trained, work.scenes, job.options, on_error=job.on_error,
                                   checked=work.refused)

@@ -27,8 +27,11 @@ def lock_path(output: Path) -> Path:
 
 
 @contextlib.contextmanager
-def output_lock(output: Path) -> Iterator[Path]:
-    """Hold ``output``'s lock; refuse at once if another process holds it."""
+def output_lock(output: Path, what: str | None = None) -> Iterator[Path]:
+    """Hold ``output``'s lock; refuse at once if another process holds it.
+
+    ``what`` names the output in the refusal (default ``output '<output>'``).
+    """
     folder = output.parent if str(output.parent) else Path(".")
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -40,12 +43,13 @@ def output_lock(output: Path) -> Iterator[Path]:
                           "choose a writable location")
     path = lock_path(output)
     lock = FileLock(path, timeout=0)
+    named = what or f"output '{output}'"
     try:
         lock.acquire()
     except Timeout as exc:
         raise OutputExistsError(
-            f"output '{output}' is being written by another run (its lock '{path}' is "
-            "held); wait for it to finish or choose another output") from exc
+            f"{named} is being written by another run (its lock '{path}' is held); wait for "
+            "it to finish or choose another output") from exc
     try:
         yield path
     finally:

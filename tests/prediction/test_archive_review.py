@@ -234,3 +234,16 @@ def test_an_option_every_scene_refuses_is_one_error_not_a_list(run, tmp_path):
         assert res.returncode == 2 and len(line) == 1, res.stderr
         assert "classes=[-1] holds [-1]" in line[0] and "scenes cannot be predicted" not in line[0]
         assert not (out / "summary.csv").exists()
+
+
+def test_a_second_archive_into_the_same_output_dir_names_the_folder(run, tmp_path):
+    """Another run holding the archive's lock: the refusal names output_dir (was: the
+    lock's stand-in 'out/archive', a path that does not exist)."""
+    from seg_at_scale.prediction.lock import output_lock
+
+    scenes, out = _three(tmp_path), tmp_path / "out"
+    with output_lock(out / "archive"):  # what the first run holds while it predicts
+        second = seg_predict_here(f"run={run}", *OPTS, f"images={scenes}", f"output_dir={out}")
+    assert second.returncode == 2
+    assert f"output_dir '{out}' is being written by another run" in second.stderr
+    assert not list(out.glob("*.tif"))  # nothing predicted
