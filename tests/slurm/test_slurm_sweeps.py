@@ -47,6 +47,12 @@ def _miou_history(run: Path) -> list[float]:
         return [float(m["val/miou"]) for m in csv.DictReader(f) if m["val/miou"]]
 
 
+def _ctrl_c_as_at_a_terminal() -> None:
+    """SIGINT as a terminal's command gets it (a suite started in the background by a
+    non-interactive shell inherits SIGINT ignored, and the Ctrl+C below would be lost)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_cancelled_slurm_sweep_resumes_and_reports_every_trial(
         slurm_cluster, jobs_env, console_scripts, tmp_path: Path):
     folder = tmp_path / "sweep"
@@ -54,7 +60,8 @@ def test_a_cancelled_slurm_sweep_resumes_and_reports_every_trial(
            f"hydra.sweep.dir={folder}"]
     env = {**jobs_env, **slurm_cluster.env}
     first = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+                             stderr=subprocess.STDOUT, text=True,
+                             preexec_fn=_ctrl_c_as_at_a_terminal)
     deadline = time.monotonic() + 120
     while not ((folder / "0").exists() and (folder / "1").exists()):  # both trials started
         assert first.poll() is None and time.monotonic() < deadline, "trials never started"
