@@ -94,3 +94,35 @@ def test_a_killed_rank_fails_the_job_and_the_launcher_completes_the_bytes(
     # one torch thread per CPU of a task (slurm_predict.yaml's setup), not one per core
     script = (sweep / ".submitit" / str(job) / f"{job}_submission.sh").read_text()
     assert "export OMP_NUM_THREADS=1\n" in script
+
+
+def test_an_archive_on_two_nodes_equals_one_process(slurm_cluster, jobs_env, cli_case,
+                                                    tmp_path: Path):
+    """``images=`` through the README's sbatch script on two nodes: one work queue over the
+    scenes and both nodes' ranks, every scene's bytes those of the one-process archive."""
+    import csv
+
+    from prediction_helpers import make_image, seg_predict_here
+
+    run, _ = cli_case
+    scenes = tmp_path / "scenes"
+    scenes.mkdir()
+    for k, (h, w) in enumerate([(203, 171), (97, 131), (151, 229)]):
+        make_image(scenes / f"s{k}.tif", h, w, seed=k + 2)
+    keys = [f"run={run}", f"images={scenes}", *TILES, "preview=false", "stac=false"]
+    one = seg_predict_here(*keys, f"output_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    job = slurm_cluster.sbatch(["-o", str(tmp_path / "two.out"), str(SCRIPTS / "predict.sbatch"),
+                                *keys, f"output_dir={tmp_path / 'two'}"], jobs_env)
+    info = slurm_cluster.wait(job, timeout=180)
+    log = job_log(tmp_path / "two.out")
+    assert (info["JobState"], info["NodeList"]) == ("COMPLETED", "n[1-2]"), log[-3000:]
+    for k in range(3):
+        name = f"s{k}.tif"
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+    with (tmp_path / "two" / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["status"] for r in rows} == {"done"} and len(rows) == 3
+    by_rank = [json.loads(r["tiles_by_rank"]) for r in rows]
+    assert all(len(t) == 2 for t in by_rank)
+    assert sum(t[0] for t in by_rank) > 0 and sum(t[1] for t in by_rank) > 0  # both nodes
