@@ -32,7 +32,9 @@ __all__ = ["load_checkpoint", "model_state", "checkpoint_problem", "UnsafeCheckp
 
 log = logging.getLogger(__name__)
 
-_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+PICKLED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")  # the global a refused pickle asks for
+# what torch.load raises for a file that is not a readable torch file
+UNREADABLE = (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile)
 
 
 class UnsafeCheckpointError(InputError):
@@ -73,14 +75,14 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> dic
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as exc:
-        found = _GLOBAL.search(str(exc))
+        found = PICKLED_GLOBAL.search(str(exc))
         if found is None:
             raise _unreadable(path, exc) from None
         raise UnsafeCheckpointError(
             f"checkpoint '{path}' holds a Python object ({found.group(1)}) that "
             f"loading would run; refused. {TRUST_HINT.capitalize()}, or ask for a model "
             "exported with seg-export (weights as safetensors)") from None
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+    except UNREADABLE as exc:
         raise _unreadable(path, exc) from None
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise InputError(f"checkpoint '{path}' holds no state_dict: it is not a checkpoint "

@@ -36,7 +36,6 @@ import logging
 import os
 import pickle
 import socket
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError, InputError
-from seg_at_scale.models.checkpoint import _GLOBAL as PICKLED_GLOBAL
+from seg_at_scale.models.checkpoint import PICKLED_GLOBAL, UNREADABLE
 
 __all__ = ["read_weights", "match_weights", "WeightsMatch", "adapt_first_conv",
            "normalization_of", "is_offline", "resolve_weights", "WEIGHT_SUFFIXES",
@@ -59,7 +58,6 @@ _WRAPPERS = ("state_dict", "model", "module", "model_state_dict", "net")
 _TARGET_PREFIXES = ("", "model.")  # smp wraps a timm encoder as encoder.model
 # what torch.load raises on a file that is not one (text: KeyError, a bad zip, ...), as
 # seg_at_scale.models.checkpoint catches
-_UNREADABLE = (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile)
 
 
 def read_weights(path: str | os.PathLike[str], *, key: str) -> tuple[dict[str, Tensor],
@@ -95,7 +93,7 @@ def read_weights(path: str | os.PathLike[str], *, key: str) -> tuple[dict[str, T
         raise InputError(f"{key}='{p}' holds a Python object ({found.group(1)}) that "
                          "loading would run; refused. Save its state_dict() alone "
                          "(torch.save(model.state_dict(), ...)) or as .safetensors") from None
-    except _UNREADABLE as exc:
+    except UNREADABLE as exc:
         raise _unreadable(p, key, exc) from None
     return _tensors(obj, p, key), {}
 
