@@ -1,7 +1,8 @@
 """Large-model support: memory modes, precision checks, the largest tile a budget allows.
 
 * :func:`apply_memory_mode` - ``none`` / ``checkpoint`` / ``offload`` / ``checkpoint_offload``
-  for any model with ``pipeline_layers()``; same parameters and state dict.
+  for any model with ``pipeline_layers()`` (or, for smp, ``checkpoint_roots()``); same
+  parameters and state dict.
 * :func:`check_precision` - ``32`` / ``bf16-mixed`` / ``16-mixed`` against the machine.
 * :func:`find_largest_tile` - largest aligned square tile whose training step fits a budget.
 * :class:`MemoryReport` - per-step peak memory and step time in the run log.

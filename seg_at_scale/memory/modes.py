@@ -3,7 +3,9 @@
 * ``none``: the model as it is.
 * ``checkpoint``: activation checkpointing (``torch.utils.checkpoint``, non-reentrant) over
   segments of the flat layer form ``model.pipeline_layers()``, cut per resolution
-  ``level``, per ``block`` or every ``k`` ``layers`` (:mod:`seg_at_scale.memory.segments`).
+  ``level``, per ``block`` or every ``k`` ``layers`` (:mod:`seg_at_scale.memory.segments`);
+  for library networks without that form (smp), over their stages (``level``) or
+  building blocks (``block``) (:mod:`seg_at_scale.memory.units`).
 * ``offload``: every tensor autograd saves goes to host memory
   (``torch.autograd.graph.save_on_cpu``, pinned when CUDA is available) - the modern form
   of IBM's "Large Model Support". On a CPU-only machine the tensors already live in host
@@ -41,6 +43,7 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.levels import Level, check_block_size, find_levels
 from seg_at_scale.memory.segments import GRANULARITIES, Segment, cut_segments, run_segments
 from seg_at_scale.memory.strips import DEFAULT_COLS, DEFAULT_ROWS, run_strips
+from seg_at_scale.memory.units import UNIT_GRANULARITIES, checkpointed, find_units
 
 __all__ = ["MODES", "MemoryConfig", "MemoryWrapped", "apply_memory_mode",
            "pipe_checkpoint_mode", "memory_mode_of"]
@@ -149,7 +152,9 @@ class MemoryWrapped(nn.Module):
     ``pipeline_layers``, ``downsampling_factor`` ...) are read from the model.
 
     Args:
-        model: a network offering ``pipeline_layers()`` (needed for checkpointing).
+        model: a network; checkpointing needs its flat form ``pipeline_layers()`` or, for
+            library networks (smp), ``checkpoint_roots()``: the modules whose building
+            blocks are checkpointed (:mod:`seg_at_scale.memory.units`).
         cfg: the memory mode.
     """
 
@@ -165,7 +170,10 @@ class MemoryWrapped(nn.Module):
         self.memory = cfg
         self._segments: list[Segment] = []
         self._levels: list[Level] = []
-        if cfg.checkpoints and cfg.granularity == "strips":
+        self._units: list[nn.Module] = []
+        if cfg.checkpoints and _by_units(model):
+            self._units = _units_of(model, cfg)
+        elif cfg.checkpoints and cfg.granularity == "strips":
             if not hasattr(model, "pipeline_layers"):
                 raise ConfigError(f"memory.granularity=strips needs the flat layer form, but "
                                   f"{type(model).__name__} has no pipeline_layers(); use "
@@ -221,6 +229,9 @@ class MemoryWrapped(nn.Module):
         with offload:
             if not cfg.checkpoints:
                 return self.inner(x)
+            if self._units:
+                with checkpointed(self._units):
+                    return self.inner(x)
             if self._levels:
                 return run_strips(self.inner.pipeline_layers(), self._levels, x,
                                   rows=cfg.strip_rows, cols=cfg.strip_cols)
@@ -234,6 +245,8 @@ class MemoryWrapped(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.memory
+        if self._units:
+            return f"mode={c.mode}, granularity={c.granularity}, units={len(self._units)}"
         if self._levels:
             return f"mode={c.mode}, granularity=strips, levels={len(self._levels)}, " \
                    f"strip_rows={c.strip_rows}, strip_cols={c.strip_cols}"
@@ -241,11 +254,37 @@ class MemoryWrapped(nn.Module):
                 if c.checkpoints else f"mode={c.mode}")
 
 
+def _by_units(model: nn.Module) -> bool:
+    """Whether ``model`` is checkpointed by building block (it has no flat layer form)."""
+    return not hasattr(model, "pipeline_layers") and callable(
+        getattr(model, "checkpoint_roots", None))
+
+
+def _units_of(model: nn.Module, cfg: MemoryConfig) -> list[nn.Module]:
+    """The building blocks to checkpoint (:mod:`seg_at_scale.memory.units`)."""
+    name = type(model).__name__
+    if cfg.granularity not in UNIT_GRANULARITIES:
+        what = "recompute" if cfg.granularity == "strips" else "count"
+        raise ConfigError(
+            f"memory.granularity={cfg.granularity}: {name} has no flat layer form whose "
+            f"layers {cfg.granularity} would {what}; use memory.granularity=level (stages) "
+            "or memory.granularity=block (building blocks), both exact")
+    units = find_units(model.checkpoint_roots(), cfg.granularity)
+    if not cfg.checkpoint_last:
+        units = units[:-1]  # the last one would be recomputed at once: same peak, more time
+    if not units:
+        log.warning("memory.granularity=%s finds no building block to checkpoint in %s: "
+                    "nothing is checkpointed; use memory.granularity=block",
+                    cfg.granularity, name)
+    return units
+
+
 def apply_memory_mode(model: nn.Module, cfg: MemoryConfig | str) -> nn.Module:
     """The model under a memory mode (``none`` returns the model itself).
 
     Args:
-        model: any network; checkpointing needs ``model.pipeline_layers()``.
+        model: any network; checkpointing needs ``model.pipeline_layers()`` or
+            ``model.checkpoint_roots()``.
         cfg: a :class:`MemoryConfig` or just the mode name.
 
     Returns:

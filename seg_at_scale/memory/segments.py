@@ -47,7 +47,7 @@ from seg_at_scale.models.layers import (
     run_layers,
 )
 
-__all__ = ["GRANULARITIES", "Segment", "cut_segments", "run_segments"]
+__all__ = ["GRANULARITIES", "Segment", "cut_segments", "run_segments", "keep_norm_stats"]
 
 GRANULARITIES = ("level", "block", "layers")
 
@@ -185,7 +185,7 @@ def _segment_fn(layers: Sequence[nn.Module], seg: Segment,
 
 
 @contextlib.contextmanager
-def _keep_norm_stats(layers: Sequence[nn.Module]) -> Iterator[None]:
+def keep_norm_stats(layers: Sequence[nn.Module]) -> Iterator[None]:
     """Undo what a recomputation does to train-mode BatchNorm running statistics.
 
     Recomputing a segment runs its BatchNorms' forward a second time; without this their
@@ -235,7 +235,7 @@ def run_segments(layers: Sequence[nn.Module], segments: Sequence[Segment], x: Te
         inside = layers[seg.start : seg.stop]
         out = checkpoint(_segment_fn(layers, seg, to_device), x, *needed, use_reentrant=False,
                          context_fn=lambda inside=inside: (contextlib.nullcontext(),
-                                                           _keep_norm_stats(inside)))
+                                                           keep_norm_stats(inside)))
         x = out[0]
         for name, t in zip(seg.gives, out[1:]):
             stashed[name] = to_host(t) if to_host is not None else t

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import weights as W
+from seg_at_scale.models.layout import prefer_layouts
 from seg_at_scale.models.smp_exact import (
     ASPPImagePool,
     make_exact,
@@ -94,6 +95,7 @@ class SMPModel(nn.Module):
         self.align_corners = align_corners
         self.net = _create(arch, encoder, in_channels, num_classes, self.options)
         make_exact(self.net, align_corners=align_corners)
+        prefer_layouts(self.net)  # DeepLab's dilated depthwise convolutions: NCHW on CPU
         f64 = torch.float64  # the statistics as written (a float32 0.485 reads 0.48500001)
         self.register_buffer("input_mean", torch.full((in_channels,), math.nan, dtype=f64))
         self.register_buffer("input_std", torch.full((in_channels,), math.nan, dtype=f64))
@@ -162,6 +164,10 @@ class SMPModel(nn.Module):
     def encoder_parameters(self) -> Iterator[nn.Parameter]:
         """The encoder's parameters (fine-tuning: their own learning rate, freezing)."""
         return self.net.encoder.parameters()  # type: ignore[no-any-return]
+
+    def checkpoint_roots(self) -> list[nn.Module]:
+        """Where ``memory=checkpoint`` finds its stages and blocks: encoder and decoder."""
+        return [self.net.encoder, self.net.decoder]
 
     # ----- tiling -----------------------------------------------------------------------
 

@@ -134,10 +134,16 @@ def test_tiled_gradients_equal_whole_image_gradients(preset):
     assert worst <= 1e-9 * scale
 
 
-@pytest.mark.parametrize("preset", ["unet_test_resnet", "fpn_test_resnet"])
+@pytest.mark.parametrize("preset", ["unet_test_resnet", "fpn_test_resnet", "deeplab_rate_8"])
 def test_channels_last_fp32_tiles_equal_the_contiguous_whole_image(preset):
-    """The fast fp32 layout keeps exactness: NHWC tiles against the NCHW untiled forward."""
-    net = preset_model(preset)
+    """The fast fp32 layout keeps exactness: NHWC tiles against the NCHW untiled forward
+    (DeepLabV3+ at rates >= 8: its ASPP depthwise convolutions compute in NCHW)."""
+    from seg_at_scale.models.layout import NCHWConv2d
+
+    net = (preset_model("deeplabv3plus_test_resnet", "model.options.decoder_atrous_rates=[8,9,10]")
+           if preset == "deeplab_rate_8" else preset_model(preset))
+    assert sum(isinstance(m, NCHWConv2d) for m in net.modules()) == (
+        3 if preset == "deeplab_rate_8" else 0)
     x = torch.randn(1, 4, 301, 277)
     ref = predict_full(net, x)
     nhwc = net.to(memory_format=torch.channels_last)

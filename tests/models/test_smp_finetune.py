@@ -125,12 +125,9 @@ def test_optuna_space_searches_architecture_and_encoder():
     assert "model=smp" in space.fixed
 
 
-def test_features_without_a_flat_form_are_refused_with_the_reason():
-    from seg_at_scale.memory import apply_memory_mode
+def test_pipelines_without_a_flat_form_are_refused_with_the_reason():
     from seg_at_scale.parallel.setup import resolve_pipeline
 
     net = preset_model("unet_test_resnet")
-    with pytest.raises(ConfigError, match="SMPModel has no pipeline_layers"):
-        apply_memory_mode(net, "checkpoint")
     with pytest.raises(ConfigError, match="SMPModel has no flat layer form"):
         resolve_pipeline({"mode": "auto", "stages": 2}, net, (4, 64, 64), 2)
