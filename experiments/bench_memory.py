@@ -5,9 +5,13 @@ Run it::
     python experiments/bench_memory.py                        # small + medium U-Net, 6 GiB
     python experiments/bench_memory.py --models small --rel-tol 0.15 --name bench_memory_quick
     python experiments/bench_memory.py --models uresnet_cosmic --name bench_memory_uresnet
+    python experiments/bench_memory.py --models smp:Unet:resnet34 --modes none,checkpoint,\
+        checkpoint:block --no-search --time-side 1024 --name bench_memory_smp
 
 For each U-Net size (or ``uresnet_<preset>``: residual levels, deeper per resolution; its
-tile is per wire plane, all three planes in one step) and memory mode, on this machine's CPU:
+tile is per wire plane, all three planes in one step; or ``smp:<arch>:<encoder>``: an smp
+network, 4 bands, 5 classes, checkpointed by stage or building block) and memory mode, on
+this machine's CPU:
 
 * the largest legal square tile whose training step (forward, loss, backward, AdamW step;
   fresh process, peak RSS) fits ``--budget-gb`` (:func:`seg_at_scale.memory.find_largest_tile`);
@@ -48,14 +52,19 @@ from seg_at_scale.memory import (
 )
 from seg_at_scale.memory.sides import legal_side
 from seg_at_scale.models import UNET_SIZES, URESNET_SIZES, UNet, UResNet
+from seg_at_scale.models.smp import SMPModel
 from seg_at_scale.tiling import make_grid
 
 DEFAULT_TILE = 512  # conf/tiling/random.yaml tile_size
 
 
-def build(size: str) -> UNet | UResNet:
-    """A U-Net preset (``small``), or a UResNet one (``uresnet_cosmic``: 3 planes)."""
+def build(size: str) -> UNet | UResNet | SMPModel:
+    """A U-Net preset (``small``), a UResNet one (``uresnet_cosmic``: 3 planes), or an smp
+    network (``smp:Unet:resnet34``)."""
     torch.manual_seed(0)
+    if size.startswith("smp:"):
+        _, arch, encoder = size.split(":")
+        return SMPModel(arch, encoder, in_channels=4, num_classes=5)
     if size.startswith("uresnet_"):
         return UResNet(**URESNET_SIZES[size.removeprefix("uresnet_")].kwargs())
     s = UNET_SIZES[size]
@@ -90,10 +99,14 @@ def time_modes(net: UNet, modes: list[str], side: int, spec: dict[str, Any],
             prev["s_per_mpix"] = round(min(prev["s_per_mpix"], m.seconds_per_mpix), 3)
             prev["cpu_s_per_mpix"] = round(min(prev["cpu_s_per_mpix"], m.cpu_seconds_per_mpix), 3)
             prev["peak_mib"] = round(m.peak_bytes / 2**20, 1)
+            prev["before_step_mib"] = round(m.base_bytes / 2**20, 1)
             print(f"  round {r}, time at {side}^2, {mode}: {m.seconds_per_mpix:.2f} s/Mpix wall, "
                   f"{m.cpu_seconds_per_mpix:.2f} CPU, peak {m.peak_bytes / 2**20:.0f} MiB",
                   flush=True)
     for v in out.values():
+        v["peak_vs_none"] = round(v["peak_mib"] / out["none"]["peak_mib"], 3)
+        v["step_peak_vs_none"] = round((v["peak_mib"] - v["before_step_mib"]) / (
+            out["none"]["peak_mib"] - out["none"]["before_step_mib"]), 3)
         v["time_vs_none"] = round(v["s_per_mpix"] / out["none"]["s_per_mpix"], 3)
         v["cpu_time_vs_none"] = round(v["cpu_s_per_mpix"] / out["none"]["cpu_s_per_mpix"], 3)
     return out
@@ -166,6 +179,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
     p.add_argument("--image", type=int, default=10000)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-search", dest="search", action="store_false",
+                   help="time and measure at --time-side only (no largest-tile search)")
     p.add_argument("--name", default="bench_memory")
     args = p.parse_args()
     modes = args.modes.split(",")
@@ -179,6 +194,9 @@ def main() -> None:
               f"{sum(q.numel() for q in net.parameters()) / 1e6:.2f} M params", flush=True)
         timing = time_modes(net, modes, legal_side(net.footprint(), args.time_side), spec,
                             args.granularity, args.rounds)
+        if not args.search:
+            results[size] = {"timing_common_side": timing}
+            continue
         t_default = measure_step(net, legal_side(net.footprint(), DEFAULT_TILE),
                                  mode_spec("none", "level", spec, repeats=1))
         found = search_modes(net, modes, args, spec)
