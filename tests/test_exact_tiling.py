@@ -65,6 +65,21 @@ def test_same_unet_on_sides_not_multiple_of_alignment():
     assert_labels_equal(tiled, ref)
 
 
+def test_two_tiles_reading_context_on_their_inner_side_only_are_exact():
+    """An image up to 2 (tile - context) long takes two tiles per side, each reading its
+    context on the inner side only (same padding: nothing past the edge)."""
+    from seg_at_scale.tiling import footprint, make_grid
+
+    torch.manual_seed(3)
+    net = lively(UNet(in_channels=2, num_classes=3, levels=3, base_width=8, padding="same"))
+    fp = footprint(net)
+    x = torch.randn(1, 2, 2 * (160 - fp.context) - 13, 2 * (160 - fp.context) - 29)
+    tile = 160
+    grid = make_grid(x.shape[-2], x.shape[-1], fp, tile_size=tile)
+    assert grid.shape == (2, 2) and max(t.read.height for t in grid) <= tile
+    assert_labels_equal(predict_tiled(net, x, tile_size=tile), predict_full(net, x))
+
+
 def test_tile_size_and_bf16_fast_path_agree_with_reference():
     torch.manual_seed(3)
     net = lively(UNet(in_channels=2, num_classes=3, levels=3, base_width=8, padding="same"))

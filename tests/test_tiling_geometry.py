@@ -49,6 +49,22 @@ def test_tile_size_bounds_every_window():
     assert all(t.read.height <= 400 and t.read.width <= 400 for t in grid)
 
 
+def test_edge_tiles_read_no_context_past_the_edge_so_fewer_tiles_cover_the_image():
+    """Same padding: one tile covers up to ``tile`` pixels, two up to 2 (tile - context)."""
+    ctx = SAME.context  # 96
+    one = make_grid(700, 577, SAME, tile_size=704)
+    assert one.shape == (1, 1) and one.efficiency < 1.1
+    two = make_grid(2 * (700 - ctx) - 48, 577, SAME, tile_size=700)
+    assert two.shape == (2, 1)
+    assert all(t.read.height <= 700 for t in two)
+    assert make_grid(2 * (700 - ctx) + 64, 577, SAME, tile_size=700).shape[0] == 3
+    # valid padding reads the halo everywhere (reflect-extended): the count stands
+    a, c = VALID.align, VALID.context
+    core = (400 - 2 * c - VALID.out_residue % a) // a * a
+    want = tuple(-(-(VALID.output_length(n) // a) // (core // a)) for n in (1000, 777))
+    assert make_grid(1000, 777, VALID, tile_size=400).shape == want
+
+
 @pytest.mark.parametrize(
     "kwargs,message",
     [

@@ -45,7 +45,7 @@ def test_finetune_train_then_predict_its_run(tmp_path):
     assert "90 tensors loaded, 0 missing" in summary["log"]
     assert 0.0 <= summary["test"][0]["miou"] <= 1.0
     image = next((tmp_path / "data").glob("*/test/scene_0_image.tif"))
-    res = seg_predict(run, image, tmp_path / "pred.tif", "fast=false", "tile_size=352")
+    res = seg_predict(run, image, tmp_path / "pred.tif", "fast=false", "q=2")
     assert res["tiles"] > 1
     model = build_model(OmegaConf.to_container(cfg.model, resolve=True), where="test").eval()
     state = torch.load(res["checkpoint"], map_location="cpu", weights_only=True)["state_dict"]

@@ -71,7 +71,7 @@ def test_deeplabv3plus_cog_two_pass_equals_untiled(tmp_path):
     image = make_image(tmp_path / "scene.tif", height=389, width=461)
     fp = net.footprint()
     stats = predict_raster(net, image, tmp_path / "pred.tif",
-                           PredictOptions(tile_size=2 * fp.context + 64, progress=False),
+                           PredictOptions(q=3, progress=False),
                            fp=fp, normalizer=DATA)
     assert stats.tiles >= 4 and stats.statistics_s > 0  # pass 1: the image pooling
     x = torch.from_numpy(DATA(read_raster(image)))[None]
@@ -86,7 +86,7 @@ def test_fpn_cog_statistic_passes_in_the_raster_path_equal_untiled(tmp_path):
     image = make_image(tmp_path / "scene.tif", height=421, width=389)
     fp = net.footprint()
     stats = predict_raster(net, image, tmp_path / "pred.tif",
-                           PredictOptions(tile_size=2 * fp.context + 64, progress=False),
+                           PredictOptions(q=3, progress=False),
                            fp=fp, normalizer=DATA)
     assert stats.tiles >= 4 and stats.statistics_s > 0
     assert all(s.fixed is None for _, s in statistic_sites(net))  # released afterwards

@@ -214,14 +214,14 @@ def test_a_scene_left_with_missing_tiles_is_a_failure(run, tmp_path, monkeypatch
     stop = seg_predict_here(f"run={run}", *OPTS, f"images={scenes}", f"output_dir={out}")
     assert stop.returncode == 2, stop.stderr
     assert stop.stderr.strip() == (
-        f"seg-predict: error: 1 of 9 tiles of '{out / 's1.tif'}' are missing from its store "
+        f"seg-predict: error: 1 of 4 tiles of '{out / 's1.tif'}' are missing from its store "
         f"'{out / '.s1.tif.zarr'}' after every rank finished; rerun the same command to "
         "compute them")
     skip = seg_predict_here(f"run={run}", *OPTS, f"images={scenes}", f"output_dir={out}",
                             "on_error=skip")
     assert skip.returncode == 0, skip.stderr
     res = json.loads(skip.stdout[skip.stdout.index("{"):])
-    assert (res["failed"], res["reused"]) == (1, 2) and "1 of 9 tiles" in res["problems"]["s1"]
+    assert (res["failed"], res["reused"]) == (1, 2) and "1 of 4 tiles" in res["problems"]["s1"]
     assert _rows(out)["s1"]["status"] == "failed" and not (out / "s1.tif").exists()
 
 

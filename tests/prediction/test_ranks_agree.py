@@ -25,7 +25,7 @@ from seg_at_scale.prediction.raster import raised_everywhere  # noqa: E402
 
 def _predict(rank: int, world: int, image: str, output: str, report: str) -> None:
     try:
-        predict_raster(tiny().eval(), image, output, PredictOptions(tile_size=456, progress=False))
+        predict_raster(tiny().eval(), image, output, PredictOptions(tile_size=400, progress=False))
         res = "done"
     except SegAtScaleError as exc:
         res = f"{type(exc).__name__}|{raised_everywhere(exc)}|{exc}"
