@@ -273,6 +273,15 @@ class GSCNN(nn.Module):
         seg, edge = self.forward_dual(x)
         return torch.cat([seg, edge], dim=1) if self.output == "packed" else seg
 
+    @contextlib.contextmanager
+    def packed_output(self) -> Iterator[None]:
+        """Within the block ``forward`` (and the flat form) return ``[seg, boundary]`` packed."""
+        before, self.output = self.output, "packed"
+        try:
+            yield
+        finally:
+            self.output = before
+
     # ----- flat form --------------------------------------------------------------------
 
     def pipeline_layers(self) -> list[nn.Module]:

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.memory.modes import MemoryWrapped
+from seg_at_scale.models.gscnn import unpack
 from seg_at_scale.tasks.segmentation import SegmentationTask
 from seg_at_scale.tiling.statistics import uses_image_pool
 
@@ -227,8 +229,12 @@ class GSCNNTask(SegmentationTask):
                                   "model.output=packed")
             y = pipe(x.to(pipe.devices[0]))
             return y[:, :-1], y[:, -1:]
-        model = self.model if hasattr(self.model, "forward_dual") else self.model.inner
-        return model.forward_dual(x)  # type: ignore[operator,no-any-return]
+        if isinstance(self.model, MemoryWrapped):
+            # the memory mode runs the single-tensor forward: both outputs packed in it
+            # (calling forward_dual would reach the unwrapped model: no mode at all)
+            with self.model.inner.packed_output():
+                return unpack(self.model(x))
+        return self.model.forward_dual(x)  # type: ignore[operator,no-any-return]
 
     def on_fit_start(self) -> None:
         if uses_image_pool(self.model):
@@ -236,9 +242,6 @@ class GSCNNTask(SegmentationTask):
                         "mean, not the whole image's: tile training and validation are an "
                         "approximation (whole-image prediction pools in a first pass and is "
                         "exact; exact gradients: seg_at_scale.tiling.tiled_backward_two_pass)")
-        if not hasattr(self.model, "forward_dual"):
-            log.warning("the memory mode wraps Gated-SCNN's single-output forward; training "
-                        "uses its two-output forward_dual on the unwrapped model")
         if any(isinstance(m, nn.BatchNorm2d) for m in self.model.modules()):
             log.warning("BatchNorm in train mode uses tile statistics: tiled training is not "
                         "exact (model.norm=none, or frozen statistics, makes it exact)")
