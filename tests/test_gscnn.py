@@ -388,16 +388,18 @@ def test_timm_backbone_two_pass_tiling_and_gradient_are_exact(tmp_path):
         < 1e-9 * max(float(g.abs().max()) for g in whole)
 
 
+@pytest.mark.parametrize("backbone", [None, "test_resnet"])
 @pytest.mark.parametrize("granularity", ["level", "block"])
-def test_training_under_a_memory_mode_checkpoints_and_equals_plain(granularity):
+def test_training_under_a_memory_mode_checkpoints_and_equals_plain(granularity, backbone):
     """The task's two-output forward runs through the memory mode (before, it reached the
-    unwrapped model: memory=checkpoint changed nothing for Gated-SCNN)."""
+    unwrapped model: memory=checkpoint changed nothing for Gated-SCNN); on a timm backbone,
+    which has no flat form, by stage or block (before: refused)."""
     import copy
 
     from seg_at_scale.memory import MemoryConfig, apply_memory_mode
     from seg_at_scale.tasks.gscnn import GSCNNTask
 
-    net = tiny()
+    net = tiny(backbone=backbone)
     g = torch.Generator().manual_seed(2)
     batch = {"image": torch.randn(1, 4, 64, 80, generator=g),
              "target": torch.randint(0, 3, (1, 64, 80), generator=g),
@@ -416,8 +418,9 @@ def test_training_under_a_memory_mode_checkpoints_and_equals_plain(granularity):
         loss.backward()
         return saved, {n: p.grad for n, p in task.named_parameters() if p.grad is not None}
 
-    plain_bytes, ref = step(GSCNNTask(copy.deepcopy(net), 3, channels_last=False,
-                                             gradient_reduction="sum"))
+    plain = copy.deepcopy(net)
+    plain_bytes, ref = step(GSCNNTask(plain, 3, channels_last=False,
+                                      gradient_reduction="sum"))
     cfg = MemoryConfig("checkpoint", granularity)
     ck_bytes, got = step(GSCNNTask(apply_memory_mode(net, cfg), 3, channels_last=False,
                                      gradient_reduction="sum"))
@@ -428,3 +431,5 @@ def test_training_under_a_memory_mode_checkpoints_and_equals_plain(granularity):
     for name, grad in got.items():
         assert torch.allclose(grad, ref[name], atol=1e-6), name
     assert net.output == "seg"  # the packed output was for the call only
+    for name, b in net.state_dict().items():  # train-mode BatchNorm: one update, not two
+        assert torch.equal(b, plain.state_dict()[name]), name

@@ -255,9 +255,20 @@ class MemoryWrapped(nn.Module):
 
 
 def _by_units(model: nn.Module) -> bool:
-    """Whether ``model`` is checkpointed by building block (it has no flat layer form)."""
-    return not hasattr(model, "pipeline_layers") and callable(
-        getattr(model, "checkpoint_roots", None))
+    """Whether ``model`` is checkpointed by building block.
+
+    It names its roots and has no flat layer form (smp networks; Gated-SCNN on a timm
+    backbone).
+    """
+    if not callable(getattr(model, "checkpoint_roots", None)):
+        return False
+    if not hasattr(model, "pipeline_layers"):
+        return True
+    try:
+        model.pipeline_layers()
+    except ConfigError:
+        return True
+    return False
 
 
 def _units_of(model: nn.Module, cfg: MemoryConfig) -> list[nn.Module]:

@@ -273,6 +273,15 @@ class GSCNN(nn.Module):
         seg, edge = self.forward_dual(x)
         return torch.cat([seg, edge], dim=1) if self.output == "packed" else seg
 
+    def checkpoint_roots(self) -> list[nn.Module]:
+        """Where ``memory=checkpoint`` finds stages and blocks when there is no flat form.
+
+        That is on a timm backbone: the regular stream, the shape stream's blocks, ASPP and
+        decoder.
+        """
+        regular = [self.regular] if self.regular is not None else list(self.stages)
+        return [*regular, self.shape_blocks, self.aspp, self.decoder]
+
     @contextlib.contextmanager
     def packed_output(self) -> Iterator[None]:
         """Within the block ``forward`` (and the flat form) return ``[seg, boundary]`` packed."""
@@ -293,12 +302,13 @@ class GSCNN(nn.Module):
         ``run_layers(net.pipeline_layers(), x)`` equals ``net(x)`` exactly.
 
         Raises:
-            ConfigError: a timm backbone (no flat form: pipelines and checkpointed
-                memory modes do not apply).
+            ConfigError: a timm backbone (no flat form: pipelines do not apply;
+                checkpointing uses :meth:`checkpoint_roots`).
         """
         if self.regular is not None:
             raise ConfigError(f"Gated-SCNN with model.backbone={self.regular.name!r} has no "
-                              "flat layer form; use pipeline=none and memory=none or offload")
+                              "flat layer form; use pipeline=none (memory=checkpoint "
+                              "recomputes its stages or blocks instead)")
         layers: list[nn.Module] = []
         if self.edge_band is not None:
             layers.append(Skip(nn.Identity(), stash=("input",)))
