@@ -58,6 +58,10 @@ def test_edge_tiles_read_no_context_past_the_edge_so_fewer_tiles_cover_the_image
     assert two.shape == (2, 1)
     assert all(t.read.height <= 700 for t in two)
     assert make_grid(2 * (700 - ctx) + 64, 577, SAME, tile_size=700).shape[0] == 3
+    # below the 2 context + align an inner tile needs, a scene that fits is still one tile
+    assert make_grid(150, 141, SAME, tile_size=160).shape == (1, 1)
+    with pytest.raises(TilingError, match="tile_size=160 leaves no core"):
+        make_grid(170, 141, SAME, tile_size=160)
     # valid padding reads the halo everywhere (reflect-extended): the count stands
     a, c = VALID.align, VALID.context
     core = (400 - 2 * c - VALID.out_residue % a) // a * a

@@ -195,8 +195,11 @@ def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: 
 
     Every tile counts, also on a resumed run: each rank sums the core features of its share
     of all batches in float64, and the all-reduced sum over the whole image's feature count
-    is the mean one process would compute.
+    is the mean one process would compute. A grid of one tile needs no pass: that tile is
+    the whole (extended) image, whose own statistics are the untiled forward's.
     """
+    if len(grid) == 1:
+        return contextlib.nullcontext()
     if has_statistics(model):  # GroupNorm-like sites (FPN): the passes of tiling.passes
         return _statistic_passes(model, source, grid, share, device, stats, world)
     if not uses_image_pool(model):

@@ -253,7 +253,7 @@ def predict_tiled_exact(model: nn.Module, image: Tensor, *,
                                    autocast=autocast, out_dtype=out_dtype,
                                    channels_last=channels_last)[0]
     grid = _grid(model, image, q, tile_size, fp)
-    if not has_statistics(model):
+    if not has_statistics(model) or len(grid) == 1:  # one tile: the untiled forward itself
         return predict_tiled(model, image, q=q, tile_size=tile_size, fp=grid.footprint,
                              autocast=autocast, out_dtype=out_dtype,
                              channels_last=channels_last)

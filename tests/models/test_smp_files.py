@@ -92,3 +92,17 @@ def test_fpn_cog_statistic_passes_in_the_raster_path_equal_untiled(tmp_path):
     assert all(s.fixed is None for _, s in statistic_sites(net))  # released afterwards
     x = torch.from_numpy(DATA(read_raster(image)))[None]
     check_labels(read_raster(tmp_path / "pred.tif")[0], predict_full(net, x))
+
+
+@pytest.mark.parametrize("preset", ["deeplabv3plus_test_resnet", "fpn_test_resnet"])
+def test_a_scene_that_fits_one_tile_runs_no_statistic_pass(tmp_path, preset):
+    """One tile is the whole extended image: its own statistics are the untiled forward's,
+    so the pass that computed them (the encoder over every tile) is skipped."""
+    net = preset_model(preset)
+    image = make_image(tmp_path / "scene.tif", height=233, width=301)
+    stats = predict_raster(net, image, tmp_path / "pred.tif",
+                           PredictOptions(tile_size=320, progress=False),
+                           fp=net.footprint(), normalizer=DATA)
+    assert stats.tiles == 1 and stats.statistics_s == 0
+    x = torch.from_numpy(DATA(read_raster(image)))[None]
+    check_labels(read_raster(tmp_path / "pred.tif")[0], predict_full(net, x))
