@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,19 @@ def tiny(padding: str = "same", levels: int = 3) -> UNet:
     torch.manual_seed(0)
     return UNet(in_channels=3, num_classes=4, levels=levels, convs_per_level=2, base_width=4,
                 padding=padding)
+
+
+def saved_bytes(run: Callable[[], object]) -> int:
+    """Bytes of the distinct storages autograd saves for the backward pass while ``run()``."""
+    held: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(held.values())
 
 
 def grads(net: nn.Module) -> list[torch.Tensor]:

@@ -396,6 +396,8 @@ def test_training_under_a_memory_mode_checkpoints_and_equals_plain(granularity, 
     which has no flat form, by stage or block (before: refused)."""
     import copy
 
+    from memory_helpers import saved_bytes
+
     from seg_at_scale.memory import MemoryConfig, apply_memory_mode
     from seg_at_scale.tasks.gscnn import GSCNNTask
 
@@ -404,18 +406,10 @@ def test_training_under_a_memory_mode_checkpoints_and_equals_plain(granularity, 
     batch = {"image": torch.randn(1, 4, 64, 80, generator=g),
              "target": torch.randint(0, 3, (1, 64, 80), generator=g),
              "norm": torch.tensor([64.0 * 80])}
-    held: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     def step(task: GSCNNTask) -> tuple[int, dict[str, torch.Tensor]]:
-        held.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = task.tile_loss(batch)
-        saved = sum(held.values())
-        loss.backward()
+        loss: list[torch.Tensor] = []
+        saved = saved_bytes(lambda: loss.append(task.tile_loss(batch)))
+        loss[0].backward()
         return saved, {n: p.grad for n, p in task.named_parameters() if p.grad is not None}
 
     plain = copy.deepcopy(net)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from memory_helpers import CONFIGS, assert_close, grads, tiny
+from memory_helpers import CONFIGS, assert_close, grads, saved_bytes, tiny
 from torch import nn
 
 from seg_at_scale.errors import ConfigError
@@ -90,17 +90,9 @@ def test_strips_keep_only_level_boundaries():
     its output from below - no full-resolution feature map of the first level's width."""
     net = tiny("same", levels=4)
     x = torch.randn(1, 3, 128, 64)
-    held: dict[int, int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    def saved(cfg: MemoryConfig) -> int:
-        held.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            apply_memory_mode(net, cfg)(x).sum()
-        return sum(held.values()) - x.numel() * 4  # less the image
+    def saved(cfg: MemoryConfig) -> int:  # less the image
+        return saved_bytes(lambda: apply_memory_mode(net, cfg)(x).sum()) - x.numel() * 4
 
     full_map = 4 * 4 * 128 * 64  # one fp32 map of the first level's 4 channels
     assert saved(MemoryConfig("none")) > 8 * full_map  # what the plain step holds

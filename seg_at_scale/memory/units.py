@@ -3,7 +3,7 @@
 A network built from a library (smp's U-Net, FPN or DeepLabV3+ on a torchvision or timm
 encoder) has no ``pipeline_layers()``, but it is made of building blocks: ResNet stages
 and residual blocks, ConvNeXt blocks, decoder blocks. :func:`find_units` finds them under
-the roots the model names (``model.checkpoint_roots()``: encoder, decoder, head), and
+the roots the model names (``model.checkpoint_roots()``: encoder and decoder), and
 :func:`checkpointed` runs the network with every unit's forward under non-reentrant
 activation checkpointing: a unit keeps only its inputs during the forward pass and is
 recomputed in the backward pass. The modules are the model's own (same parameters, same
@@ -13,10 +13,10 @@ Granularities:
 
 * ``"level"``: one unit per stage: the children of each root made of modules that hold
   weights, ``ModuleList`` / ``ModuleDict`` containers opened (ResNet ``layer1`` ...
-  ``layer4``, timm ``stages_0`` ..., the decoder's blocks, the head);
+  ``layer4``, timm ``stages_0`` ..., the decoder's blocks);
 * ``"block"``: one unit per building block: the deepest modules made of modules that hold
-  weights, whose parent is a container (``Sequential`` / ``ModuleList`` / ``ModuleDict``): residual
-  blocks, ConvNeXt blocks, decoder blocks, ASPP branches.
+  weights, whose parent is a container (``Sequential`` / ``ModuleList`` / ``ModuleDict``):
+  residual blocks, ConvNeXt blocks, decoder blocks, ASPP branches.
 
 Leaves outside any unit (a stem convolution, an upsampling) run as they are.
 
@@ -80,7 +80,7 @@ def find_units(roots: Sequence[nn.Module], granularity: str) -> list[nn.Module]:
     """The modules to checkpoint under ``roots``, in module order, none inside another.
 
     Args:
-        roots: where to look (an smp model's encoder, decoder and head).
+        roots: where to look (an smp model's encoder and decoder), none inside another.
         granularity: ``"level"`` (stages) or ``"block"`` (building blocks).
 
     Returns:
@@ -91,8 +91,7 @@ def find_units(roots: Sequence[nn.Module], granularity: str) -> list[nn.Module]:
     found: list[nn.Module] = []
     for root in roots:
         found += list(_stages(root)) if granularity == "level" else _blocks(root, False)
-    seen: set[int] = set()
-    return [u for u in found if not (id(u) in seen or seen.add(id(u)))]  # type: ignore[func-returns-value]
+    return found
 
 
 def _recomputed(unit: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -223,13 +223,15 @@ def split_axis(length: int, fp: Footprint, *, parts: int | None = None,
         max_core = (tile - 2 * ctx) // a * a
         if fp.padding == "valid":  # keep room for rounding the core up to the residue
             max_core = (tile - 2 * ctx - (fp.out_residue % a)) // a * a
-        parts = _fewest_parts(length, fp, tile, 3, uniform)  # 1 or 2 where the edges allow
-        if parts == 3 and max_core < a:
+        edge_only = _edge_parts(length, fp, tile, uniform)
+        if edge_only is not None:
+            parts = edge_only
+        elif max_core < a:
             need = 2 * ctx + a + (fp.out_residue % a if fp.padding == "valid" else 0)
             raise TilingError(
                 f"tile_size={tile} leaves no core along {name}: the halo takes {2 * ctx} "
                 f"pixels and cores are multiples of {a}; use tile_size >= {need}")
-        if parts == 3:
+        else:
             parts = max(1, math.ceil(blocks / (max_core // a)))
     if parts < 1 or parts > max(blocks, 1):
         raise TilingError(
@@ -253,26 +255,26 @@ def _cores(out_len: int, a: int, parts: int, uniform: bool) -> list[tuple[int, i
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _fewest_parts(length: int, fp: Footprint, tile: int, parts: int, uniform: bool) -> int:
-    """Fewer tiles where the image's edges allow it (same padding).
+def _edge_parts(length: int, fp: Footprint, tile: int, uniform: bool) -> int | None:
+    """One or two tiles, when tiles that touch the image's edges cover it (same padding).
 
-    ``parts`` assumes every tile reads the context on both sides. A tile at an edge of a
-    same-padding image reads none past the edge, so one tile covers an image up to
-    ``tile`` long, and two tiles up to ``2 (tile - context)``: with two tiles per side a
+    An inner tile reads the context on both sides; a tile at an edge of a same-padding
+    image reads none past the edge, so one tile covers an image up to ``tile`` long, and
+    two tiles up to ``2 (tile - context)``: with two tiles per side a
     4096^2 image at ``tile_size=3072`` and a context of 848 takes 4 tiles (E 2.0) instead of
     9 (E 3.3); a scene shorter than ``tile`` is one tile even when ``tile`` is below the
-    ``2 context + align`` an inner tile needs. From three tiles on, an inner tile reads both
-    sides and the count stands.
+    ``2 context + align`` an inner tile needs. ``None``: more tiles are needed, and then
+    inner ones set the count.
     """
-    if fp.padding != "same" or parts < 2:
-        return parts
+    if fp.padding != "same":
+        return None
     out_len, a = fp.output_length(length), fp.align
-    for fewer in range(1, min(parts, 3, out_len // a + 1)):
-        cores = _cores(out_len, a, fewer, uniform)
-        spans = [cover_axis(lo, hi, length, fp)[:2] for lo, hi in cores]
+    for parts in range(1, min(2, out_len // a) + 1):
+        spans = [cover_axis(lo, hi, length, fp)[:2] for lo, hi in _cores(out_len, a, parts,
+                                                                           uniform)]
         if all(r1 - r0 <= tile for r0, r1 in spans):
-            return fewer
-    return parts
+            return parts
+    return None
 
 
 def cover_axis(lo: int, hi: int, length: int, fp: Footprint) -> tuple[int, int, int]:

@@ -7,6 +7,7 @@ import copy
 import pytest
 import pytorch_lightning as pl
 import torch
+from memory_helpers import saved_bytes
 from smp_helpers import TEST_PRESETS, preset_model
 
 from seg_at_scale.errors import ConfigError
@@ -61,17 +62,9 @@ def test_checkpointed_smp_equals_plain_and_recomputes_each_unit(preset, granular
 def test_checkpointing_holds_less_for_the_backward_pass():
     net = preset_model("unet_test_resnet").train()
     x = torch.randn(1, 4, 128, 192)
-    held: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
 
     def saved(mode: MemoryConfig) -> int:
-        held.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            apply_memory_mode(net, mode)(x).sum()
-        return sum(held.values())
+        return saved_bytes(lambda: apply_memory_mode(net, mode)(x).sum())
 
     none = saved(MemoryConfig("none"))
     level = saved(MemoryConfig("checkpoint", "level"))
