@@ -20,6 +20,10 @@ normalised as ``(x / 255 - 0.5) / 0.25``. Runs, each a fresh process, one after 
   bf16 fast path (autocast + channels_last). Whole-image statistics: DeepLabV3+'s image
   pooling by the raster path's own first pass, FPN's GroupNorms by
   the raster path's statistic passes over windows read from the file (timed with the run);
+* *staged* (``--budget``): the image loaded in memory, ``predict_staged``: each stage of
+  the network (the encoder's stages, then decoder + head) tiled over the whole feature maps
+  with its own halo, tiles of at most ``budget`` floats of input and output maps (deep
+  stages: one tile); fp32 channels_last and bf16; the stage plan (probe) is timed apart;
 * *MONAI*: the image loaded in memory, ``sliding_window_inference`` with Gaussian blending
   at window 512 / overlap 0.25, 1024 / 0.25 and 1024 / 0.5 (the issue's settings), fp32
   contiguous (as users run it), ``sw_batch_size=1``; throughput counts the call only.
@@ -125,6 +129,32 @@ def run_ours(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
             "mpix_per_s": labels.size / 1e6 / seconds, "peak_rss_self_mib": peak_rss_self_mib()}
 
 
+def run_staged(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
+    """Child: the image in memory, ``predict_staged`` (each stage tiled over whole maps)."""
+    from seg_at_scale.models.smp_stages import smp_stages
+    from seg_at_scale.tiling.staged import plan_stages, predict_staged
+
+    net = _setup(cfg, True)
+    x = read_image(cfg)
+    stages = smp_stages(net)
+    t0 = time.perf_counter()
+    plan = plan_stages(stages, x.shape[1], net.downsampling_factor)
+    plan_s = time.perf_counter() - t0
+    eff: list[float] = []
+    t0 = time.perf_counter()
+    y = predict_staged(stages, x, align=net.downsampling_factor, budget=cfg["budget"],
+                       plan=plan, channels_last=True, efficiency=eff,
+                       autocast=torch.bfloat16 if variant == "bf16_cl" else None)
+    seconds = time.perf_counter() - t0
+    labels = y[0].argmax(0).to(torch.uint8).numpy()
+    path = Path(cfg["workdir"]) / f"{cfg['model']}_staged_{variant}.npy"
+    np.save(path, labels)
+    return {"labels": str(path), "seconds": seconds, "plan_s": round(plan_s, 1),
+            "stage_halos": [f.halo for f in plan.footprints],
+            "stage_efficiency": [round(e, 3) for e in eff], "budget_floats": cfg["budget"],
+            "mpix_per_s": labels.size / 1e6 / seconds, "peak_rss_self_mib": peak_rss_self_mib()}
+
+
 def run_monai(cfg: dict[str, Any], setting: tuple[int, float]) -> dict[str, Any]:
     """Child: the image in memory, MONAI's Gaussian sliding window."""
     from monai.inferers import sliding_window_inference
@@ -203,7 +233,10 @@ def bench_model(name: str, base: dict[str, Any], loads: list, contiguous: bool
                                         ("untiled_fp32_channels_last", run_untiled, True)]
     variants = ("fp32", "fp32_cl", "bf16_cl") if contiguous else ("fp32_cl", "bf16_cl")
     jobs += [(f"ours_{v}", run_ours, v) for v in variants]
+    jobs += [(f"staged_{v}", run_staged, v) for v in ("fp32_cl", "bf16_cl")]
     jobs += [(f"monai_{w}_{o}", run_monai, (w, o)) for w, o in MONAI]
+    if base.get("runs"):
+        jobs = [j for j in jobs if j[0] in base["runs"]]
     runs: dict[str, Any] = {}
     for key, fn, arg in jobs:
         res = run_isolated(fn, cfg, arg)
@@ -225,14 +258,20 @@ def summarise(runs: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
     if same_layout and "ours_fp32_cl" in ok:  # NHWC against NHWC: rounding alike
         out["labels_off_pct_ours_fp32_cl_vs_untiled_channels_last"] = off(
             ok["ours_fp32_cl"]["labels"], same_layout)
-    ours = ok.get("ours_fp32_cl")
-    if ours:
+    if same_layout and "staged_fp32_cl" in ok:
+        out["labels_off_pct_staged_fp32_cl_vs_untiled_channels_last"] = off(
+            ok["staged_fp32_cl"]["labels"], same_layout)
+    for mine in ("ours_fp32_cl", "staged_fp32_cl"):
+        if mine not in ok:
+            continue
         for k, v in ok.items():
             if k.startswith("monai"):
-                out[f"ours_fp32_cl_vs_{k}"] = {
-                    "throughput_ratio": round(ours["mpix_per_s"] / v["mpix_per_s"], 3),
-                    "memory_ratio": round(ours["peak_rss_sampled_mib"]
+                out[f"{mine}_vs_{k}"] = {
+                    "throughput_ratio": round(ok[mine]["mpix_per_s"] / v["mpix_per_s"], 3),
+                    "memory_ratio": round(ok[mine]["peak_rss_sampled_mib"]
                                           / v["peak_rss_sampled_mib"], 3)}
+    ours = ok.get("ours_fp32_cl")
+    if ours:
         if "untiled_fp32_channels_last" in ok:
             u = ok["untiled_fp32_channels_last"]["mpix_per_s"]
             out["tiled_over_untiled_times_E"] = round(ours["mpix_per_s"] / u * ours["efficiency"],
@@ -259,12 +298,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="*", default=list(MODELS))
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--name", default="bench_encoders")
+    p.add_argument("--budget", type=int, default=1 << 27,
+                   help="staged runs: floats of input and output maps per stage tile")
+    p.add_argument("--runs", nargs="*", default=None,
+                   help="only these runs (e.g. untiled_fp32_channels_last staged_fp32_cl "
+                        "monai_1024_0.25); default all")
     p.add_argument("--merge", type=Path, default=None,
                    help="a results JSON of other models (an earlier run) to include")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     workdir = Path(tempfile.mkdtemp(prefix="bench_encoders_"))
     base = {"size": args.size, "tile": args.tile, "threads": args.threads,
+            "budget": args.budget, "runs": args.runs,
             "image": str(workdir / "image.tif"), "workdir": str(workdir)}
     write_input(Path(base["image"]), args.size)
     loads: list = [("start", os.getloadavg())]

@@ -107,10 +107,20 @@ def has_statistics(model: nn.Module) -> bool:
     return bool(statistic_sites(model))
 
 
-def _levels(model: nn.Module, grid: TileGrid, example: Tensor) -> list[list[StatisticSite]]:
-    fp = grid.footprint
-    probe = torch.zeros(1, example.shape[1], 2 * fp.align, 2 * fp.align,
-                        dtype=example.dtype, device=example.device)
+def _levels(model: nn.Module, grid: TileGrid, first: tuple[Tile, Any]
+            ) -> list[list[StatisticSite]]:
+    """The sites of each level, found on a probe shaped as the first tile's input.
+
+    The input is one window, or (a stage of :mod:`seg_at_scale.tiling.staged`) a list of
+    windows at their own strides: each probe window keeps its stride from the tile's read.
+    """
+    a, (tile, example) = grid.footprint.align, first
+
+    def zeros(x: Tensor) -> Tensor:
+        s = max(tile.read.height // max(x.shape[-2], 1), 1)
+        return x.new_zeros(1, x.shape[1], max(2 * a // s, 1), max(2 * a // s, 1))
+
+    probe = [zeros(x) for x in example] if isinstance(example, list) else zeros(example)
     levels = site_levels(model, probe)
     depth = max(levels.values(), default=0)
     return [[s for s, k in levels.items() if k == level] for level in range(1, depth + 1)]
@@ -163,8 +173,9 @@ def statistic_passes(model: nn.Module, tiles: TileInputs, grid: TileGrid, *,
     first = next(iter(tiles()), None)
     if first is None:
         raise ValueError("statistic_passes needs at least one tile")
-    done, dtype = [], first[1].dtype
-    for sites in _levels(model, grid, first[1]):
+    x0 = first[1][0] if isinstance(first[1], list) else first[1]
+    done, dtype = [], x0.dtype
+    for sites in _levels(model, grid, first):
         rec = _LevelRecorder(sites, grid)
         with _recording(sites, rec):
             for tile, x in tiles():

@@ -140,7 +140,8 @@ def statistic_sites(model: nn.Module) -> list[tuple[str, StatisticSite]]:
 
 
 @torch.enable_grad()
-def site_levels(model: nn.Module, example: Tensor) -> dict[StatisticSite, int]:
+def site_levels(model: nn.Module, example: Tensor | list[Tensor]
+                ) -> dict[StatisticSite, int]:
     """Level of every site that runs on ``example``: 1 + the deepest site it depends on.
 
     A site depends on another when its input is computed from the other's output (an
@@ -158,7 +159,10 @@ def site_levels(model: nn.Module, example: Tensor) -> dict[StatisticSite, int]:
     was_training = model.training
     try:
         model.eval()
-        model(example.detach().requires_grad_(True))
+        if isinstance(example, list):  # a stage's windows (seg_at_scale.tiling.staged)
+            model([x.detach().requires_grad_(True) for x in example])
+        else:
+            model(example.detach().requires_grad_(True))
     finally:
         model.train(was_training)
         for h in handles:

@@ -1,0 +1,297 @@
+"""Stage-wise exact tiling: each stage of a network tiled over whole feature maps.
+
+Tiling the whole network makes every tile read the whole network's halo (837 px for a
+DeepLabV3+-ResNet50, 892 for a ConvNeXt-T U-Net), so a tile that fits memory computes
+twice its core or more. Run stage by stage instead (the encoder's stages, then the
+decoder with its head), each tiled over the *whole* feature maps it reads, with its own
+halo: a stem's halo is a few pixels, and the deep stages, whose maps are small, run as
+one tile. The work approaches the untiled forward's (E near 1) while each stage's tile
+holds at most ``budget`` floats of input and output.
+
+Exactness is the image tiles' rule applied to each stage: its windows start on its
+alignment (its deepest stride, in image pixels), read its halo past the core and stop at
+the map's edge, where the whole map's padding applies; so each stitched map equals the
+whole-map stage output, and the last one equals ``predict_full``. Whole-image statistics
+inside a stage (DeepLab's image pooling, GroupNorm) are taken by the statistic passes
+over that stage's tiles (:mod:`seg_at_scale.tiling.passes`), which for DeepLab's pooling
+costs almost nothing: the pass reads the stored encoder map, not the encoder.
+
+Every map a later stage reads is kept whole until then, in memory; maps no stage reads
+are dropped as soon as they are consumed. Inference only (no gradients).
+
+>>> down = Chain(nn.Conv2d(1, 4, 3, 2, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+>>> up = Chain(nn.Upsample(scale_factor=2.0), nn.Conv2d(4, 2, 3, padding=1))
+>>> stages = [Stage("down", down, (0,), 2), Stage("up", up, (1,), 1)]
+>>> x = torch.randn(1, 1, 90, 70)
+>>> with torch.no_grad():
+...     ref = up([down([extend(x, Footprint(0, 2))])])[..., :90, :70]
+>>> e = []
+>>> y = predict_staged(stages, x, align=2, budget=2000, efficiency=e)
+>>> torch.allclose(y, ref, atol=1e-6), len(e)
+(True, 2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
+from seg_at_scale.tiling.halo import _GLOBAL_SIZE, WholeImageDependency, _structural_copy
+from seg_at_scale.tiling.passes import fixed_statistics, has_statistics
+from seg_at_scale.tiling.predict import extend
+
+__all__ = ["Chain", "Stage", "StagePlan", "plan_stages", "predict_staged", "stage_halo"]
+
+
+class Chain(nn.Module):
+    """A stage module running ``modules`` in turn on its one input (shared, not copied)."""
+
+    def __init__(self, *modules: nn.Module) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+
+    def forward(self, xs: list[Tensor]) -> Tensor:
+        (x,) = xs
+        for m in self.parts:
+            x = m(x)
+        return x
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of a staged network: ``module([maps[i] for i in inputs]) -> its map``.
+
+    Map 0 is the (extended) image; stage ``k`` writes map ``k + 1``.
+
+    Attributes:
+        name: shown in logs and errors.
+        module: takes the list of its input windows ``[B, C_i, h_i, w_i]`` and returns
+            ``[B, C, h, w]`` at ``stride``.
+        inputs: indices of the maps it reads.
+        stride: its output's downsampling factor from the image.
+    """
+
+    name: str
+    module: nn.Module
+    inputs: tuple[int, ...]
+    stride: int
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What tiling each stage needs, found once per network (:func:`plan_stages`).
+
+    Attributes:
+        strides: of every map (map 0: 1).
+        channels: of every map.
+        footprints: per stage: its halo and alignment, in image pixels.
+        used: per stage: which of its inputs it reads values from (the others only lend
+            their shape, e.g. smp's U-Net decoder and the input image).
+    """
+
+    strides: tuple[int, ...]
+    channels: tuple[int, ...]
+    footprints: tuple[Footprint, ...]
+    used: tuple[tuple[bool, ...], ...]
+
+    def last_reads(self, stages: Sequence[Stage]) -> dict[int, int]:
+        """The last stage that reads each map's values (maps are dropped after it)."""
+        last: dict[int, int] = {}
+        for k, st in enumerate(stages):
+            for i, u in zip(st.inputs, self.used[k], strict=True):
+                if u:
+                    last[i] = k
+        return last
+
+
+def _windows(maps: list[Tensor], st: Stage, strides: Sequence[int], tile: Tile,
+             channels_last: bool, device: torch.device) -> list[Tensor]:
+    """The stage's input windows for ``tile`` (image-pixel windows divided by each stride)."""
+    out = []
+    rd = tile.read
+    for i in st.inputs:
+        s = strides[i]
+        w = maps[i][..., rd.row // s : rd.row_end // s, rd.col // s : rd.col_end // s]
+        if w.stride(-1) == 0:  # a shape-only map (never read): keep it free
+            out.append(w.to(device))
+            continue
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        out.append(w.to(device).contiguous(memory_format=fmt))
+    return out
+
+
+@torch.enable_grad()
+def stage_halo(module: nn.Module, strides: Sequence[int], channels: Sequence[int],
+               out_stride: int, align: int, max_size: int = 4096
+               ) -> tuple[int, tuple[bool, ...]]:
+    """Halo (image pixels) of one stage and which inputs it reads, by back-propagation.
+
+    The probe of :func:`seg_at_scale.tiling.halo.empirical_halo` (a positive, linear
+    float64 copy of the module; strips two alignments wide, one axis at a time), with
+    several inputs at their own strides: the reach of one aligned block of outputs into
+    each input, in image pixels. An input with no gradient is only used for its shape.
+    """
+    net = _structural_copy(module)
+    # dilated taps past a small probe read only padding: start where the widest one fits
+    size = max(8 * align, 64, max(strides) * (4 * _widest_tap(net) + 8))
+    size = align * math.ceil(size / align)
+    whole_before, before = False, 0
+    used = [False] * len(strides)
+    while True:
+        left = right = 0
+        touched, whole = False, True
+        for axis in (-2, -1):
+            shape = (size, 2 * align) if axis == -2 else (2 * align, size)
+            xs = [torch.ones(1, c, shape[0] // s, shape[1] // s, dtype=torch.float64,
+                             requires_grad=True) for c, s in zip(channels, strides, strict=True)]
+            y = net(xs)
+            if not y.requires_grad:  # reads no input values (a placeholder map)
+                return 0, tuple(used)
+            blk = max(align // out_stride, 1)
+            n_out = y.shape[axis]
+            i = n_out // 2 - n_out // 2 % blk - blk
+            if i < blk:
+                raise ValueError(f"stage probe: output under {3 * blk} pixels at {size}")
+            grads = torch.autograd.grad(y.narrow(axis, i, blk).sum(), xs, allow_unused=True)
+            b0, b1 = i * out_stride, (i + blk) * out_stride - 1
+            for k, (g, s) in enumerate(zip(grads, strides, strict=True)):
+                if g is None or g.numel() == 0:
+                    continue
+                dims = tuple(d for d in range(g.dim()) if d != g.dim() + axis)
+                hit = g.abs().sum(dim=dims).nonzero().flatten()
+                if len(hit) == 0:
+                    continue
+                used[k] = True
+                lo, hi, n = int(hit[0]), int(hit[-1]), g.shape[axis]
+                touched = touched or lo == 0 or hi == n - 1
+                whole = whole and lo == 0 and hi == n - 1
+                left, right = max(left, b0 - lo * s), max(right, (hi + 1) * s - 1 - b1)
+        halo = max(left, right)
+        if whole and whole_before and size >= _GLOBAL_SIZE:
+            raise WholeImageDependency(f"output pixels depend on the whole input at {before} "
+                                       f"and {size} pixels")
+        if not touched or size >= max_size:
+            return halo, tuple(used)
+        whole_before, before, size = whole, size, 2 * size
+
+
+def _widest_tap(net: nn.Module) -> int:
+    """The largest reach of one convolution or pooling, in its own input's pixels."""
+    reach = 0
+    for m in net.modules():
+        if isinstance(m, nn.Conv2d | nn.MaxPool2d | nn.AvgPool2d):
+            k, d = m.kernel_size, getattr(m, "dilation", 1)
+            kk = max(k) if isinstance(k, tuple) else k
+            dd = max(d) if isinstance(d, tuple) else d
+            reach = max(reach, dd * (kk - 1) // 2)
+    return reach
+
+
+@torch.no_grad()
+def plan_stages(stages: Sequence[Stage], in_channels: int, align: int) -> StagePlan:
+    """Strides and channels of every map (one small forward), and each stage's halo."""
+    x = torch.zeros(1, in_channels, 2 * align, 2 * align)
+    maps = [x]
+    for st in stages:
+        maps.append(st.module([maps[i] for i in st.inputs]))
+    strides = tuple(2 * align // m.shape[-1] for m in maps)
+    channels = tuple(int(m.shape[1]) for m in maps)
+    fps, used = [], []
+    for st in stages:
+        a = max([st.stride] + [strides[i] for i in st.inputs])
+        halo, u = stage_halo(st.module, [strides[i] for i in st.inputs],
+                             [channels[i] for i in st.inputs], st.stride, a)
+        fps.append(Footprint(halo, a))
+        used.append(u)
+    return StagePlan(strides, channels, tuple(fps), tuple(used))
+
+
+def _stage_grid(height: int, width: int, fp: Footprint, floats_per_pixel: float,
+                budget: int) -> TileGrid:
+    """The stage's grid: one tile when its maps fit ``budget`` floats, else tiles that do."""
+    side = math.isqrt(int(budget / max(floats_per_pixel, 1e-9)))
+    if side >= max(height, width):
+        return make_grid(height, width, fp, q=1)
+    # a core at least twice the context (E <= 4), even past the budget: thinner cores
+    # would recompute the halo many times over
+    side = max(side // fp.align * fp.align, 4 * fp.context + fp.align)
+    if side >= max(height, width):
+        return make_grid(height, width, fp, q=1)
+    return make_grid(height, width, fp, tile_size=side)
+
+
+def _tiles(maps: list[Tensor], st: Stage, plan: StagePlan, grid: TileGrid,
+           channels_last: bool, device: torch.device) -> Iterator[tuple[Tile, list[Tensor]]]:
+    for tile in grid:
+        yield tile, _windows(maps, st, plan.strides, tile, channels_last, device)
+
+
+@torch.no_grad()
+def _run_stage(maps: list[Tensor], st: Stage, k: int, plan: StagePlan, budget: int,
+               channels_last: bool, autocast: torch.dtype | None, device: torch.device
+               ) -> tuple[Tensor, TileGrid]:
+    height, width = maps[0].shape[-2:]
+    fpp = sum(plan.channels[i] / plan.strides[i] ** 2 for i, u in zip(
+        st.inputs, plan.used[k], strict=True) if u) + plan.channels[k + 1] / st.stride ** 2
+    grid = _stage_grid(height, width, plan.footprints[k], fpp, budget)
+    s = st.stride
+    out: Tensor | None = None
+
+    def tiles() -> Iterator[tuple[Tile, list[Tensor]]]:
+        return _tiles(maps, st, plan, grid, channels_last, device)
+
+    fixed = fixed_statistics(st.module, tiles, grid) if (
+        len(grid) > 1 and has_statistics(st.module)) else contextlib.nullcontext()
+    with fixed, torch.autocast(device.type, dtype=autocast or torch.float32,
+                               enabled=autocast is not None):
+        for tile, xs in tiles():
+            y = st.module(xs)
+            if out is None:
+                out = torch.empty(y.shape[0], y.shape[1], height // s, width // s,
+                                  dtype=y.dtype)
+                if channels_last:
+                    out = out.contiguous(memory_format=torch.channels_last)
+            c, cr = tile.core, tile.crop
+            out[..., c.row // s : c.row_end // s, c.col // s : c.col_end // s] = \
+                y[..., cr.row // s : cr.row_end // s, cr.col // s : cr.col_end // s].cpu()
+    assert out is not None
+    return out, grid
+
+
+def predict_staged(stages: Sequence[Stage], image: Tensor, *, align: int,
+                   budget: int = 1 << 27, plan: StagePlan | None = None,
+                   channels_last: bool = False, autocast: torch.dtype | None = None,
+                   efficiency: list[float] | None = None) -> Tensor:
+    """Logits ``[B, K, H, W]`` of the staged network, equal to its untiled forward.
+
+    Args:
+        stages: the network as stages (e.g. :func:`seg_at_scale.models.smp_stages.stages`).
+        image: ``[B, C, H, W]``, normalised; extended to a multiple of ``align`` as
+            ``predict_full`` extends it.
+        align: the network's downsampling factor.
+        budget: floats of input and output maps one stage tile may hold (2**27: 512 MB).
+        plan: from :func:`plan_stages` (found here when omitted).
+        channels_last: maps and tiles in NHWC (faster convolutions on CPU).
+        autocast: run stages under ``torch.autocast`` with this dtype (the fast path).
+        efficiency: when a list, each stage's E is appended to it (1.0: no halo overhead).
+    """
+    plan = plan or plan_stages(stages, image.shape[1], align)
+    device = next(p for st in stages for p in st.module.parameters()).device
+    height, width = image.shape[-2:]
+    maps: list[Tensor] = [extend(image, Footprint(0, align))]
+    last = plan.last_reads(stages)
+    for k, st in enumerate(stages):
+        out, grid = _run_stage(maps, st, k, plan, budget, channels_last, autocast, device)
+        maps.append(out)
+        if efficiency is not None:
+            efficiency.append(grid.efficiency)
+        for i in range(len(maps) - 1):  # keep only the shape of maps no later stage reads
+            if last.get(i, -1) <= k and maps[i].stride(-1) != 0:
+                maps[i] = maps[i].new_zeros(()).expand(maps[i].shape)
+    return maps[-1][..., :height, :width].float().contiguous()

@@ -1,0 +1,133 @@
+"""Stage-wise tiling (``predict_staged``): each stage tiled over whole maps == the untiled net."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from smp_helpers import assert_exact, lively, preset_model
+from torch import nn
+
+from seg_at_scale.errors import ConfigError
+from seg_at_scale.models.smp import SMPModel
+from seg_at_scale.models.smp_stages import smp_stages
+from seg_at_scale.tiling import predict_full
+from seg_at_scale.tiling.staged import Chain, Stage, plan_stages, predict_staged, stage_halo
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _staged(net: SMPModel, x: torch.Tensor, budget: int, **kw) -> tuple[torch.Tensor, list]:
+    stages = smp_stages(net)
+    eff: list[float] = []
+    y = predict_staged(stages, x, align=net.downsampling_factor, budget=budget,
+                       efficiency=eff, **kw)
+    return y, eff
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("preset", ["unet_test_resnet", "fpn_test_resnet",
+                                    "deeplabv3plus_test_resnet"])
+def test_staged_equals_untiled_with_every_stage_tiled(preset, layout):
+    """A budget small enough that the stem, the middle stages and the decoder run as
+    several tiles (FPN's GroupNorms and DeepLab's image pooling then take the statistic
+    passes over the decoder's tiles), at sizes no multiple of 32: the untiled logits."""
+    net = preset_model(preset)
+    x = torch.randn(1, 4, 683, 589)
+    ref = predict_full(net, x)  # contiguous: torch's whole-map GroupNorm in NHWC is itself
+    cl = layout == "channels_last"  # 1.7e-5 off it, the passes' float64 sums 1e-6
+    if cl:
+        net = net.to(memory_format=torch.channels_last)
+    y, eff = _staged(net, x, budget=40_000, channels_last=cl)
+    assert eff[-1] > 1.0, "the decoder ran as one tile: the passes were not exercised"
+    assert sum(e > 1.0 for e in eff[:-1]) >= 3
+    assert_exact(y, ref)
+
+
+def test_staged_runs_the_deep_stages_whole_and_equals_untiled_unbatched_width():
+    """With the default budget a small scene is one tile per stage (E = 1): the untiled
+    forward computed stage by stage; a batch of two images is predicted as two."""
+    net = preset_model("unet_test_resnet")
+    x = torch.randn(2, 4, 301, 227)
+    y, eff = _staged(net, x, budget=1 << 27)
+    assert eff == [1.0] * len(eff)
+    assert_exact(y, predict_full(net, x))
+
+
+def test_a_transformer_style_encoder_with_its_empty_stride_2_map():
+    """A timm encoder without a stride-2 feature (ConvNeXt) gets smp's empty placeholder
+    as a stage of its own, and the decoder still receives every map in smp's order."""
+    torch.manual_seed(0)
+    net = lively(SMPModel("Unet", "tu-test_convnext", in_channels=4, num_classes=3,
+                          options={"decoder_channels": [16, 16, 8, 8, 8]}))
+    stages = smp_stages(net)
+    assert stages[0].name == "encoder.empty" and stages[1].inputs == (0,)
+    x = torch.randn(1, 4, 421, 357)
+    y, eff = _staged(net, x, budget=60_000)
+    assert max(eff) > 1.0
+    assert_exact(y, predict_full(net, x))
+
+
+def test_a_dilated_stage_is_probed_where_its_taps_land():
+    """A stride-16 stage with a rate-36 convolution (DeepLab's ASPP) reaches 36 * 16 px.
+    A probe of a few map pixels reads only padding there and found no reach (was: halo 0,
+    and a DeepLabV3+ decoder tiled with it gave 1112 wrong labels)."""
+    conv = Chain(nn.Conv2d(2, 2, 3, padding=36, dilation=36))
+    halo, used = stage_halo(conv, [16], [2], out_stride=16, align=16)
+    assert (halo, used) == (36 * 16, (True,))
+
+
+def test_the_plan_finds_which_maps_the_decoder_reads():
+    """smp's U-Net decoder takes the input image for its shape only, DeepLab's decoder
+    reads the stride-4 and the last maps: the others are dropped once consumed."""
+    unet = smp_stages(preset_model("unet_test_resnet"))
+    plan = plan_stages(unet, 4, 32)
+    assert plan.used[-1] == (False, True, True, True, True, True)
+    assert plan.strides == (1, 2, 4, 8, 16, 32, 1)
+    dl = smp_stages(preset_model("deeplabv3plus_test_resnet"))
+    plan = plan_stages(dl, 4, 16)
+    assert plan.strides[:-1] == (1, 2, 4, 8, 16, 16)
+    assert [i for i, u in enumerate(plan.used[-1]) if u] == [2, 5]
+
+
+def test_stage_of_a_network_reading_the_whole_input_is_refused():
+    """Squeeze-excitation inside an encoder gates a stage with its tile's mean: refused
+    before any work, naming the module (the exact-tiling refusal)."""
+    net = SMPModel("Unet", "tu-test_efficientnet", in_channels=4, num_classes=3,
+                   options={"decoder_channels": [16, 16, 8, 8, 8]})
+    with pytest.raises(ConfigError, match=r"tiling\.staged: net\.encoder\.model\.blocks.*"
+                                          r"squeeze-excitation"):
+        smp_stages(net)
+
+
+def test_an_encoder_of_unknown_stages_is_refused():
+    net = SMPModel("Unet", "mobilenet_v2", in_channels=4, num_classes=3)
+    with pytest.raises(ConfigError, match=r"tiling\.staged: the encoder MobileNetV2Encoder "
+                                          r"is not one whose stages are known.*staged=false"):
+        smp_stages(net)
+
+
+def test_a_stage_list_in_image_order():
+    """Generic stages (not smp): a downsampling stage, then one that reads both maps."""
+
+    class Merge(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(5, 2, 3, padding=1)
+
+        def forward(self, xs):
+            x, low = xs
+            up = nn.functional.interpolate(low, scale_factor=2.0, mode="nearest")
+            return self.conv(torch.cat([x, up], 1))
+
+    torch.manual_seed(0)
+    down = Chain(nn.Conv2d(1, 4, 3, 2, 1), nn.ReLU(), nn.Conv2d(4, 4, 5, padding=2))
+    merge = Merge()
+    stages = [Stage("down", down, (0,), 2), Stage("merge", merge, (0, 1), 1)]
+    x = torch.randn(1, 1, 97, 131)
+    xe = nn.functional.pad(x, (0, 1, 0, 1))
+    with torch.no_grad():
+        ref = merge([xe, down([xe])])[..., :97, :131]
+    eff: list[float] = []
+    y = predict_staged(stages, x, align=2, budget=3_000, efficiency=eff)
+    assert min(eff) > 1.0
+    torch.testing.assert_close(y, ref, atol=1e-6, rtol=0)
