@@ -16,8 +16,10 @@ inside a stage (DeepLab's image pooling, GroupNorm) are taken by the statistic p
 over that stage's tiles (:mod:`seg_at_scale.tiling.passes`), which for DeepLab's pooling
 costs almost nothing: the pass reads the stored encoder map, not the encoder.
 
-Every map a later stage reads is kept whole until then, in memory; maps no stage reads
-are dropped as soon as they are consumed. Inference only (no gradients).
+Every map a later stage reads is kept whole until then, in memory or (``store=``) in files
+read and written window by window (:class:`~seg_at_scale.tiling.feature_files.DiskMap`),
+so the process holds one stage tile; maps no stage reads any more are dropped as soon as
+they are consumed. Inference only (no gradients).
 
 >>> down = Chain(nn.Conv2d(1, 4, 3, 2, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
 >>> up = Chain(nn.Upsample(scale_factor=2.0), nn.Conv2d(4, 2, 3, padding=1))
@@ -35,12 +37,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from seg_at_scale.tiling.feature_files import DiskMap
 from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
 from seg_at_scale.tiling.halo import _GLOBAL_SIZE, WholeImageDependency, _structural_copy
 from seg_at_scale.tiling.passes import fixed_statistics, has_statistics
@@ -110,14 +116,27 @@ class StagePlan:
         return last
 
 
-def _windows(maps: list[Tensor], st: Stage, strides: Sequence[int], tile: Tile,
+Map = Tensor | DiskMap
+"""A whole feature map: in memory, or in a file (``store=``)."""
+
+
+def _read(m: Map, rows: slice, cols: slice) -> Tensor:
+    return m.read(rows, cols) if isinstance(m, DiskMap) else m[..., rows, cols]
+
+
+def _shape_only(m: Map) -> bool:
+    return isinstance(m, Tensor) and m.dim() > 0 and m.stride(-1) == 0
+
+
+def _windows(maps: list[Map], st: Stage, strides: Sequence[int], tile: Tile,
              channels_last: bool, device: torch.device) -> list[Tensor]:
     """The stage's input windows for ``tile`` (image-pixel windows divided by each stride)."""
     out = []
     rd = tile.read
     for i in st.inputs:
         s = strides[i]
-        w = maps[i][..., rd.row // s : rd.row_end // s, rd.col // s : rd.col_end // s]
+        w = _read(maps[i], slice(rd.row // s, rd.row_end // s),
+                  slice(rd.col // s, rd.col_end // s))
         if w.stride(-1) == 0:  # a shape-only map (never read): keep it free
             out.append(w.to(device))
             continue
@@ -226,22 +245,22 @@ def _stage_grid(height: int, width: int, fp: Footprint, floats_per_pixel: float,
     return make_grid(height, width, fp, tile_size=side)
 
 
-def _tiles(maps: list[Tensor], st: Stage, plan: StagePlan, grid: TileGrid,
+def _tiles(maps: list[Map], st: Stage, plan: StagePlan, grid: TileGrid,
            channels_last: bool, device: torch.device) -> Iterator[tuple[Tile, list[Tensor]]]:
     for tile in grid:
         yield tile, _windows(maps, st, plan.strides, tile, channels_last, device)
 
 
 @torch.no_grad()
-def _run_stage(maps: list[Tensor], st: Stage, k: int, plan: StagePlan, budget: int,
-               channels_last: bool, autocast: torch.dtype | None, device: torch.device
-               ) -> tuple[Tensor, TileGrid]:
+def _run_stage(maps: list[Map], st: Stage, k: int, plan: StagePlan, budget: int,
+               channels_last: bool, autocast: torch.dtype | None, device: torch.device,
+               store: Path | None) -> tuple[Map, TileGrid]:
     height, width = maps[0].shape[-2:]
     fpp = sum(plan.channels[i] / plan.strides[i] ** 2 for i, u in zip(
         st.inputs, plan.used[k], strict=True) if u) + plan.channels[k + 1] / st.stride ** 2
     grid = _stage_grid(height, width, plan.footprints[k], fpp, budget)
     s = st.stride
-    out: Tensor | None = None
+    out: Map | None = None
 
     def tiles() -> Iterator[tuple[Tile, list[Tensor]]]:
         return _tiles(maps, st, plan, grid, channels_last, device)
@@ -253,13 +272,19 @@ def _run_stage(maps: list[Tensor], st: Stage, k: int, plan: StagePlan, budget: i
         for tile, xs in tiles():
             y = st.module(xs)
             if out is None:
-                out = torch.empty(y.shape[0], y.shape[1], height // s, width // s,
-                                  dtype=y.dtype)
-                if channels_last:
-                    out = out.contiguous(memory_format=torch.channels_last)
+                shape = (y.shape[0], y.shape[1], height // s, width // s)
+                if store is not None:
+                    out = DiskMap(store / f"map{k + 1}.bin", shape, y.dtype)
+                else:
+                    out = torch.empty(shape, dtype=y.dtype, memory_format=torch.channels_last
+                                      if channels_last else torch.contiguous_format)
             c, cr = tile.core, tile.crop
-            out[..., c.row // s : c.row_end // s, c.col // s : c.col_end // s] = \
-                y[..., cr.row // s : cr.row_end // s, cr.col // s : cr.col_end // s].cpu()
+            rows, cols = slice(c.row // s, c.row_end // s), slice(c.col // s, c.col_end // s)
+            core = y[..., cr.row // s : cr.row_end // s, cr.col // s : cr.col_end // s].cpu()
+            if isinstance(out, DiskMap):
+                out.write(rows, cols, core)
+            else:
+                out[..., rows, cols] = core
     assert out is not None
     return out, grid
 
@@ -267,7 +292,8 @@ def _run_stage(maps: list[Tensor], st: Stage, k: int, plan: StagePlan, budget: i
 def predict_staged(stages: Sequence[Stage], image: Tensor, *, align: int,
                    budget: int = 1 << 27, plan: StagePlan | None = None,
                    channels_last: bool = False, autocast: torch.dtype | None = None,
-                   efficiency: list[float] | None = None) -> Tensor:
+                   store: str | Path | None = None, efficiency: list[float] | None = None
+                   ) -> Tensor:
     """Logits ``[B, K, H, W]`` of the staged network, equal to its untiled forward.
 
     Args:
@@ -279,19 +305,42 @@ def predict_staged(stages: Sequence[Stage], image: Tensor, *, align: int,
         plan: from :func:`plan_stages` (found here when omitted).
         channels_last: maps and tiles in NHWC (faster convolutions on CPU).
         autocast: run stages under ``torch.autocast`` with this dtype (the fast path).
+        store: a folder for the maps between stages (:class:`DiskMap` files in a temporary
+            folder under it, removed at the end): the process then holds one stage tile's
+            windows, not whole maps. ``None`` keeps them in memory.
         efficiency: when a list, each stage's E is appended to it (1.0: no halo overhead).
     """
     plan = plan or plan_stages(stages, image.shape[1], align)
     device = next(p for st in stages for p in st.module.parameters()).device
     height, width = image.shape[-2:]
-    maps: list[Tensor] = [extend(image, Footprint(0, align))]
+    maps: list[Map] = [extend(image, Footprint(0, align))]
     last = plan.last_reads(stages)
-    for k, st in enumerate(stages):
-        out, grid = _run_stage(maps, st, k, plan, budget, channels_last, autocast, device)
-        maps.append(out)
-        if efficiency is not None:
-            efficiency.append(grid.efficiency)
-        for i in range(len(maps) - 1):  # keep only the shape of maps no later stage reads
-            if last.get(i, -1) <= k and maps[i].stride(-1) != 0:
-                maps[i] = maps[i].new_zeros(()).expand(maps[i].shape)
-    return maps[-1][..., :height, :width].float().contiguous()
+    folder = Path(tempfile.mkdtemp(prefix="staged-", dir=store)) if store is not None else None
+    try:
+        for k, st in enumerate(stages):
+            kept = folder if k < len(stages) - 1 else None  # the logits: returned in memory
+            out, grid = _run_stage(maps, st, k, plan, budget, channels_last, autocast,
+                                   device, kept)
+            maps.append(out)
+            if efficiency is not None:
+                efficiency.append(grid.efficiency)
+            for i in range(len(maps) - 1):  # keep only the shape of maps no stage reads now
+                if last.get(i, -1) <= k and not _shape_only(maps[i]):
+                    maps[i] = _drop(maps[i])
+        logits = maps[-1]
+        assert isinstance(logits, Tensor)
+        return logits[..., :height, :width].float().contiguous()
+    finally:
+        for m in maps:
+            if isinstance(m, DiskMap):
+                m.close()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _drop(m: Map) -> Tensor:
+    """A map reduced to its shape (stride 0: no memory), its file removed."""
+    if isinstance(m, DiskMap):
+        m.close()
+        return torch.zeros((), dtype=m.dtype).expand(m.shape)
+    return m.new_zeros(()).expand(m.shape)

@@ -131,3 +131,30 @@ def test_a_stage_list_in_image_order():
     y = predict_staged(stages, x, align=2, budget=3_000, efficiency=eff)
     assert min(eff) > 1.0
     torch.testing.assert_close(y, ref, atol=1e-6, rtol=0)
+
+
+def test_maps_in_files_give_the_same_logits_and_leave_nothing(tmp_path):
+    """``store=``: the maps between stages live in files read window by window; the
+    logits are bit-identical to the in-memory run and the files are gone afterwards."""
+    net = preset_model("deeplabv3plus_test_resnet")
+    x = torch.randn(1, 4, 517, 461)
+    mem, _ = _staged(net, x, budget=40_000, channels_last=True)
+    disk, eff = _staged(net, x, budget=40_000, channels_last=True, store=tmp_path)
+    assert max(eff) > 1.0
+    assert torch.equal(disk, mem)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failing_stage_leaves_no_map_files(tmp_path):
+    """An error in a later stage (here: the decoder) removes the maps already written."""
+    net = preset_model("unet_test_resnet")
+    stages = smp_stages(net)
+
+    def fail(*_):
+        raise RuntimeError("boom in the decoder")
+
+    stages[-1].module.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        predict_staged(stages, torch.randn(1, 4, 200, 200), align=32, budget=40_000,
+                       store=tmp_path)
+    assert list(tmp_path.iterdir()) == []
