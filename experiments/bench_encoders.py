@@ -24,6 +24,7 @@ normalised as ``(x / 255 - 0.5) / 0.25``. Runs, each a fresh process, one after 
   the network (the encoder's stages, then decoder + head) tiled over the whole feature maps
   with its own halo, tiles of at most ``budget`` floats of input and output maps (deep
   stages: one tile); fp32 channels_last and bf16; the stage plan (probe) is timed apart;
+  the maps between stages in memory, or with ``--store`` in files read by window;
 * *MONAI*: the image loaded in memory, ``sliding_window_inference`` with Gaussian blending
   at window 512 / overlap 0.25, 1024 / 0.25 and 1024 / 0.5 (the issue's settings), fp32
   contiguous (as users run it), ``sw_batch_size=1``; throughput counts the call only.
@@ -143,7 +144,7 @@ def run_staged(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
     eff: list[float] = []
     t0 = time.perf_counter()
     y = predict_staged(stages, x, align=net.downsampling_factor, budget=cfg["budget"],
-                       plan=plan, channels_last=True, efficiency=eff,
+                       plan=plan, channels_last=True, efficiency=eff, store=cfg.get("store"),
                        autocast=torch.bfloat16 if variant == "bf16_cl" else None)
     seconds = time.perf_counter() - t0
     labels = y[0].argmax(0).to(torch.uint8).numpy()
@@ -152,6 +153,7 @@ def run_staged(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
     return {"labels": str(path), "seconds": seconds, "plan_s": round(plan_s, 1),
             "stage_halos": [f.halo for f in plan.footprints],
             "stage_efficiency": [round(e, 3) for e in eff], "budget_floats": cfg["budget"],
+            "store": cfg.get("store") or "memory",
             "mpix_per_s": labels.size / 1e6 / seconds, "peak_rss_self_mib": peak_rss_self_mib()}
 
 
@@ -300,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="bench_encoders")
     p.add_argument("--budget", type=int, default=1 << 27,
                    help="staged runs: floats of input and output maps per stage tile")
+    p.add_argument("--store", default=None,
+                   help="staged runs: a folder for the maps between stages (files read and "
+                        "written by window); default: in memory")
     p.add_argument("--runs", nargs="*", default=None,
                    help="only these runs (e.g. untiled_fp32_channels_last staged_fp32_cl "
                         "monai_1024_0.25); default all")
@@ -309,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     workdir = Path(tempfile.mkdtemp(prefix="bench_encoders_"))
     base = {"size": args.size, "tile": args.tile, "threads": args.threads,
-            "budget": args.budget, "runs": args.runs,
+            "budget": args.budget, "runs": args.runs, "store": args.store,
             "image": str(workdir / "image.tif"), "workdir": str(workdir)}
     write_input(Path(base["image"]), args.size)
     loads: list = [("start", os.getloadavg())]
