@@ -42,6 +42,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -52,7 +53,8 @@ from seg_at_scale.tiling.halo import _GLOBAL_SIZE, WholeImageDependency, _struct
 from seg_at_scale.tiling.passes import fixed_statistics, has_statistics
 from seg_at_scale.tiling.predict import extend
 
-__all__ = ["Chain", "Stage", "StagePlan", "plan_stages", "predict_staged", "stage_halo"]
+__all__ = ["Chain", "Map", "WindowMap", "read_map", "staged_maps", "Stage", "StagePlan",
+           "plan_stages", "predict_staged", "stage_halo"]
 
 
 class Chain(nn.Module):
@@ -116,12 +118,23 @@ class StagePlan:
         return last
 
 
-Map = Tensor | DiskMap
-"""A whole feature map: in memory, or in a file (``store=``)."""
+class WindowMap(Protocol):
+    """A map read by window, e.g. the image from a raster file (``shape``: extended)."""
+
+    shape: torch.Size
+
+    def read(self, rows: slice, cols: slice) -> Tensor:
+        """The window ``[B, C, rows, cols]``."""
+        ...
 
 
-def _read(m: Map, rows: slice, cols: slice) -> Tensor:
-    return m.read(rows, cols) if isinstance(m, DiskMap) else m[..., rows, cols]
+Map = Tensor | DiskMap | WindowMap
+"""A whole feature map: in memory, in a file (``store=``), or read by window."""
+
+
+def read_map(m: Map, rows: slice, cols: slice) -> Tensor:
+    """The window ``[B, C, rows, cols]`` of any :data:`Map`."""
+    return m[..., rows, cols] if isinstance(m, Tensor) else m.read(rows, cols)
 
 
 def _shape_only(m: Map) -> bool:
@@ -135,7 +148,7 @@ def _windows(maps: list[Map], st: Stage, strides: Sequence[int], tile: Tile,
     rd = tile.read
     for i in st.inputs:
         s = strides[i]
-        w = _read(maps[i], slice(rd.row // s, rd.row_end // s),
+        w = read_map(maps[i], slice(rd.row // s, rd.row_end // s),
                   slice(rd.col // s, rd.col_end // s))
         if w.stride(-1) == 0:  # a shape-only map (never read): keep it free
             out.append(w.to(device))
@@ -310,32 +323,49 @@ def predict_staged(stages: Sequence[Stage], image: Tensor, *, align: int,
             windows, not whole maps. ``None`` keeps them in memory.
         efficiency: when a list, each stage's E is appended to it (1.0: no halo overhead).
     """
-    plan = plan or plan_stages(stages, image.shape[1], align)
-    device = next(p for st in stages for p in st.module.parameters()).device
     height, width = image.shape[-2:]
-    maps: list[Map] = [extend(image, Footprint(0, align))]
-    last = plan.last_reads(stages)
     folder = Path(tempfile.mkdtemp(prefix="staged-", dir=store)) if store is not None else None
     try:
+        with staged_maps(stages, extend(image, Footprint(0, align)), align=align,
+                         budget=budget, plan=plan, channels_last=channels_last,
+                         autocast=autocast, folder=folder, efficiency=efficiency) as logits:
+            return read_map(logits, slice(0, height), slice(0, width)).float().contiguous()
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_maps(stages: Sequence[Stage], image: Map, *, align: int, budget: int = 1 << 27,
+                plan: StagePlan | None = None, channels_last: bool = False,
+                autocast: torch.dtype | None = None, folder: Path | None = None,
+                efficiency: list[float] | None = None) -> Iterator[Map]:
+    """Run the stages over ``image`` (extended already); yields the last map, the logits.
+
+    As :func:`predict_staged`, for callers that read the logits by window (the raster
+    path): with ``folder`` (an existing folder, the caller's) every map, the logits
+    included, is a :class:`DiskMap` file in it, each removed when no longer needed and all
+    of them when the block ends, normally or not.
+    """
+    plan = plan or plan_stages(stages, image.shape[1], align)
+    device = next(p for st in stages for p in st.module.parameters()).device
+    maps: list[Map] = [image]
+    last = plan.last_reads(stages)
+    try:
         for k, st in enumerate(stages):
-            kept = folder if k < len(stages) - 1 else None  # the logits: returned in memory
             out, grid = _run_stage(maps, st, k, plan, budget, channels_last, autocast,
-                                   device, kept)
+                                   device, folder)
             maps.append(out)
             if efficiency is not None:
                 efficiency.append(grid.efficiency)
             for i in range(len(maps) - 1):  # keep only the shape of maps no stage reads now
                 if last.get(i, -1) <= k and not _shape_only(maps[i]):
                     maps[i] = _drop(maps[i])
-        logits = maps[-1]
-        assert isinstance(logits, Tensor)
-        return logits[..., :height, :width].float().contiguous()
+        yield maps[-1]
     finally:
         for m in maps:
             if isinstance(m, DiskMap):
                 m.close()
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _drop(m: Map) -> Tensor:
@@ -343,4 +373,6 @@ def _drop(m: Map) -> Tensor:
     if isinstance(m, DiskMap):
         m.close()
         return torch.zeros((), dtype=m.dtype).expand(m.shape)
-    return m.new_zeros(()).expand(m.shape)
+    if isinstance(m, Tensor):
+        return m.new_zeros(()).expand(m.shape)
+    return torch.zeros(()).expand(m.shape)  # a map read by window: nothing to free
