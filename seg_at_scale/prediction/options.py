@@ -53,6 +53,11 @@ class PredictOptions:
             alike: 1.1-2.6x faster convolutions on CPU for most networks) or ``contiguous``
             (NCHW; faster for DeepLabV3+'s dilated convolutions here); the labels are the
             same either way.
+        staged: run an smp network stage by stage, each stage tiled over the whole scene's
+            feature maps with its own halo (:mod:`seg_at_scale.tiling.staged`): near the
+            untiled forward's work instead of the whole network's halo on every tile. The
+            maps live in files beside the output; one process; no TTA.
+        stage_memory_mb: input and output maps one stage tile may hold (staged).
         stac: write a STAC Item (``<name>.stac.json``) beside each output.
         vector_connectivity: polygons' pixel connectivity, 4 or 8 (vector outputs).
         vector_min_area: drop polygons smaller than this (CRS units, e.g. m²).
@@ -74,6 +79,8 @@ class PredictOptions:
     keep_store: bool = False
     check_dtype: bool = True
     layout: Literal["auto", "channels_last", "contiguous"] = "auto"
+    staged: bool = False
+    stage_memory_mb: int = 512
     stac: bool = True
     vector_connectivity: Literal[4, 8] = 4
     vector_min_area: float = 0.0
@@ -89,6 +96,8 @@ class PredictOptions:
                   "a whole number >= 1 (e.g. tile_size=1024)")
         _at_least("batch_size", self.batch_size, 1, "give tiles per forward pass as a whole "
                   "number >= 1, or batch_size=null (1 on a CPU, about 16 Mpix on a GPU)")
+        _at_least("stage_memory_mb", self.stage_memory_mb, 1, "give the megabytes of maps one "
+                  "stage tile may hold, a whole number >= 1 (e.g. stage_memory_mb=512)")
         if self.q is None and self.tile_size is None:
             raise ConfigError("q and tile_size are both null: give tile_size=<pixels> (e.g. "
                               "1024) or q=<tiles per side>")

@@ -114,6 +114,8 @@ def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footp
                    "normalizer": [normalizer.scale, list(normalizer.mean),
                                   list(normalizer.std)],
                    "nodata": nodata if nodata is None else float(nodata)}
+    if options.staged:  # the same labels up to float ties, computed otherwise: recorded
+        fingerprint["staged"] = True
     if not exact:  # tiling.exact=false: recorded (the output's TILING tag says so)
         fingerprint["exact"] = False
     return RasterPlan(image, output, kind, store_path(output), reader, grid, batches,

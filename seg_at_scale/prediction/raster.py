@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,7 @@ from seg_at_scale.prediction.plan import (
     reusable,
 )
 from seg_at_scale.prediction.progress import progress_bar
+from seg_at_scale.prediction.staged import check_staged, predict_staged_raster, stage_folder
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, footprint
 from seg_at_scale.tiling.engine import Batch, BatchOutput, run_batches
@@ -139,6 +141,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     out_path, image = Path(output), Path(image)
     output_kind(out_path)
     rank, world = rank_world()
+    stages = check_staged(model, o, world) if o.staged else None
     check_outputs({"output": out_path, "working store": store_path(out_path)},
                   {"image": image}, overwrite=True)  # existing outputs: open_store
     fp = fp or footprint(model)
@@ -171,11 +174,15 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         stats.batches = len(mine)
         source = RasterWindows(plan.reader, norm, fill_of(fp))
         show = o.progress if o.progress is not None else not os.environ.get("CI")
-        pool_ctx = _image_pool(model, source, grid, batches[rank::world], device, o.autocast,
-                               o.channels_last, stats, show and rank == 0, world)
-        with pool_ctx, progress_bar(sum(len(b.tiles) for b in todo), show and rank == 0,
-                                    grid.height * grid.width / len(grid), world) as bar:
-            predict_batches(model, source, mine, grid, store, o, stats, bar)
+        if stages is not None:
+            _staged(stages, source, grid, todo, store, o, stats, out_path, show)
+        else:
+            pool_ctx = _image_pool(model, source, grid, batches[rank::world], device,
+                                   o.autocast, o.channels_last, stats, show and rank == 0,
+                                   world)
+            with pool_ctx, progress_bar(sum(len(b.tiles) for b in todo), show and rank == 0,
+                                        grid.height * grid.width / len(grid), world) as bar:
+                predict_batches(model, source, mine, grid, store, o, stats, bar)
         barrier()
         if rank == 0:
             t0 = time.perf_counter()
@@ -185,6 +192,20 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         barrier()
     stats.total_s = time.perf_counter() - t_start
     return stats
+
+
+def _staged(stages: list[Any], source: RasterWindows, grid: TileGrid, todo: list[Batch],
+            store: PredictionStore, o: PredictOptions, stats: PredictionStats, out: Path,
+            show: bool) -> None:
+    """``staged=true``: the logits stage by stage, the tiles the store lacks written."""
+    folder = stage_folder(out)
+    try:
+        with progress_bar(sum(len(b.tiles) for b in todo), show,
+                          grid.height * grid.width / len(grid), 1) as bar:
+            predict_staged_raster(stages, source, grid, todo, store, o, stats, folder, bar,
+                                  lambda y, invalid: tile_output(y, invalid, o.probabilities))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: list[Batch],
@@ -334,24 +355,28 @@ def _share(value: Any) -> Any:
 def _outputs(res: BatchOutput, probabilities: str | None
              ) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """Per tile: labels ``[h, w]`` uint8 (255 on no data) and probabilities ``[K, h, w]``."""
-    out = []
-    for y, invalid in zip(res.outputs, res.invalid, strict=True):
-        # argmax over classes reads K strided planes in NCHW; in NHWC the classes of a pixel
-        # are adjacent, ~3x faster on CPU (ties still go to the first class)
-        labels = y[None].contiguous(memory_format=torch.channels_last).argmax(1)[0]
-        labels = labels.to(torch.uint8).cpu().numpy()
-        probs = None
-        if probabilities is not None:
-            p = y.float() if res.probabilities else torch.softmax(y.float(), dim=0)
-            p = torch.round(p * 255).to(torch.uint8) if probabilities == "uint8" else \
-                p.to(torch.float16)
-            probs = p.cpu().numpy()
-        if invalid is not None:
-            labels[invalid] = NODATA
-            if probs is not None:
-                probs[:, invalid] = 0
-        out.append((labels, probs))
-    return out
+    return [tile_output(y, invalid, probabilities, res.probabilities)
+            for y, invalid in zip(res.outputs, res.invalid, strict=True)]
+
+
+def tile_output(y: Tensor, invalid: np.ndarray | None, probabilities: str | None,
+                is_probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+    """One tile's core output ``[K, h, w]`` (logits, or TTA's probabilities) as written."""
+    # argmax over classes reads K strided planes in NCHW; in NHWC the classes of a pixel
+    # are adjacent, ~3x faster on CPU (ties still go to the first class)
+    labels = y[None].contiguous(memory_format=torch.channels_last).argmax(1)[0]
+    labels_np = labels.to(torch.uint8).cpu().numpy()
+    probs = None
+    if probabilities is not None:
+        p = y.float() if is_probabilities else torch.softmax(y.float(), dim=0)
+        p = torch.round(p * 255).to(torch.uint8) if probabilities == "uint8" else \
+            p.to(torch.float16)
+        probs = p.cpu().numpy()
+    if invalid is not None:
+        labels_np[invalid] = NODATA
+        if probs is not None:
+            probs[:, invalid] = 0
+    return labels_np, probs
 
 
 def _write(store: PredictionStore, batch: Batch,

@@ -155,14 +155,23 @@ def site_levels(model: nn.Module, example: Tensor | list[Tensor]
         if isinstance(out, Tensor) and isinstance(inp[0], Tensor):
             seen.append((m, inp[0], out))  # type: ignore[arg-type]
 
+    # autograd finds the dependencies: also under no_grad or inference_mode (where every
+    # site would silently come out level 1)
+    with torch.inference_mode(False), torch.enable_grad():
+        return _levels(model, example, sites, seen, hook)
+
+
+def _levels(model: nn.Module, example: Tensor | list[Tensor], sites: list[StatisticSite],
+            seen: list[tuple[StatisticSite, Tensor, Tensor]], hook: Any
+            ) -> dict[StatisticSite, int]:
     handles = [s.register_forward_hook(hook) for s in sites]
     was_training = model.training
     try:
         model.eval()
         if isinstance(example, list):  # a stage's windows (seg_at_scale.tiling.staged)
-            model([x.detach().requires_grad_(True) for x in example])
+            model([x.detach().clone().requires_grad_(True) for x in example])
         else:
-            model(example.detach().requires_grad_(True))
+            model(example.detach().clone().requires_grad_(True))
     finally:
         model.train(was_training)
         for h in handles:

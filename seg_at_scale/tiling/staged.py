@@ -158,7 +158,6 @@ def _windows(maps: list[Map], st: Stage, strides: Sequence[int], tile: Tile,
     return out
 
 
-@torch.enable_grad()
 def stage_halo(module: nn.Module, strides: Sequence[int], channels: Sequence[int],
                out_stride: int, align: int, max_size: int = 4096
                ) -> tuple[int, tuple[bool, ...]]:
@@ -169,6 +168,14 @@ def stage_halo(module: nn.Module, strides: Sequence[int], channels: Sequence[int
     several inputs at their own strides: the reach of one aligned block of outputs into
     each input, in image pixels. An input with no gradient is only used for its shape.
     """
+    # the probe back-propagates, also when called under no_grad or inference_mode (where
+    # enable_grad alone still makes tensors that cannot require a gradient)
+    with torch.inference_mode(False), torch.enable_grad():
+        return _stage_halo(module, strides, channels, out_stride, align, max_size)
+
+
+def _stage_halo(module: nn.Module, strides: Sequence[int], channels: Sequence[int],
+                out_stride: int, align: int, max_size: int) -> tuple[int, tuple[bool, ...]]:
     net = _structural_copy(module)
     # dilated taps past a small probe read only padding: start where the widest one fits
     size = max(8 * align, 64, max(strides) * (4 * _widest_tap(net) + 8))

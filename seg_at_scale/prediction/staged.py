@@ -1,0 +1,97 @@
+"""``seg-predict staged=true``: a raster predicted stage by stage, into the usual store.
+
+The stages (:mod:`seg_at_scale.tiling.staged`) read the image window by window from the
+raster (normalised and filled as the tile engine reads it), keep their feature maps and
+the logits in files in ``.<output name>.staged`` beside the output, and the logits of
+every tile the store still lacks are turned into labels (and probabilities) exactly as the
+tiled path turns its tiles' logits, then written as that tile's chunk. Store, resume,
+COG / Zarr, STAC and preview are the tiled path's. A killed run leaves the folder behind;
+the next run of that output removes it before it starts.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from seg_at_scale.data.windows import RasterWindows
+from seg_at_scale.errors import ConfigError
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.store import PredictionStore
+from seg_at_scale.tiling.engine import Batch
+from seg_at_scale.tiling.geometry import TileGrid, Window
+from seg_at_scale.tiling.staged import Stage, read_map, staged_maps
+
+__all__ = ["check_staged", "predict_staged_raster", "stage_folder"]
+
+
+def check_staged(model: nn.Module, options: PredictOptions, world: int) -> list[Stage]:
+    """The model's stages, or a one-line refusal before any work."""
+    from seg_at_scale.models.smp_stages import smp_stages
+
+    if world > 1:
+        raise ConfigError(f"staged=true runs in one process (processes={world}): use "
+                          "processes=1, or staged=false to share the tiles between processes")
+    if options.tta is not None:
+        raise ConfigError(f"staged=true with tta={options.tta!r}: each view would be a "
+                          "staged run of its own; use tta=null, or staged=false")
+    net = getattr(model, "net", model)
+    if not (hasattr(net, "encoder") and hasattr(net, "decoder")):
+        raise ConfigError(f"staged=true: the model ({type(model).__name__}) is not an smp "
+                          "network (model=smp / its presets); use staged=false")
+    return smp_stages(model)
+
+
+def stage_folder(output: Path) -> Path:
+    """Where a staged run of ``output`` keeps its maps (fresh: a killed run's is removed)."""
+    folder = output.parent / f".{output.name}.staged"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    return folder
+
+
+class _SourceMap:
+    """The normalised image as a map read by window (the extended image's shape)."""
+
+    def __init__(self, source: RasterWindows, bands: int, grid: TileGrid) -> None:
+        self.source = source
+        self.shape = torch.Size((1, bands, grid.extended.height, grid.extended.width))
+
+    def read(self, rows: slice, cols: slice) -> Tensor:
+        window = Window(rows.start, cols.start, rows.stop - rows.start, cols.stop - cols.start)
+        return torch.from_numpy(self.source.read(window)[0])[None]
+
+
+def predict_staged_raster(stages: list[Stage], source: RasterWindows, grid: TileGrid,
+                          todo: list[Batch], store: PredictionStore, options: PredictOptions,
+                          stats: Any, folder: Path, bar: Any, outputs: Any) -> None:
+    """Compute the logits stage by stage, then write every tile of ``todo`` to ``store``.
+
+    ``outputs(y, invalid)`` turns one tile's logits ``[K, h, w]`` into ``(labels, probs)``
+    as the tiled path does.
+    """
+    if not todo:
+        return
+    t0 = time.perf_counter()
+    image = _SourceMap(source, source.reader.bands, grid)
+    budget = options.stage_memory_mb * 2**20 // 4
+    with torch.inference_mode(), staged_maps(
+            stages, image, align=grid.footprint.align, budget=budget,
+            channels_last=options.channels_last, autocast=options.autocast,
+            folder=folder) as logits:
+        stats.model_s += time.perf_counter() - t0
+        for batch in todo:
+            for tile in batch.tiles:
+                c = tile.core
+                if store.done(tile):
+                    continue
+                y = read_map(logits, slice(c.row, c.row_end), slice(c.col, c.col_end))[0]
+                labels, probs = outputs(y, source.load(c)[1])
+                store.write(tile, labels, probs)
+                stats.tiles_computed += 1
+                bar.update(1)

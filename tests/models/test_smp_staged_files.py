@@ -1,0 +1,105 @@
+"""``seg-predict staged=true``: a raster predicted stage by stage into the usual store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from prediction_helpers import make_image
+from smp_helpers import preset_model
+from test_smp_files import DATA, check_labels
+
+from seg_at_scale.errors import ConfigError
+from seg_at_scale.io import read_raster
+from seg_at_scale.models import UNet
+from seg_at_scale.prediction import PredictOptions, predict_raster
+from seg_at_scale.prediction.staged import check_staged
+from seg_at_scale.tiling import predict_full
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("preset", ["unet_test_resnet", "fpn_test_resnet",
+                                    "deeplabv3plus_test_resnet"])
+def test_staged_cog_equals_untiled_and_leaves_no_maps(tmp_path, preset):
+    """Stage tiles small enough that every stage is several tiles (1 MB each), the scene
+    no multiple of 32: the labels equal the untiled forward's, borders included; the
+    probabilities are those of its logits; the map files are gone."""
+    net = preset_model(preset)
+    image = make_image(tmp_path / "scene.tif", height=389, width=461)
+    stats = predict_raster(net, image, tmp_path / "pred.tif",
+                           PredictOptions(q=2, staged=True, stage_memory_mb=1,
+                                          probabilities="uint8", progress=False),
+                           normalizer=DATA)
+    assert stats.tiles_computed == stats.tiles == 4
+    ref = predict_full(net, torch.from_numpy(DATA(read_raster(image)))[None])
+    check_labels(read_raster(tmp_path / "pred.tif")[0], ref)
+    probs = read_raster(tmp_path / "pred_probabilities.tif")
+    expect = torch.round(torch.softmax(ref[0], 0) * 255).numpy()
+    assert np.abs(probs.astype(int) - expect).max() <= 1
+    assert not any(p.name.endswith(".staged") for p in tmp_path.iterdir())
+
+
+def test_staged_refusals_before_any_work(tmp_path):
+    net = preset_model("unet_test_resnet")
+    with pytest.raises(ConfigError, match=r"staged=true runs in one process \(processes=2\)"):
+        check_staged(net, PredictOptions(staged=True), world=2)
+    with pytest.raises(ConfigError, match=r"staged=true with tta='flips'.*tta=null"):
+        check_staged(net, PredictOptions(staged=True, tta="flips"), world=1)
+    own = UNet(in_channels=4, num_classes=3, levels=3, base_width=4, padding="same").eval()
+    image = make_image(tmp_path / "scene.tif", height=100, width=90)
+    with pytest.raises(ConfigError, match=r"staged=true: the model \(UNet\) is not an smp "
+                                          r"network.*staged=false"):
+        predict_raster(own, image, tmp_path / "pred.tif",
+                       PredictOptions(staged=True, progress=False), normalizer=DATA)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scene.tif"]
+
+
+CHILD = """
+import sys
+sys.path[:0] = [{here!r}, {tests!r}]
+from smp_helpers import preset_model
+from test_smp_files import DATA
+from seg_at_scale.prediction import PredictOptions, predict_raster
+net = preset_model("fpn_test_resnet")
+predict_raster(net, {image!r}, {out!r}, PredictOptions(q=2, staged=True, stage_memory_mb=1,
+               progress=False), normalizer=DATA)
+"""
+
+
+def test_a_killed_staged_run_leaves_no_output_and_a_rerun_completes_it(tmp_path):
+    """SIGKILL while the stages write their maps: no output under the final name, the map
+    folder left behind; the rerun removes it and writes the labels of an uninterrupted run."""
+    image = make_image(tmp_path / "scene.tif", height=389, width=461)
+    out = tmp_path / "pred.tif"
+    folder = tmp_path / ".pred.tif.staged"
+    code = CHILD.format(here=str(HERE), tests=str(HERE.parent), image=str(image),
+                        out=str(out))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder.exists() and any(folder.iterdir())):
+            assert proc.poll() is None, "the run ended before its maps were written"
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert not out.exists() and folder.exists()
+    net = preset_model("fpn_test_resnet")
+    opts = PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False)
+    predict_raster(net, image, out, opts, normalizer=DATA)
+    predict_raster(net, image, tmp_path / "whole.tif", opts, normalizer=DATA)
+    np.testing.assert_array_equal(read_raster(out), read_raster(tmp_path / "whole.tif"))
+    assert not folder.exists()
