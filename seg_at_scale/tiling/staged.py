@@ -287,8 +287,9 @@ def _run_stage(maps: list[Map], st: Stage, k: int, plan: StagePlan, budget: int,
 
     fixed = fixed_statistics(st.module, tiles, grid) if (
         len(grid) > 1 and has_statistics(st.module)) else contextlib.nullcontext()
-    with fixed, torch.autocast(device.type, dtype=autocast or torch.float32,
-                               enabled=autocast is not None):
+    # the passes under the same autocast: a map the stage before wrote in bf16 feeds both
+    with torch.autocast(device.type, dtype=autocast or torch.float32,
+                        enabled=autocast is not None), fixed:
         for tile, xs in tiles():
             y = st.module(xs)
             if out is None:
