@@ -57,6 +57,12 @@ def test_finetune_train_then_predict_its_run(tmp_path):
     decided = ((top2[0] - top2[1]) > 1e-5 * ref.abs().max()).numpy()
     pred = read_raster(tmp_path / "pred.tif")[0]
     np.testing.assert_array_equal(pred[decided], ref.argmax(1)[0].numpy()[decided])
+    # the same run stage by stage (seg-predict staged=true): the same labels
+    staged = seg_predict(run, image, tmp_path / "staged.tif", "fast=false", "q=2",
+                         "staged=true", "stage_memory_mb=1")
+    assert staged["tiles"] == res["tiles"]
+    pred = read_raster(tmp_path / "staged.tif")[0]
+    np.testing.assert_array_equal(pred[decided], ref.argmax(1)[0].numpy()[decided])
 
 
 @pytest.mark.slow
