@@ -318,7 +318,7 @@ def predict_staged(stages: Sequence[Stage], image: Tensor, *, align: int,
     """Logits ``[B, K, H, W]`` of the staged network, equal to its untiled forward.
 
     Args:
-        stages: the network as stages (e.g. :func:`seg_at_scale.models.smp_stages.stages`).
+        stages: the network as stages (e.g. :func:`seg_at_scale.models.smp_stages.smp_stages`).
         image: ``[B, C, H, W]``, normalised; extended to a multiple of ``align`` as
             ``predict_full`` extends it.
         align: the network's downsampling factor.
