@@ -5,6 +5,8 @@ The encoder is a chain: each stage turns the previous feature map into the next 
 the modules of its feature net between two returned features). The decoder with the
 segmentation head is the last stage; it reads every feature map, as smp's forward hands
 them to it (the input image first; a transformer-style encoder's empty stride-2 map).
+DeepLabV3+'s decoder is two: ASPP on the deepest map, then the fusion with the stride-4
+map and the head.
 
 >>> from seg_at_scale.models.smp import SMPModel
 >>> net = SMPModel("Unet", "tu-test_resnet", in_channels=4, num_classes=3,
@@ -17,6 +19,7 @@ them to it (the input image first; a transformer-style encoder's empty stride-2 
 from __future__ import annotations
 
 import torch
+from segmentation_models_pytorch.decoders.deeplabv3.decoder import DeepLabV3PlusDecoder
 from segmentation_models_pytorch.encoders.resnet import ResNetEncoder
 from segmentation_models_pytorch.encoders.timm_universal import TimmUniversalEncoder
 from timm.models._features import FeatureListNet
@@ -38,6 +41,20 @@ class _Decode(nn.Module):
 
     def forward(self, xs: list[Tensor]) -> Tensor:
         return self.head(self.decoder(list(xs)))  # type: ignore[no-any-return]
+
+
+class _FusePlus(nn.Module):
+    """DeepLabV3+'s decoder after ASPP (smp's forward from ``self.up`` on), then the head."""
+
+    def __init__(self, decoder: DeepLabV3PlusDecoder, head: nn.Module) -> None:
+        super().__init__()
+        self.decoder, self.head = decoder, head
+
+    def forward(self, xs: list[Tensor]) -> Tensor:
+        aspp, high_res = xs
+        d = self.decoder
+        fused = d.block2(torch.cat([d.up(aspp), d.block1(high_res)], dim=1))
+        return self.head(fused)  # type: ignore[no-any-return]
 
 
 class _Empty(nn.Module):
@@ -70,8 +87,16 @@ def smp_stages(model: nn.Module) -> list[Stage]:
         src = 0 if not stages or name == "empty" else _last_real(stages)
         stages.append(Stage(f"encoder.{name}", module, (src,), stride))
     depth = len(stages)
-    stages.append(Stage("decoder+head", _Decode(net.decoder, net.segmentation_head),
-                        tuple(range(depth + 1)), 1))
+    if isinstance(net.decoder, DeepLabV3PlusDecoder):
+        # ASPP reads only the deepest map, whose stage is one tile where the whole decoder
+        # would take its 600-pixel halo at the stride-4 map's tile size
+        stages.append(Stage("decoder.aspp", Chain(net.decoder.aspp), (depth,),
+                            stages[-1].stride))
+        stages.append(Stage("decoder.fuse+head", _FusePlus(net.decoder, net.segmentation_head),
+                            (depth + 1, 2), 1))
+    else:
+        stages.append(Stage("decoder+head", _Decode(net.decoder, net.segmentation_head),
+                            tuple(range(depth + 1)), 1))
     for st in stages:  # the wrappers take the network's mode (they hold its modules)
         st.module.train(net.training)
     return stages

@@ -38,7 +38,8 @@ def test_staged_equals_untiled_with_every_stage_tiled(preset, layout):
     if cl:
         net = net.to(memory_format=torch.channels_last)
     y, eff = _staged(net, x, budget=40_000, channels_last=cl)
-    assert eff[-1] > 1.0, "the decoder ran as one tile: the passes were not exercised"
+    sites = -2 if preset.startswith("deeplab") else -1  # DeepLab: its ASPP stage
+    assert eff[sites] > 1.0, "the sites' stage ran as one tile: no pass was exercised"
     assert sum(e > 1.0 for e in eff[:-1]) >= 3
     assert_exact(y, ref)
 
@@ -77,16 +78,20 @@ def test_a_dilated_stage_is_probed_where_its_taps_land():
 
 
 def test_the_plan_finds_which_maps_the_decoder_reads():
-    """smp's U-Net decoder takes the input image for its shape only, DeepLab's decoder
-    reads the stride-4 and the last maps: the others are dropped once consumed."""
+    """smp's U-Net decoder takes the input image for its shape only; DeepLab's decoder is
+    ASPP on the last map, then the fusion with the stride-4 map: the others are dropped
+    once consumed."""
     unet = smp_stages(preset_model("unet_test_resnet"))
     plan = plan_stages(unet, 4, 32)
     assert plan.used[-1] == (False, True, True, True, True, True)
     assert plan.strides == (1, 2, 4, 8, 16, 32, 1)
     dl = smp_stages(preset_model("deeplabv3plus_test_resnet"))
+    assert [(s.name, s.inputs) for s in dl[-2:]] == [("decoder.aspp", (5,)),
+                                                     ("decoder.fuse+head", (6, 2))]
     plan = plan_stages(dl, 4, 16)
-    assert plan.strides[:-1] == (1, 2, 4, 8, 16, 16)
-    assert [i for i, u in enumerate(plan.used[-1]) if u] == [2, 5]
+    assert plan.strides[:-1] == (1, 2, 4, 8, 16, 16, 16)
+    assert plan.used[-1] == (True, True)
+    assert plan.last_reads(dl) == {0: 0, 1: 1, 2: 6, 3: 3, 4: 4, 5: 5, 6: 6}
 
 
 def test_stage_of_a_network_reading_the_whole_input_is_refused():
