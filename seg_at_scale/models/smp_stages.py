@@ -6,7 +6,9 @@ the modules of its feature net between two returned features). The decoder with 
 segmentation head is the last stage; it reads every feature map, as smp's forward hands
 them to it (the input image first; a transformer-style encoder's empty stride-2 map).
 DeepLabV3+'s decoder is two: ASPP on the deepest map, then the fusion with the stride-4
-map and the head.
+map and the head. FPN's is its top-down path, then each convolution of its segmentation
+blocks and each GroupNorm after it, then merge and head: a GroupNorm's statistic pass
+then reads a stored map instead of computing the decoder up to it again.
 
 >>> from seg_at_scale.models.smp import SMPModel
 >>> net = SMPModel("Unet", "tu-test_resnet", in_channels=4, num_classes=3,
@@ -19,7 +21,9 @@ map and the head.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from segmentation_models_pytorch.decoders.deeplabv3.decoder import DeepLabV3PlusDecoder
+from segmentation_models_pytorch.decoders.fpn.decoder import FPNDecoder
 from segmentation_models_pytorch.encoders.resnet import ResNetEncoder
 from segmentation_models_pytorch.encoders.timm_universal import TimmUniversalEncoder
 from timm.models._features import FeatureListNet
@@ -86,20 +90,93 @@ def smp_stages(model: nn.Module) -> list[Stage]:
     for name, module, stride in chain:
         src = 0 if not stages or name == "empty" else _last_real(stages)
         stages.append(Stage(f"encoder.{name}", module, (src,), stride))
-    depth = len(stages)
-    if isinstance(net.decoder, DeepLabV3PlusDecoder):
-        # ASPP reads only the deepest map, whose stage is one tile where the whole decoder
-        # would take its 600-pixel halo at the stride-4 map's tile size
-        stages.append(Stage("decoder.aspp", Chain(net.decoder.aspp), (depth,),
-                            stages[-1].stride))
-        stages.append(Stage("decoder.fuse+head", _FusePlus(net.decoder, net.segmentation_head),
-                            (depth + 1, 2), 1))
-    else:
-        stages.append(Stage("decoder+head", _Decode(net.decoder, net.segmentation_head),
-                            tuple(range(depth + 1)), 1))
+    stages += _decoder_stages(net, stages)
     for st in stages:  # the wrappers take the network's mode (they hold its modules)
         st.module.train(net.training)
     return stages
+
+
+def _decoder_stages(net: nn.Module, enc: list[Stage]) -> list[Stage]:
+    """The decoder and head as stages after the encoder's (map ``k + 1``: stage ``k``'s)."""
+    depth, head = len(enc), net.segmentation_head
+    if isinstance(net.decoder, DeepLabV3PlusDecoder):
+        # ASPP reads only the deepest map, whose stage is one tile where the whole decoder
+        # would take its 600-pixel halo at the stride-4 map's tile size
+        return [Stage("decoder.aspp", Chain(net.decoder.aspp), (depth,), enc[-1].stride),
+                Stage("decoder.fuse+head", _FusePlus(net.decoder, head), (depth + 1, 2), 1)]
+    if isinstance(net.decoder, FPNDecoder) and net.decoder.merge.policy == "add":
+        return _fpn_stages(net.decoder, head, enc)
+    return [Stage("decoder+head", _Decode(net.decoder, head), tuple(range(depth + 1)), 1)]
+
+
+def _fpn_stages(dec: FPNDecoder, head: nn.Module, enc: list[Stage]) -> list[Stage]:
+    """FPN's top-down path, then its segmentation blocks, convolution and norm apart.
+
+    Every convolution is a stage and every GroupNorm (+ ReLU, upsampling) the next, so a
+    GroupNorm's statistic pass reads the stored convolution map instead of computing the
+    decoder up to it again.
+    """
+    depth = len(enc)
+    out: list[Stage] = []
+
+    def add(name: str, module: nn.Module, inputs: tuple[int, ...], stride: int) -> int:
+        out.append(Stage(f"decoder.{name}", module, inputs, stride))
+        return depth + len(out)  # the map it writes
+
+    c = {lvl: depth - 3 + i for i, lvl in enumerate((2, 3, 4, 5))}  # c2..c5: features[-4:]
+    stride = {lvl: enc[c[lvl] - 1].stride for lvl in c}
+    p = {5: add("p5", Chain(dec.p5), (c[5],), stride[5])}
+    for lvl, block in ((4, dec.p4), (3, dec.p3), (2, dec.p2)):
+        p[lvl] = add(f"p{lvl}", _TopDown(block), (p[lvl + 1], c[lvl]), stride[lvl])
+    seg = []
+    for k, lvl in enumerate((5, 4, 3, 2)):
+        m, st = p[lvl], stride[lvl]
+        for j, cgr in enumerate(dec.seg_blocks[k].block):
+            m = add(f"seg_blocks.{k}.{j}.conv", Chain(cgr.block[0]), (m,), st)
+            st = st // 2 if cgr.upsample else st
+            m = add(f"seg_blocks.{k}.{j}.norm", _NormUp(cgr), (m,), st)
+        seg.append(m)
+    add("merge+head", _MergeHead(dec, head), tuple(seg), 1)
+    return out
+
+
+class _TopDown(nn.Module):
+    """One step of FPN's top-down path: ``block(upper level, encoder map)``."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, xs: list[Tensor]) -> Tensor:
+        return self.block(xs[0], xs[1])  # type: ignore[no-any-return]
+
+
+class _NormUp(nn.Module):
+    """A Conv3x3GNReLU after its convolution: GroupNorm, ReLU, the block's upsampling."""
+
+    def __init__(self, cgr: nn.Module) -> None:
+        super().__init__()
+        self.cgr = cgr
+
+    def forward(self, xs: list[Tensor]) -> Tensor:
+        (x,) = xs
+        for m in list(self.cgr.block)[1:]:
+            x = m(x)
+        if self.cgr.upsample:
+            x = F.interpolate(x, scale_factor=2.0, mode="bilinear",
+                              align_corners=bool(getattr(self.cgr, "align_corners", True)))
+        return x
+
+
+class _MergeHead(nn.Module):
+    """FPN's merge of the four segmentation maps, its dropout, then the head."""
+
+    def __init__(self, dec: FPNDecoder, head: nn.Module) -> None:
+        super().__init__()
+        self.dec, self.head = dec, head
+
+    def forward(self, xs: list[Tensor]) -> Tensor:
+        return self.head(self.dec.dropout(self.dec.merge(list(xs))))  # type: ignore[no-any-return]
 
 
 def _last_real(stages: list[Stage]) -> int:
