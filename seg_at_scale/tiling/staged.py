@@ -13,8 +13,10 @@ alignment (its deepest stride, in image pixels), read its halo past the core and
 the map's edge, where the whole map's padding applies; so each stitched map equals the
 whole-map stage output, and the last one equals ``predict_full``. Whole-image statistics
 inside a stage (DeepLab's image pooling, GroupNorm) are taken by the statistic passes
-over that stage's tiles (:mod:`seg_at_scale.tiling.passes`), which for DeepLab's pooling
-costs almost nothing: the pass reads the stored encoder map, not the encoder.
+over that stage's tiles (:mod:`seg_at_scale.tiling.passes`); a stage that starts with its
+sites (DeepLab's ASPP, each of FPN's GroupNorms: :mod:`seg_at_scale.models.smp_stages`)
+makes a pass cost almost nothing, as it reads a stored map instead of computing the
+network up to it again.
 
 Every map a later stage reads is kept whole until then, in memory or (``store=``) in files
 read and written window by window (:class:`~seg_at_scale.tiling.feature_files.DiskMap`),
