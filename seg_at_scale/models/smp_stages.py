@@ -79,12 +79,12 @@ def smp_stages(model: nn.Module) -> list[Stage]:
     """
     net = getattr(model, "net", model)
     if getattr(net, "classification_head", None) is not None:
-        raise ConfigError("tiling.staged: the model has a classification head (aux_params); "
-                          "staged tiling predicts masks only: use tiling.staged=false")
+        raise ConfigError("staged=true: the model has a classification head (aux_params); "
+                          "staged tiling predicts masks only: use staged=false")
     prefix = "net." if net is not model else ""  # as SMPModel.non_local names them
     found = [(prefix + n, k) for n, k in non_local_modules(net)]
     if found:  # a stage would see only its tile's statistics, as a whole-network tile would
-        raise ConfigError(refusal("tiling.staged", found))
+        raise ConfigError(refusal("staged=true", found))
     chain = _encoder_chain(net.encoder)
     stages: list[Stage] = []
     for name, module, stride in chain:
@@ -207,9 +207,9 @@ def _encoder_chain(enc: nn.Module) -> list[tuple[str, nn.Module, int]]:
         if enc._is_transformer_style:
             found.insert(0, ("empty", _Empty()))
         return _with_strides(enc, found)
-    raise ConfigError(f"tiling.staged: the encoder {type(enc).__name__} is not one whose "
+    raise ConfigError(f"staged=true: the encoder {type(enc).__name__} is not one whose "
                       "stages are known (smp's ResNet family, or a timm tu- encoder with a "
-                      "feature list); use tiling.staged=false")
+                      "feature list); use staged=false")
 
 
 @torch.no_grad()
@@ -232,4 +232,4 @@ def _in_channels(enc: nn.Module) -> int:
     for m in enc.modules():
         if isinstance(m, nn.Conv2d):
             return int(m.in_channels)
-    raise ConfigError(f"tiling.staged: no convolution in the encoder {type(enc).__name__}")
+    raise ConfigError(f"staged=true: no convolution in the encoder {type(enc).__name__}")

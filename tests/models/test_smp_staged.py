@@ -103,14 +103,14 @@ def test_stage_of_a_network_reading_the_whole_input_is_refused():
     before any work, naming the module (the exact-tiling refusal)."""
     net = SMPModel("Unet", "tu-test_efficientnet", in_channels=4, num_classes=3,
                    options={"decoder_channels": [16, 16, 8, 8, 8]})
-    with pytest.raises(ConfigError, match=r"tiling\.staged: net\.encoder\.model\.blocks.*"
+    with pytest.raises(ConfigError, match=r"staged=true: net\.encoder\.model\.blocks.*"
                                           r"squeeze-excitation"):
         smp_stages(net)
 
 
 def test_an_encoder_of_unknown_stages_is_refused():
     net = SMPModel("Unet", "mobilenet_v2", in_channels=4, num_classes=3)
-    with pytest.raises(ConfigError, match=r"tiling\.staged: the encoder MobileNetV2Encoder "
+    with pytest.raises(ConfigError, match=r"staged=true: the encoder MobileNetV2Encoder "
                                           r"is not one whose stages are known.*staged=false"):
         smp_stages(net)
 
