@@ -73,11 +73,15 @@ def smp_stages(model: nn.Module) -> list[Stage]:
     """The stages of an smp network (or an :class:`~seg_at_scale.models.smp.SMPModel`).
 
     Raises:
-        ConfigError: the encoder is neither smp's ResNet family nor a timm feature list
-            (naming it and the fix), the model has a classification head, or an operation
+        ConfigError: the model is not an smp network, its encoder is neither smp's ResNet
+            family nor a timm feature list (naming it and the fix), it has a
+            classification head, or an operation
             needs the whole input (squeeze-excitation, attention: the exact-tiling refusal).
     """
     net = getattr(model, "net", model)
+    if not (hasattr(net, "encoder") and hasattr(net, "decoder")):
+        raise ConfigError(f"staged=true: the model ({type(model).__name__}) is not an smp "
+                          "network (model=smp / its presets); use staged=false")
     if getattr(net, "classification_head", None) is not None:
         raise ConfigError("staged=true: the model has a classification head (aux_params); "
                           "staged tiling predicts masks only: use staged=false")

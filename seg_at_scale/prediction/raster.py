@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,7 +47,7 @@ from seg_at_scale.prediction.plan import (
     reusable,
 )
 from seg_at_scale.prediction.progress import progress_bar
-from seg_at_scale.prediction.staged import check_staged, predict_staged_raster, stage_folder
+from seg_at_scale.prediction.staged import check_staged, predict_staged_raster
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, footprint
 from seg_at_scale.tiling.engine import Batch, BatchOutput, run_batches
@@ -198,14 +197,10 @@ def _staged(stages: list[Any], source: RasterWindows, grid: TileGrid, todo: list
             store: PredictionStore, o: PredictOptions, stats: PredictionStats, out: Path,
             show: bool) -> None:
     """``staged=true``: the logits stage by stage, the tiles the store lacks written."""
-    folder = stage_folder(out)
-    try:
-        with progress_bar(sum(len(b.tiles) for b in todo), show,
-                          grid.height * grid.width / len(grid), 1) as bar:
-            predict_staged_raster(stages, source, grid, todo, store, o, stats, folder, bar,
-                                  lambda y, invalid: tile_output(y, invalid, o.probabilities))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with progress_bar(sum(len(b.tiles) for b in todo), show,
+                      grid.height * grid.width / len(grid), 1) as bar:
+        predict_staged_raster(stages, source, grid, todo, store, o, stats, out, bar,
+                              lambda y, invalid: tile_output(y, invalid, o.probabilities))
 
 
 def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: list[Batch],

@@ -11,8 +11,10 @@ the next run of that output removes it before it starts.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +42,23 @@ def check_staged(model: nn.Module, options: PredictOptions, world: int) -> list[
     if options.tta is not None:
         raise ConfigError(f"staged=true with tta={options.tta!r}: each view would be a "
                           "staged run of its own; use tta=null, or staged=false")
-    net = getattr(model, "net", model)
-    if not (hasattr(net, "encoder") and hasattr(net, "decoder")):
-        raise ConfigError(f"staged=true: the model ({type(model).__name__}) is not an smp "
-                          "network (model=smp / its presets); use staged=false")
     return smp_stages(model)
 
 
-def stage_folder(output: Path) -> Path:
-    """Where a staged run of ``output`` keeps its maps (fresh: a killed run's is removed)."""
+@contextlib.contextmanager
+def stage_folder(output: Path) -> Iterator[Path]:
+    """The folder a staged run of ``output`` keeps its maps in, removed when the block ends.
+
+    It starts empty: a killed run's folder of the same output is removed first (the
+    output's lock keeps two runs of one output apart).
+    """
     folder = output.parent / f".{output.name}.staged"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    return folder
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class _SourceMap:
@@ -69,14 +75,20 @@ class _SourceMap:
 
 def predict_staged_raster(stages: list[Stage], source: RasterWindows, grid: TileGrid,
                           todo: list[Batch], store: PredictionStore, options: PredictOptions,
-                          stats: Any, folder: Path, bar: Any, outputs: Any) -> None:
+                          stats: Any, output: Path, bar: Any, outputs: Any) -> None:
     """Compute the logits stage by stage, then write every tile of ``todo`` to ``store``.
 
     ``outputs(y, invalid)`` turns one tile's logits ``[K, h, w]`` into ``(labels, probs)``
-    as the tiled path does.
+    as the tiled path does; the maps live in :func:`stage_folder` of ``output``.
     """
-    if not todo:
-        return
+    with stage_folder(output) as folder:
+        if todo:
+            _predict(stages, source, grid, todo, store, options, stats, folder, bar, outputs)
+
+
+def _predict(stages: list[Stage], source: RasterWindows, grid: TileGrid, todo: list[Batch],
+             store: PredictionStore, options: PredictOptions, stats: Any, folder: Path,
+             bar: Any, outputs: Any) -> None:
     t0 = time.perf_counter()
     image = _SourceMap(source, source.reader.bands, grid)
     budget = options.stage_memory_mb * 2**20 // 4

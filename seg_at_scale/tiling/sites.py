@@ -139,7 +139,6 @@ def statistic_sites(model: nn.Module) -> list[tuple[str, StatisticSite]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, StatisticSite)]
 
 
-@torch.enable_grad()
 def site_levels(model: nn.Module, example: Tensor | list[Tensor]
                 ) -> dict[StatisticSite, int]:
     """Level of every site that runs on ``example``: 1 + the deepest site it depends on.
@@ -148,6 +147,14 @@ def site_levels(model: nn.Module, example: Tensor | list[Tensor]
     autograd path between them, found on one small forward pass). Sites of one level can
     be computed in the same pass over the tiles.
     """
+    # autograd finds the dependencies: also under no_grad or inference_mode (where every
+    # site would silently come out level 1)
+    with torch.inference_mode(False), torch.enable_grad():
+        return _site_levels(model, example)
+
+
+def _site_levels(model: nn.Module, example: Tensor | list[Tensor]
+                 ) -> dict[StatisticSite, int]:
     sites = [m for _, m in statistic_sites(model)]
     seen: list[tuple[StatisticSite, Tensor, Tensor]] = []
 
@@ -155,15 +162,6 @@ def site_levels(model: nn.Module, example: Tensor | list[Tensor]
         if isinstance(out, Tensor) and isinstance(inp[0], Tensor):
             seen.append((m, inp[0], out))  # type: ignore[arg-type]
 
-    # autograd finds the dependencies: also under no_grad or inference_mode (where every
-    # site would silently come out level 1)
-    with torch.inference_mode(False), torch.enable_grad():
-        return _levels(model, example, sites, seen, hook)
-
-
-def _levels(model: nn.Module, example: Tensor | list[Tensor], sites: list[StatisticSite],
-            seen: list[tuple[StatisticSite, Tensor, Tensor]], hook: Any
-            ) -> dict[StatisticSite, int]:
     handles = [s.register_forward_hook(hook) for s in sites]
     was_training = model.training
     try:
