@@ -261,6 +261,10 @@ def summarise(runs: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
     if ref:
         out["labels_off_pct_vs_untiled_fp32"] = {k: off(v["labels"], ref) for k, v in ok.items()
                                                  if k != "untiled_fp32"}
+    exact = ok.get("ours_staged_fp32_cl", {}).get("labels")
+    if exact and not ref:  # a scene too large for the untiled forward: the exact staged labels
+        out["labels_off_pct_vs_ours_staged_fp32_cl"] = {
+            k: off(v["labels"], exact) for k, v in ok.items() if k != "ours_staged_fp32_cl"}
     same_layout = ok.get("untiled_fp32_channels_last", {}).get("labels")
     if same_layout and "ours_fp32_cl" in ok:  # NHWC against NHWC: rounding alike
         out["labels_off_pct_ours_fp32_cl_vs_untiled_channels_last"] = off(

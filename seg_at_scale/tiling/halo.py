@@ -35,7 +35,8 @@ from torch import Tensor, nn
 
 from seg_at_scale.tiling.geometry import Footprint
 
-__all__ = ["halo_width", "empirical_halo", "footprint", "WholeImageDependency"]
+__all__ = ["halo_width", "empirical_halo", "footprint", "WholeImageDependency", "structural_copy",
+           "GLOBAL_SIZE"]
 
 _ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.PReLU,
                 nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Mish, nn.Softplus)
@@ -95,7 +96,12 @@ def _pointwise_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1
 
 
-def _structural_copy(model: nn.Module) -> nn.Module:
+def structural_copy(model: nn.Module) -> nn.Module:
+    """The model as the probe runs it (float64, positive weights, statistics held).
+
+    Activations and pointwise norms are dropped and max pooling becomes average pooling, so
+    every tap inside the receptive field carries gradient.
+    """
     net = copy.deepcopy(model).double().eval()
     for child in list(net.modules()):
         for attr, sub in list(child.named_children()):
@@ -126,7 +132,7 @@ def _probe_size(model: nn.Module, size: int) -> int:
     return int(fit(size)) if callable(fit) else size
 
 
-_GLOBAL_SIZE = 2048  # a receptive field spanning inputs this long is taken as whole-image
+GLOBAL_SIZE = 2048  # a receptive field spanning inputs this long is taken as whole-image
 
 
 class WholeImageDependency(ValueError):
@@ -168,9 +174,9 @@ def _measure(model: nn.Module, align: int, max_size: int = 4096) -> tuple[int, i
 
     Raises:
         WholeImageDependency: the receptive field spans the whole input at two sizes, the
-            larger one at least ``_GLOBAL_SIZE``.
+            larger one at least ``GLOBAL_SIZE``.
     """
-    net = _structural_copy(model)
+    net = structural_copy(model)
     channels = int(getattr(model, "in_channels", 0)) or _first_conv_channels(net)
     size = _probe_size(model, max(8 * align, 64))
     with torch.no_grad():
@@ -199,7 +205,7 @@ def _measure(model: nn.Module, align: int, max_size: int = 4096) -> tuple[int, i
         else:
             # valid nets: the context after a core is set by the size rule (out_residue)
             halo = left if shrink > 0 else max(left, right)
-            if whole and whole_before and size >= _GLOBAL_SIZE:
+            if whole and whole_before and size >= GLOBAL_SIZE:
                 raise WholeImageDependency(
                     f"output pixels depend on the whole input at {before} and {size} "
                     "pixels (a whole-image statistic: global pooling, squeeze-excitation, "

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.tiling.feature_files import DiskMap
 from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
-from seg_at_scale.tiling.halo import _GLOBAL_SIZE, WholeImageDependency, _structural_copy
+from seg_at_scale.tiling.halo import GLOBAL_SIZE, WholeImageDependency, structural_copy
 from seg_at_scale.tiling.passes import fixed_statistics, has_statistics
 from seg_at_scale.tiling.predict import extend
 
@@ -178,7 +178,7 @@ def stage_halo(module: nn.Module, strides: Sequence[int], channels: Sequence[int
 
 def _stage_halo(module: nn.Module, strides: Sequence[int], channels: Sequence[int],
                 out_stride: int, align: int, max_size: int) -> tuple[int, tuple[bool, ...]]:
-    net = _structural_copy(module)
+    net = structural_copy(module)
     # dilated taps past a small probe read only padding: start where the widest one fits
     size = max(8 * align, 64, max(strides) * (4 * _widest_tap(net) + 8))
     size = align * math.ceil(size / align)
@@ -214,7 +214,7 @@ def _stage_halo(module: nn.Module, strides: Sequence[int], channels: Sequence[in
                 whole = whole and lo == 0 and hi == n - 1
                 left, right = max(left, b0 - lo * s), max(right, (hi + 1) * s - 1 - b1)
         halo = max(left, right)
-        if whole and whole_before and size >= _GLOBAL_SIZE:
+        if whole and whole_before and size >= GLOBAL_SIZE:
             raise WholeImageDependency(f"output pixels depend on the whole input at {before} "
                                        f"and {size} pixels")
         if not touched or size >= max_size:
