@@ -16,7 +16,7 @@ from prediction_helpers import make_image
 from smp_helpers import preset_model
 from test_smp_files import DATA, check_labels
 
-from seg_at_scale.errors import ConfigError
+from seg_at_scale.errors import ConfigError, OutputExistsError
 from seg_at_scale.io import read_raster
 from seg_at_scale.models import UNet
 from seg_at_scale.prediction import PredictOptions, predict_raster
@@ -64,20 +64,24 @@ def test_staged_refusals_before_any_work(tmp_path):
 
 
 CHILD = """
-import sys
+import signal, sys
 sys.path[:0] = [{here!r}, {tests!r}]
 from smp_helpers import preset_model
 from test_smp_files import DATA
+from seg_at_scale.cli.predict import Stopped, _terminate
 from seg_at_scale.prediction import PredictOptions, predict_raster
+signal.signal(signal.SIGTERM, _terminate)  # what seg-predict installs
 net = preset_model("fpn_test_resnet")
-predict_raster(net, {image!r}, {out!r}, PredictOptions(q=2, staged=True, stage_memory_mb=1,
-               progress=False), normalizer=DATA)
+try:
+    predict_raster(net, {image!r}, {out!r}, PredictOptions(q=2, staged=True,
+                   stage_memory_mb=1, progress=False), normalizer=DATA)
+except Stopped:
+    sys.exit(143)
 """
 
 
-def test_a_killed_staged_run_leaves_no_output_and_a_rerun_completes_it(tmp_path):
-    """SIGKILL while the stages write their maps: no output under the final name, the map
-    folder left behind; the rerun removes it and writes the labels of an uninterrupted run."""
+def _start_staged_child(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path, Path]:
+    """A staged prediction in a child process, returned once its first maps are written."""
     image = make_image(tmp_path / "scene.tif", height=389, width=461)
     out = tmp_path / "pred.tif"
     folder = tmp_path / ".pred.tif.staged"
@@ -85,12 +89,27 @@ def test_a_killed_staged_run_leaves_no_output_and_a_rerun_completes_it(tmp_path)
                         out=str(out))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    deadline = time.monotonic() + 120
+    while not (folder.exists() and any(folder.iterdir())):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the run ended before its maps were written")
+        time.sleep(0.02)
+    return proc, image, out, folder
+
+
+def _uninterrupted(tmp_path: Path, image: Path) -> np.ndarray:
+    net = preset_model("fpn_test_resnet")
+    opts = PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False)
+    predict_raster(net, image, tmp_path / "whole.tif", opts, normalizer=DATA)
+    return read_raster(tmp_path / "whole.tif")
+
+
+def test_a_killed_staged_run_leaves_no_output_and_a_rerun_completes_it(tmp_path):
+    """SIGKILL while the stages write their maps: no output under the final name, the map
+    folder left behind; the rerun removes it and writes the labels of an uninterrupted run."""
+    proc, image, out, folder = _start_staged_child(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while not (folder.exists() and any(folder.iterdir())):
-            assert proc.poll() is None, "the run ended before its maps were written"
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -100,6 +119,45 @@ def test_a_killed_staged_run_leaves_no_output_and_a_rerun_completes_it(tmp_path)
     net = preset_model("fpn_test_resnet")
     opts = PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False)
     predict_raster(net, image, out, opts, normalizer=DATA)
-    predict_raster(net, image, tmp_path / "whole.tif", opts, normalizer=DATA)
-    np.testing.assert_array_equal(read_raster(out), read_raster(tmp_path / "whole.tif"))
+    np.testing.assert_array_equal(read_raster(out), _uninterrupted(tmp_path, image))
+    assert not folder.exists()
+
+
+def test_sigterm_during_the_stages_frees_the_maps_and_a_rerun_completes_it(tmp_path):
+    """SIGTERM (a Slurm time limit) while the stages write their maps: seg-predict's handler
+    unwinds, so the map folder (at scale, tens of GB) is removed at once, not left to the
+    next run; no output under the final name; the rerun writes an uninterrupted run's
+    labels."""
+    proc, image, out, folder = _start_staged_child(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143
+    assert not folder.exists() and not out.exists()
+    net = preset_model("fpn_test_resnet")
+    opts = PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False)
+    predict_raster(net, image, out, opts, normalizer=DATA)
+    np.testing.assert_array_equal(read_raster(out), _uninterrupted(tmp_path, image))
+
+
+def test_a_second_staged_run_of_one_output_is_refused_and_leaves_the_first_maps(tmp_path):
+    """Two runs of one output at once: the second is refused at the output's lock before it
+    touches anything (it would otherwise remove the first run's map folder as stale); the
+    first, held stopped meanwhile, then completes with an uninterrupted run's labels."""
+    proc, image, out, folder = _start_staged_child(tmp_path)
+    try:
+        proc.send_signal(signal.SIGSTOP)  # the first run holds its lock, mid-stage
+        before = {p.name: p.stat().st_ino for p in folder.iterdir()}
+        net = preset_model("fpn_test_resnet")
+        with pytest.raises(OutputExistsError, match=r"is being written by another run"):
+            predict_raster(net, image, out, PredictOptions(q=2, staged=True,
+                           stage_memory_mb=1, progress=False), normalizer=DATA)
+        assert {p.name: p.stat().st_ino for p in folder.iterdir()} == before
+        proc.send_signal(signal.SIGCONT)
+        assert proc.wait(120) == 0
+    finally:
+        proc.kill()
+    np.testing.assert_array_equal(read_raster(out), _uninterrupted(tmp_path, image))
     assert not folder.exists()
