@@ -47,7 +47,7 @@ from seg_at_scale.prediction.plan import (
     reusable,
 )
 from seg_at_scale.prediction.progress import progress_bar
-from seg_at_scale.prediction.staged import check_staged, predict_staged_raster
+from seg_at_scale.prediction.staged import check_staged, plan_staged, predict_staged_raster
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, footprint
 from seg_at_scale.tiling.engine import Batch, BatchOutput, run_batches
@@ -154,6 +154,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         raise agreed(ConfigError(f"processes={world} but the grid of '{image}' has only "
                                  f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
                                  f"processes <= {len(batches)} or a smaller tile_size"))
+    stage_plan = (plan_staged(stages, grid, plan.reader.bands, out_path, o)
+                  if stages is not None else None)
     stats = PredictionStats(out_path, grid.height, grid.width, len(grid), grid.efficiency,
                             processes=world, store=str(plan.working))
     lock = output_lock(out_path) if rank == 0 else contextlib.nullcontext()
@@ -174,7 +176,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         source = RasterWindows(plan.reader, norm, fill_of(fp))
         show = o.progress if o.progress is not None else not os.environ.get("CI")
         if stages is not None:
-            _staged(stages, source, grid, todo, store, o, stats, out_path, show)
+            _staged(stages, stage_plan, source, grid, todo, store, o, stats, out_path, show)
         else:
             pool_ctx = _image_pool(model, source, grid, batches[rank::world], device,
                                    o.autocast, o.channels_last, stats, show and rank == 0,
@@ -193,13 +195,13 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     return stats
 
 
-def _staged(stages: list[Any], source: RasterWindows, grid: TileGrid, todo: list[Batch],
-            store: PredictionStore, o: PredictOptions, stats: PredictionStats, out: Path,
-            show: bool) -> None:
+def _staged(stages: list[Any], plan: Any, source: RasterWindows, grid: TileGrid,
+            todo: list[Batch], store: PredictionStore, o: PredictOptions,
+            stats: PredictionStats, out: Path, show: bool) -> None:
     """``staged=true``: the logits stage by stage, the tiles the store lacks written."""
     with progress_bar(sum(len(b.tiles) for b in todo), show,
                       grid.height * grid.width / len(grid), 1) as bar:
-        predict_staged_raster(stages, source, grid, todo, store, o, stats, out, bar,
+        predict_staged_raster(stages, plan, source, grid, todo, store, o, stats, out, bar,
                               lambda y, invalid: tile_output(y, invalid, o.probabilities))
 
 

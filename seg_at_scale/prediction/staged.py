@@ -27,9 +27,9 @@ from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.store import PredictionStore
 from seg_at_scale.tiling.engine import Batch
 from seg_at_scale.tiling.geometry import TileGrid, Window
-from seg_at_scale.tiling.staged import Stage, read_map, staged_maps
+from seg_at_scale.tiling.staged import Stage, StagePlan, plan_stages, read_map, staged_maps
 
-__all__ = ["check_staged", "predict_staged_raster", "stage_folder"]
+__all__ = ["check_staged", "plan_staged", "predict_staged_raster", "stage_folder"]
 
 
 def check_staged(model: nn.Module, options: PredictOptions, world: int) -> list[Stage]:
@@ -45,6 +45,45 @@ def check_staged(model: nn.Module, options: PredictOptions, world: int) -> list[
     return smp_stages(model)
 
 
+def plan_staged(stages: list[Stage], grid: TileGrid, bands: int, output: Path,
+                options: PredictOptions) -> StagePlan:
+    """The stages' plan; refused before any work when their maps cannot fit the disk.
+
+    The maps go to files beside ``output`` (:func:`stage_folder`); at their peak they need
+    :meth:`StagePlan.disk_bytes` of the extended scene, which must fit what is free there,
+    counting a killed run's folder of the same output as free (it is removed first).
+    """
+    plan = plan_stages(stages, bands, grid.footprint.align)
+    itemsize = 2 if options.autocast in (torch.bfloat16, torch.float16) else 4
+    need = plan.disk_bytes(stages, grid.extended.height, grid.extended.width,
+                           itemsize=itemsize)
+    folder = _folder_of(output)
+    where = next(p for p in (folder.parent, *folder.parent.parents) if p.exists())
+    free = shutil.disk_usage(where).free + _bytes_under(folder)
+    if need > free:
+        raise ConfigError(
+            f"staged=true: the maps between stages of this {grid.height} x {grid.width} scene "
+            f"need {_size(need)} in '{folder}' (beside output='{output}') at their peak, but "
+            f"{_size(free)} is free there; free space or write the output on a larger disk, "
+            "or use staged=false (tiles: no maps on disk)")
+    return plan
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _folder_of(output: Path) -> Path:
+    return output.parent / f".{output.name}.staged"
+
+
+def _bytes_under(folder: Path) -> int:
+    """The disk space the files under ``folder`` hold (blocks, not apparent sizes)."""
+    if not folder.is_dir():
+        return 0
+    return sum(p.lstat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
+
+
 @contextlib.contextmanager
 def stage_folder(output: Path) -> Iterator[Path]:
     """The folder a staged run of ``output`` keeps its maps in, removed when the block ends.
@@ -52,7 +91,7 @@ def stage_folder(output: Path) -> Iterator[Path]:
     It starts empty: a killed run's folder of the same output is removed first (the
     output's lock keeps two runs of one output apart).
     """
-    folder = output.parent / f".{output.name}.staged"
+    folder = _folder_of(output)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     try:
@@ -73,27 +112,30 @@ class _SourceMap:
         return torch.from_numpy(self.source.read(window)[0])[None]
 
 
-def predict_staged_raster(stages: list[Stage], source: RasterWindows, grid: TileGrid,
-                          todo: list[Batch], store: PredictionStore, options: PredictOptions,
-                          stats: Any, output: Path, bar: Any, outputs: Any) -> None:
+def predict_staged_raster(stages: list[Stage], plan: StagePlan, source: RasterWindows,
+                          grid: TileGrid, todo: list[Batch], store: PredictionStore,
+                          options: PredictOptions, stats: Any, output: Path, bar: Any,
+                          outputs: Any) -> None:
     """Compute the logits stage by stage, then write every tile of ``todo`` to ``store``.
 
-    ``outputs(y, invalid)`` turns one tile's logits ``[K, h, w]`` into ``(labels, probs)``
-    as the tiled path does; the maps live in :func:`stage_folder` of ``output``.
+    ``plan`` is :func:`plan_staged`'s; ``outputs(y, invalid)`` turns one tile's logits
+    ``[K, h, w]`` into ``(labels, probs)`` as the tiled path does; the maps live in
+    :func:`stage_folder` of ``output``.
     """
     with stage_folder(output) as folder:
         if todo:
-            _predict(stages, source, grid, todo, store, options, stats, folder, bar, outputs)
+            _predict(stages, plan, source, grid, todo, store, options, stats, folder, bar,
+                     outputs)
 
 
-def _predict(stages: list[Stage], source: RasterWindows, grid: TileGrid, todo: list[Batch],
-             store: PredictionStore, options: PredictOptions, stats: Any, folder: Path,
-             bar: Any, outputs: Any) -> None:
+def _predict(stages: list[Stage], plan: StagePlan, source: RasterWindows, grid: TileGrid,
+             todo: list[Batch], store: PredictionStore, options: PredictOptions, stats: Any,
+             folder: Path, bar: Any, outputs: Any) -> None:
     t0 = time.perf_counter()
     image = _SourceMap(source, source.reader.bands, grid)
     budget = options.stage_memory_mb * 2**20 // 4
     with torch.inference_mode(), staged_maps(
-            stages, image, align=grid.footprint.align, budget=budget,
+            stages, image, align=grid.footprint.align, budget=budget, plan=plan,
             channels_last=options.channels_last, autocast=options.autocast,
             folder=folder) as logits:
         stats.model_s += time.perf_counter() - t0

@@ -41,7 +41,15 @@ class DiskMap:
         self.path, self.shape, self.dtype = Path(path), torch.Size(shape), dtype
         self._item = torch.empty((), dtype=dtype).element_size()
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(self._fd, self.shape.numel() * self._item)
+        try:
+            os.ftruncate(self._fd, self.shape.numel() * self._item)
+        except OSError as exc:  # a file larger than the file system allows (EFBIG)
+            self.close()
+            raise self._named(exc) from exc
+
+    def _named(self, exc: OSError) -> OSError:
+        """``exc`` naming this map's file (a full disk then says where)."""
+        return OSError(exc.errno, exc.strerror, str(self.path))
 
     def _offset(self, b: int, r: int, c: int) -> int:
         _, ch, h, w = self.shape
@@ -76,7 +84,10 @@ class DiskMap:
                 data = memoryview(raw[b, i]).cast("B")
                 off = self._offset(b, r0 + i, c0)
                 while data:  # pwrite may write less (a full disk raises ENOSPC)
-                    n = os.pwrite(self._fd, data, off)
+                    try:
+                        n = os.pwrite(self._fd, data, off)
+                    except OSError as exc:
+                        raise self._named(exc) from exc
                     data, off = data[n:], off + n
 
     def close(self) -> None:

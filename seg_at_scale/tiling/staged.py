@@ -119,6 +119,22 @@ class StagePlan:
                     last[i] = k
         return last
 
+    def disk_bytes(self, stages: Sequence[Stage], height: int, width: int, batch: int = 1,
+                   itemsize: int = 4) -> int:
+        """The most bytes the maps in files (``store=`` / ``folder=``) hold at one time.
+
+        While stage ``k`` runs, its output is being written and every earlier map a stage
+        ``>= k`` still reads is kept (the image, map 0, is the caller's); ``height`` and
+        ``width`` are the extended image's.
+        """
+        def size(i: int) -> int:
+            s = self.strides[i]
+            return batch * self.channels[i] * (height // s) * (width // s) * itemsize
+
+        last = self.last_reads(stages)
+        return max((sum(size(i) for i in range(1, k + 1) if last.get(i, -1) >= k)
+                    + size(k + 1) for k in range(len(stages))), default=0)
+
 
 class WindowMap(Protocol):
     """A map read by window, e.g. the image from a raster file (``shape``: extended)."""

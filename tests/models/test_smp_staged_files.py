@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,3 +162,101 @@ def test_a_second_staged_run_of_one_output_is_refused_and_leaves_the_first_maps(
         proc.kill()
     np.testing.assert_array_equal(read_raster(out), _uninterrupted(tmp_path, image))
     assert not folder.exists()
+
+
+def test_disk_bytes_is_the_peak_the_map_files_reach(tmp_path, monkeypatch):
+    """The space a staged run is checked for, ``StagePlan.disk_bytes``, is exactly the most
+    its map files hold at one time (a U-Net keeps its skip maps until its decoder)."""
+    import seg_at_scale.prediction.raster as raster
+    import seg_at_scale.tiling.staged as staged
+
+    folder = tmp_path / ".pred.tif.staged"
+    seen: list[int] = []
+    own: list[int] = []
+    planned: list[int] = []
+
+    class Recorded(staged.DiskMap):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(sum(p.stat().st_size for p in folder.iterdir()))
+            own.append(self.path.stat().st_size)
+
+    def plan_staged(stages, grid, bands, output, options):
+        plan = real(stages, grid, bands, output, options)
+        planned.append(plan.disk_bytes(stages, grid.extended.height, grid.extended.width))
+        return plan
+
+    real = raster.plan_staged
+    monkeypatch.setattr(staged, "DiskMap", Recorded)
+    monkeypatch.setattr(raster, "plan_staged", plan_staged)
+    net = preset_model("unet_test_resnet")
+    image = make_image(tmp_path / "scene.tif", height=389, width=461)
+    predict_raster(net, image, tmp_path / "pred.tif",
+                   PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False),
+                   normalizer=DATA)
+    from seg_at_scale.models.smp_stages import smp_stages
+
+    assert len(own) == len(smp_stages(net))  # one file per stage
+    assert planned == [max(seen)]
+    assert max(seen) > max(own)  # the peak holds maps kept for later stages
+
+
+def test_a_disk_too_small_for_the_maps_is_refused_before_any_work(tmp_path, monkeypatch):
+    """Less free space beside the output than the maps' peak: one line naming the folder,
+    both sizes and the fixes, nothing written. A killed run's folder of the same output
+    counts as free (the run removes it first): the same run then goes ahead."""
+    import shutil as sh
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sh, "disk_usage", lambda path: usage(10**6, 10**6, 1000))
+    net = preset_model("unet_test_resnet")
+    image = make_image(tmp_path / "scene.tif", height=389, width=461)
+    opts = PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False)
+    with pytest.raises(ConfigError, match=r"staged=true: the maps between stages of this 389 "
+                       r"x 461 scene need \d+\.\d MiB in '.*\.pred\.tif\.staged' \(beside "
+                       r"output='.*pred\.tif'\) at their peak, but 0\.0 MiB is free there; "
+                       r"free space .* or use staged=false"):
+        predict_raster(net, image, tmp_path / "pred.tif", opts, normalizer=DATA)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scene.tif"]
+    stale = tmp_path / ".pred.tif.staged"
+    stale.mkdir()
+    (stale / "map1.bin").write_bytes(b"\1" * (64 << 20))  # a killed run's, 64 MiB
+    predict_raster(net, image, tmp_path / "pred.tif", opts, normalizer=DATA)
+    ref = predict_full(net, torch.from_numpy(DATA(read_raster(image)))[None])
+    check_labels(read_raster(tmp_path / "pred.tif")[0], ref)
+    assert not stale.exists()
+
+
+def test_a_disk_that_fills_during_the_stages_loses_nothing_and_a_rerun_completes(tmp_path):
+    """A real write limit (RLIMIT_FSIZE, below the largest map) makes a map file fail mid-run:
+    the error names that file, the map folder is removed, nothing is under the output's
+    name; the rerun with room writes an uninterrupted run's labels."""
+    from seg_at_scale.models.smp_stages import smp_stages
+    from seg_at_scale.tiling.staged import plan_stages
+
+    net = preset_model("fpn_test_resnet")
+    plan = plan_stages(smp_stages(net), 4, net.downsampling_factor)
+    sizes = [c * (400 // s) * (480 // s) * 4 for c, s in zip(plan.channels, plan.strides,
+                                                               strict=True)][1:]
+    image = make_image(tmp_path / "scene.tif", height=389, width=461)
+    out, folder = tmp_path / "pred.tif", tmp_path / ".pred.tif.staged"
+    code = CHILD.format(here=str(HERE), tests=str(HERE.parent), image=str(image),
+                        out=str(out))
+    limit = max(sizes) - 1
+
+    def small_disk() -> None:
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=small_disk,
+                          timeout=300)
+    assert proc.returncode == 1
+    assert re.search(r"OSError: \[Errno 27\] File too large: '.*\.pred\.tif\.staged/map\d+"
+                     r"\.bin'", proc.stderr), proc.stderr[-2000:]
+    assert not folder.exists() and not out.exists()
+    net = preset_model("fpn_test_resnet")
+    opts = PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False)
+    predict_raster(net, image, out, opts, normalizer=DATA)
+    np.testing.assert_array_equal(read_raster(out), _uninterrupted(tmp_path, image))
