@@ -5,10 +5,12 @@ The encoder is a chain: each stage turns the previous feature map into the next 
 the modules of its feature net between two returned features). The decoder with the
 segmentation head is the last stage; it reads every feature map, as smp's forward hands
 them to it (the input image first; a transformer-style encoder's empty stride-2 map).
-DeepLabV3+'s decoder is two: ASPP on the deepest map, then the fusion with the stride-4
-map and the head. FPN's is its top-down path, then each convolution of its segmentation
-blocks and each GroupNorm after it, then merge and head: a GroupNorm's statistic pass
-then reads a stored map instead of computing the decoder up to it again.
+DeepLab's ASPP is a stage per reach: its 1 x 1 branch with the image pooling, then each
+dilated branch alone (so a rate-12 branch's tiles read 12 map pixels past their core,
+not the rate-36 branch's 36), then the projection; DeepLabV3+ then fuses with the
+stride-4 map and runs the head. FPN's is its top-down path, then each convolution of its
+segmentation blocks and each GroupNorm after it, then merge and head: a GroupNorm's
+statistic pass then reads a stored map instead of computing the decoder up to it again.
 
 >>> from seg_at_scale.models.smp import SMPModel
 >>> net = SMPModel("Unet", "tu-test_resnet", in_channels=4, num_classes=3,
@@ -22,7 +24,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from segmentation_models_pytorch.decoders.deeplabv3.decoder import DeepLabV3PlusDecoder
+from segmentation_models_pytorch.decoders.deeplabv3.decoder import (
+    ASPP,
+    DeepLabV3Decoder,
+    DeepLabV3PlusDecoder,
+)
 from segmentation_models_pytorch.decoders.fpn.decoder import FPNDecoder
 from segmentation_models_pytorch.encoders.resnet import ResNetEncoder
 from segmentation_models_pytorch.encoders.timm_universal import TimmUniversalEncoder
@@ -31,6 +37,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.smp_exact import non_local_modules, refusal
+from seg_at_scale.tiling.passes import has_statistics
 from seg_at_scale.tiling.staged import Chain, Stage
 
 __all__ = ["smp_stages"]
@@ -104,13 +111,85 @@ def _decoder_stages(net: nn.Module, enc: list[Stage]) -> list[Stage]:
     """The decoder and head as stages after the encoder's (map ``k + 1``: stage ``k``'s)."""
     depth, head = len(enc), net.segmentation_head
     if isinstance(net.decoder, DeepLabV3PlusDecoder):
-        # ASPP reads only the deepest map, whose stage is one tile where the whole decoder
-        # would take its 600-pixel halo at the stride-4 map's tile size
-        return [Stage("decoder.aspp", Chain(net.decoder.aspp), (depth,), enc[-1].stride),
-                Stage("decoder.fuse+head", _FusePlus(net.decoder, head), (depth + 1, 2), 1)]
+        # ASPP reads only the deepest map, whose stages are few tiles where the whole
+        # decoder would take its 600-pixel halo at the stride-4 map's tile size
+        aspp = _aspp_stages(net.decoder.aspp[0], Chain(*list(net.decoder.aspp)[1:]), depth,
+                            enc[-1].stride, enc[-1].stride)
+        return [*aspp, Stage("decoder.fuse+head", _FusePlus(net.decoder, head),
+                             (depth + len(aspp), 2), 1)]
+    if isinstance(net.decoder, DeepLabV3Decoder):
+        d = net.decoder
+        return _aspp_stages(d.aspp, Chain(d.conv, d.bn, d.relu, head), depth,
+                            enc[-1].stride, 1, "decoder.aspp.project+conv+head")
     if isinstance(net.decoder, FPNDecoder) and net.decoder.merge.policy == "add":
         return _fpn_stages(net.decoder, head, enc)
     return [Stage("decoder+head", _Decode(net.decoder, head), tuple(range(depth + 1)), 1)]
+
+
+def _aspp_stages(aspp: ASPP, after: nn.Module, source: int, stride: int, out_stride: int,
+                 last: str = "decoder.aspp.project") -> list[Stage]:
+    """ASPP as stages: one per reach of its branches, then the projection with ``after``.
+
+    The branches read map ``source`` (at ``stride``); the last stage ends at ``out_stride``.
+    Every branch's pointwise convolution (2048 -> 256 channels on a ResNet-50) costs the
+    same, so a tile of the rate-36 branch's halo around every branch did most of the
+    ASPP's work on halo pixels; the image pooling rides with the 1 x 1 branch (reach 0),
+    and comes first in it, so its statistic pass stops before the convolution.
+    """
+    groups: dict[int, list[int]] = {}
+    for i, branch in enumerate(aspp.convs):
+        groups.setdefault(_reach(branch), []).append(i)
+    stages = [Stage(f"decoder.aspp.rate{r}" if r else "decoder.aspp.local",
+                    _AsppBranches(aspp, idx), (source,), stride)
+              for r, idx in sorted(groups.items())]
+    maps = tuple(source + 1 + k for k in range(len(stages)))
+    project = _AsppProject(aspp, [idx for _, idx in sorted(groups.items())], after)
+    return [*stages, Stage(last, project, maps, out_stride)]
+
+
+def _reach(branch: nn.Module) -> int:
+    """How far a branch reads past its output pixel (its widest tap), in its input's pixels."""
+    reach = 0
+    for m in branch.modules():
+        if isinstance(m, nn.Conv2d):
+            reach = max(reach, m.dilation[0] * (m.kernel_size[0] - 1) // 2,
+                        m.dilation[1] * (m.kernel_size[1] - 1) // 2)
+    return reach
+
+
+class _AsppBranches(nn.Module):
+    """Some of ASPP's branches on its input, concatenated in ``index`` order.
+
+    Branches with a whole-image statistic (the image pooling) run first.
+    """
+
+    def __init__(self, aspp: ASPP, index: list[int]) -> None:
+        super().__init__()
+        self.aspp, self.index = aspp, list(index)
+
+    def forward(self, xs: list[Tensor]) -> Tensor:
+        (x,) = xs
+        first = sorted(self.index, key=lambda i: not has_statistics(self.aspp.convs[i]))
+        out = {i: self.aspp.convs[i](x) for i in first}
+        return torch.cat([out[i] for i in self.index], dim=1)
+
+
+class _AsppProject(nn.Module):
+    """ASPP's projection of its branches' maps in smp's order, then ``after``.
+
+    ``groups[k]``: the branches whose outputs map ``k`` holds.
+    """
+
+    def __init__(self, aspp: ASPP, groups: list[list[int]], after: nn.Module) -> None:
+        super().__init__()
+        self.aspp, self.groups, self.after = aspp, groups, after
+
+    def forward(self, xs: list[Tensor]) -> Tensor:
+        by_branch: dict[int, Tensor] = {}
+        for x, idx in zip(xs, self.groups, strict=True):
+            by_branch.update(zip(idx, x.split(x.shape[1] // len(idx), dim=1), strict=True))
+        y = self.aspp.project(torch.cat([by_branch[i] for i in sorted(by_branch)], dim=1))
+        return self.after([y])  # type: ignore[no-any-return]
 
 
 def _fpn_stages(dec: FPNDecoder, head: nn.Module, enc: list[Stage]) -> list[Stage]:

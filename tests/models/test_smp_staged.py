@@ -28,10 +28,20 @@ def _staged(net: SMPModel, x: torch.Tensor, budget: int, **kw) -> tuple[torch.Te
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("preset", ["unet_test_resnet", "fpn_test_resnet",
                                     "deeplabv3plus_test_resnet"])
-def test_staged_equals_untiled_with_every_stage_tiled(preset, layout):
+def test_staged_equals_untiled_with_every_stage_tiled(preset, layout, monkeypatch):
     """A budget small enough that the stem, the middle stages and the decoder run as
     several tiles (FPN's GroupNorms and DeepLab's image pooling then take the statistic
-    passes over the decoder's tiles), at sizes no multiple of 32: the untiled logits."""
+    passes over their stage's tiles), at sizes no multiple of 32: the untiled logits."""
+    import seg_at_scale.tiling.staged as staged
+
+    passes: list[str] = []
+
+    def counted(module, tiles, grid):
+        passes.append(type(module).__name__)
+        return real(module, tiles, grid)
+
+    real = staged.fixed_statistics
+    monkeypatch.setattr(staged, "fixed_statistics", counted)
     net = preset_model(preset)
     x = torch.randn(1, 4, 683, 589)
     ref = predict_full(net, x)  # contiguous: torch's whole-map GroupNorm in NHWC is itself
@@ -39,13 +49,30 @@ def test_staged_equals_untiled_with_every_stage_tiled(preset, layout):
     if cl:
         net = net.to(memory_format=torch.channels_last)
     y, eff = _staged(net, x, budget=40_000, channels_last=cl)
-    with_sites = [e for st, e in zip(smp_stages(net), eff, strict=True)
-                  if has_statistics(st.module)]
+    with_sites = [st.name for st in smp_stages(net) if has_statistics(st.module)]
     assert (len(with_sites) > 0) == (preset != "unet_test_resnet")
     # the passes ran over tiles (FPN: at least its stride-4 and stride-8 GroupNorms)
-    assert sum(e > 1.0 for e in with_sites) >= min(len(with_sites), 3)
+    assert len(passes) >= min(len(with_sites), 3)
     assert sum(e > 1.0 for e in eff[:-1]) >= 3
     assert_exact(y, ref)
+
+
+def test_deeplabv3_staged_by_aspp_branch_equals_untiled():
+    """DeepLabV3 (no fusion): its ASPP as a stage per branch reach, then projection, conv
+    and head in one; dilated stride-8 encoder; the untiled logits."""
+    torch.manual_seed(0)
+    net = lively(SMPModel("DeepLabV3", "tu-test_resnet", in_channels=4, num_classes=3,
+                          options={"decoder_channels": 32}))
+    x = torch.randn(1, 4, 421, 389)
+    with torch.no_grad():  # centre the logits: a random DeepLabV3 labels one class only
+        net.net.segmentation_head[0].bias.sub_(predict_full(net, x).mean((0, 2, 3)))
+    stages = smp_stages(net)
+    assert [s.name for s in stages[-5:]] == [
+        "decoder.aspp.local", "decoder.aspp.rate12", "decoder.aspp.rate24",
+        "decoder.aspp.rate36", "decoder.aspp.project+conv+head"]
+    y, eff = _staged(net, x, budget=20_000)
+    assert sum(e > 1.0 for e in eff) >= 3
+    assert_exact(y, predict_full(net, x))
 
 
 def test_staged_runs_the_deep_stages_whole_and_equals_untiled_unbatched_width():
@@ -90,12 +117,19 @@ def test_the_plan_finds_which_maps_the_decoder_reads():
     assert plan.used[-1] == (False, True, True, True, True, True)
     assert plan.strides == (1, 2, 4, 8, 16, 32, 1)
     dl = smp_stages(preset_model("deeplabv3plus_test_resnet"))
-    assert [(s.name, s.inputs) for s in dl[-2:]] == [("decoder.aspp", (5,)),
-                                                     ("decoder.fuse+head", (6, 2))]
+    assert [(s.name, s.inputs) for s in dl[-6:]] == [
+        ("decoder.aspp.local", (5,)), ("decoder.aspp.rate2", (5,)),
+        ("decoder.aspp.rate4", (5,)), ("decoder.aspp.rate6", (5,)),
+        ("decoder.aspp.project", (6, 7, 8, 9)), ("decoder.fuse+head", (10, 2))]
     plan = plan_stages(dl, 4, 16)
-    assert plan.strides[:-1] == (1, 2, 4, 8, 16, 16, 16)
+    assert plan.strides[:-1] == (1, 2, 4, 8, 16) + (16,) * 6
     assert plan.used[-1] == (True, True)
-    assert plan.last_reads(dl) == {0: 0, 1: 1, 2: 6, 3: 3, 4: 4, 5: 5, 6: 6}
+    # the deepest map is read by every branch; the stride-4 map waits for the fusion
+    assert plan.last_reads(dl) == {0: 0, 1: 1, 2: 10, 3: 3, 4: 4, 5: 8, 6: 9, 7: 9, 8: 9,
+                                   9: 9, 10: 10}
+    # each branch's halo is its own reach (+ the projection's 3 x 3), not the widest's
+    halos = [f.halo for f in plan.footprints[5:9]]
+    assert halos == sorted(halos) and halos[0] == 0 and halos[1] < halos[3]
 
 
 def test_stage_of_a_network_reading_the_whole_input_is_refused():
