@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from segmentation_models_pytorch.base.modules import Attention as SMPAttention
-from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPPPooling
+from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPP, ASPPPooling
 from segmentation_models_pytorch.decoders.fpn.decoder import Conv3x3GNReLU
 from torch import Tensor, nn
 
@@ -56,6 +56,20 @@ class ASPPImagePool(ASPPPooling, PooledMean):
         return F.interpolate(p, size=size, mode="bilinear", align_corners=False)
 
 
+class _PoolingFirst(ASPP):
+    """smp's ASPP with its image pooling computed first (the same output).
+
+    A statistic pass stops at the pooling, so it no longer computes the four convolution
+    branches before it.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        order = sorted(range(len(self.convs)),
+                       key=lambda i: not isinstance(self.convs[i], PooledMean))
+        out = {i: self.convs[i](x) for i in order}
+        return self.project(torch.cat([out[i] for i in range(len(self.convs))], dim=1))
+
+
 class _FPNBlock(Conv3x3GNReLU):
     """FPN's conv-GN-ReLU whose upsampling follows ``align_corners`` (set by make_exact)."""
 
@@ -81,6 +95,8 @@ def make_exact(net: nn.Module, *, align_corners: bool = False) -> None:
             m.__class__ = GroupNormSite
         elif type(m) is ASPPPooling:
             m.__class__ = ASPPImagePool
+        elif type(m) is ASPP:
+            m.__class__ = _PoolingFirst
         elif type(m) is Conv3x3GNReLU:
             m.__class__ = _FPNBlock
             m.align_corners = align_corners  # type: ignore[assignment]

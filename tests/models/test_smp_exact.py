@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPP
 from smp_helpers import ALL_PRESETS, TEST_PRESETS, assert_exact, model_node, preset_model
 
 from seg_at_scale.errors import ConfigError
@@ -173,3 +174,39 @@ def test_statistics_from_shares_of_the_tiles_reduced_equal_one_process():
     share_alone = sites[0].statistic(other[id(sites[0])]).float()
     assert not torch.allclose(share_alone, ref, rtol=0, atol=1e-4)  # a share is not the whole
     assert torch.allclose(sites[0].fixed, ref, rtol=0, atol=1e-6)
+
+
+def test_deeplab_statistic_pass_stops_before_the_aspp_convolutions(monkeypatch):
+    """ASPP computes its image pooling first (same output), so a statistic pass, which stops
+    at the pooling, runs none of the four convolution branches (was: all four per tile)."""
+    import seg_at_scale.tiling.passes as passes
+
+    net = preset_model("deeplabv3plus_test_resnet")
+    x = torch.randn(1, 4, 333, 301)
+    grid = make_grid(333, 301, net.footprint(), q=2)
+    aspp = net.net.decoder.aspp[0]
+    calls: list[int] = []
+    for i, branch in enumerate(aspp.convs[:4]):
+        branch.register_forward_hook(lambda *_, i=i: calls.append(i))
+
+    def levels(*args):  # the sites' probe runs the whole network once: not a pass
+        found = real(*args)
+        calls.clear()
+        return found
+
+    real = passes._levels
+    monkeypatch.setattr(passes, "_levels", levels)
+    done = passes.statistic_passes(net, passes.tensor_tiles(x, grid), grid)
+    assert len(done) == 1 and calls == []
+    for sites, _ in done:
+        for site in sites:
+            site.fixed = None
+    y = predict_full(net, x)
+    assert sorted(set(calls)) == [0, 1, 2, 3]
+    reordered = type(aspp)
+    aspp.__class__ = ASPP  # smp's own forward, branch by branch in order
+    try:
+        ref = predict_full(net, x)
+    finally:
+        aspp.__class__ = reordered
+    assert torch.equal(y, ref)
