@@ -106,21 +106,30 @@ def _uninterrupted(tmp_path: Path, image: Path) -> np.ndarray:
     return read_raster(tmp_path / "whole.tif")
 
 
-def test_a_killed_staged_run_leaves_no_output_and_a_rerun_completes_it(tmp_path):
-    """SIGKILL while the stages write their maps: no output under the final name, the map
-    folder left behind; the rerun removes it and writes the labels of an uninterrupted run."""
-    proc, image, out, folder = _start_staged_child(tmp_path)
+def _signalled(proc: subprocess.Popen, sig: int) -> int:
+    """``proc``'s exit status after ``sig`` (killed if it outlives a minute)."""
     try:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
+        proc.send_signal(sig)
+        return proc.wait(60)
     finally:
         proc.kill()
-    assert proc.returncode == -signal.SIGKILL
-    assert not out.exists() and folder.exists()
+
+
+def _rerun_completes(tmp_path: Path, image: Path, out: Path) -> None:
+    """The same staged run again writes the labels of an uninterrupted run."""
     net = preset_model("fpn_test_resnet")
     opts = PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False)
     predict_raster(net, image, out, opts, normalizer=DATA)
     np.testing.assert_array_equal(read_raster(out), _uninterrupted(tmp_path, image))
+
+
+def test_a_killed_staged_run_leaves_no_output_and_a_rerun_completes_it(tmp_path):
+    """SIGKILL while the stages write their maps: no output under the final name, the map
+    folder left behind; the rerun removes it and writes the labels of an uninterrupted run."""
+    proc, image, out, folder = _start_staged_child(tmp_path)
+    assert _signalled(proc, signal.SIGKILL) == -signal.SIGKILL
+    assert not out.exists() and folder.exists()
+    _rerun_completes(tmp_path, image, out)
     assert not folder.exists()
 
 
@@ -130,17 +139,9 @@ def test_sigterm_during_the_stages_frees_the_maps_and_a_rerun_completes_it(tmp_p
     next run; no output under the final name; the rerun writes an uninterrupted run's
     labels."""
     proc, image, out, folder = _start_staged_child(tmp_path)
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143
+    assert _signalled(proc, signal.SIGTERM) == 143
     assert not folder.exists() and not out.exists()
-    net = preset_model("fpn_test_resnet")
-    opts = PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False)
-    predict_raster(net, image, out, opts, normalizer=DATA)
-    np.testing.assert_array_equal(read_raster(out), _uninterrupted(tmp_path, image))
+    _rerun_completes(tmp_path, image, out)
 
 
 def test_a_second_staged_run_of_one_output_is_refused_and_leaves_the_first_maps(tmp_path):
@@ -256,7 +257,4 @@ def test_a_disk_that_fills_during_the_stages_loses_nothing_and_a_rerun_completes
     assert re.search(r"OSError: \[Errno 27\] File too large: '.*\.pred\.tif\.staged/map\d+"
                      r"\.bin'", proc.stderr), proc.stderr[-2000:]
     assert not folder.exists() and not out.exists()
-    net = preset_model("fpn_test_resnet")
-    opts = PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False)
-    predict_raster(net, image, out, opts, normalizer=DATA)
-    np.testing.assert_array_equal(read_raster(out), _uninterrupted(tmp_path, image))
+    _rerun_completes(tmp_path, image, out)
