@@ -58,13 +58,13 @@ class _FusePlus(nn.Module):
     """DeepLabV3+'s decoder after ASPP (smp's forward from ``self.up`` on), then the head."""
 
     def __init__(self, decoder: DeepLabV3PlusDecoder, head: nn.Module) -> None:
-        super().__init__()
-        self.decoder, self.head = decoder, head
+        super().__init__()  # its modules only (not ASPP, whose pooling is another stage's)
+        self.up, self.block1, self.block2 = decoder.up, decoder.block1, decoder.block2
+        self.head = head
 
     def forward(self, xs: list[Tensor]) -> Tensor:
         aspp, high_res = xs
-        d = self.decoder
-        fused = d.block2(torch.cat([d.up(aspp), d.block1(high_res)], dim=1))
+        fused = self.block2(torch.cat([self.up(aspp), self.block1(high_res)], dim=1))
         return self.head(fused)  # type: ignore[no-any-return]
 
 
@@ -140,10 +140,10 @@ def _aspp_stages(aspp: ASPP, after: nn.Module, source: int, stride: int, out_str
     for i, branch in enumerate(aspp.convs):
         groups.setdefault(_reach(branch), []).append(i)
     stages = [Stage(f"decoder.aspp.rate{r}" if r else "decoder.aspp.local",
-                    _AsppBranches(aspp, idx), (source,), stride)
+                    _AsppBranches([aspp.convs[i] for i in idx]), (source,), stride)
               for r, idx in sorted(groups.items())]
     maps = tuple(source + 1 + k for k in range(len(stages)))
-    project = _AsppProject(aspp, [idx for _, idx in sorted(groups.items())], after)
+    project = _AsppProject(aspp.project, [idx for _, idx in sorted(groups.items())], after)
     return [*stages, Stage(last, project, maps, out_stride)]
 
 
@@ -158,37 +158,39 @@ def _reach(branch: nn.Module) -> int:
 
 
 class _AsppBranches(nn.Module):
-    """Some of ASPP's branches on its input, concatenated in ``index`` order.
+    """Some of ASPP's branches (its own modules) on its input, concatenated in order.
 
     Branches with a whole-image statistic (the image pooling) run first.
     """
 
-    def __init__(self, aspp: ASPP, index: list[int]) -> None:
+    def __init__(self, branches: list[nn.Module]) -> None:
         super().__init__()
-        self.aspp, self.index = aspp, list(index)
+        self.branches = nn.ModuleList(branches)
 
     def forward(self, xs: list[Tensor]) -> Tensor:
         (x,) = xs
-        first = sorted(self.index, key=lambda i: not has_statistics(self.aspp.convs[i]))
-        out = {i: self.aspp.convs[i](x) for i in first}
-        return torch.cat([out[i] for i in self.index], dim=1)
+        n = len(self.branches)
+        first = sorted(range(n), key=lambda i: not has_statistics(self.branches[i]))
+        out = {i: self.branches[i](x) for i in first}
+        return torch.cat([out[i] for i in range(n)], dim=1)
 
 
 class _AsppProject(nn.Module):
     """ASPP's projection of its branches' maps in smp's order, then ``after``.
 
-    ``groups[k]``: the branches whose outputs map ``k`` holds.
+    ``groups[k]``: the indices (in ``ASPP.convs``) of the branches whose outputs map ``k``
+    holds.
     """
 
-    def __init__(self, aspp: ASPP, groups: list[list[int]], after: nn.Module) -> None:
+    def __init__(self, project: nn.Module, groups: list[list[int]], after: nn.Module) -> None:
         super().__init__()
-        self.aspp, self.groups, self.after = aspp, groups, after
+        self.project, self.groups, self.after = project, groups, after
 
     def forward(self, xs: list[Tensor]) -> Tensor:
         by_branch: dict[int, Tensor] = {}
         for x, idx in zip(xs, self.groups, strict=True):
             by_branch.update(zip(idx, x.split(x.shape[1] // len(idx), dim=1), strict=True))
-        y = self.aspp.project(torch.cat([by_branch[i] for i in sorted(by_branch)], dim=1))
+        y = self.project(torch.cat([by_branch[i] for i in sorted(by_branch)], dim=1))
         return self.after([y])  # type: ignore[no-any-return]
 
 

@@ -127,9 +127,11 @@ def test_the_plan_finds_which_maps_the_decoder_reads():
     # the deepest map is read by every branch; the stride-4 map waits for the fusion
     assert plan.last_reads(dl) == {0: 0, 1: 1, 2: 10, 3: 3, 4: 4, 5: 8, 6: 9, 7: 9, 8: 9,
                                    9: 9, 10: 10}
-    # each branch's halo is its own reach (+ the projection's 3 x 3), not the widest's
+    # each branch's halo is its own reach, not the widest's; only the branch stage that
+    # holds the image pooling has a statistic (takes passes)
     halos = [f.halo for f in plan.footprints[5:9]]
     assert halos == sorted(halos) and halos[0] == 0 and halos[1] < halos[3]
+    assert [has_statistics(s.module) for s in dl[5:11]] == [True] + [False] * 5
 
 
 def test_stage_of_a_network_reading_the_whole_input_is_refused():
