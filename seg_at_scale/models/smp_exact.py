@@ -22,6 +22,7 @@ such a model before any work, naming the module.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ from torch import Tensor, nn
 
 from seg_at_scale.tiling.sites import GroupNormSite, PooledMean
 
-__all__ = ["make_exact", "non_local_modules", "ASPPImagePool", "refusal", "skip_non_local"]
+__all__ = ["make_exact", "non_local_modules", "ASPPImagePool", "refusal", "skip_non_local",
+           "pooling_first"]
 
 _SQUEEZE = re.compile(r"SqueezeExcit|SEModule|SELayer|EffectiveSE|EcaModule|CecaModule|"
                       r"CbamModule|LightCbam|GatherExcite|SCSE|SelectiveKernel|GlobalContext|"
@@ -64,10 +66,15 @@ class _PoolingFirst(ASPP):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        order = sorted(range(len(self.convs)),
-                       key=lambda i: not isinstance(self.convs[i], PooledMean))
-        out = {i: self.convs[i](x) for i in order}
-        return self.project(torch.cat([out[i] for i in range(len(self.convs))], dim=1))
+        return self.project(torch.cat(pooling_first(self.convs, x), dim=1))
+
+
+def pooling_first(branches: Iterable[nn.Module], x: Tensor) -> list[Tensor]:
+    """Each ASPP branch on ``x``, in order; the image pooling computed before the others."""
+    mods = list(branches)
+    order = sorted(range(len(mods)), key=lambda i: not isinstance(mods[i], PooledMean))
+    out = {i: mods[i](x) for i in order}
+    return [out[i] for i in range(len(mods))]
 
 
 class _FPNBlock(Conv3x3GNReLU):

@@ -36,9 +36,8 @@ from timm.models._features import FeatureListNet
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.models.smp_exact import non_local_modules, refusal
-from seg_at_scale.tiling.passes import has_statistics
-from seg_at_scale.tiling.staged import Chain, Stage
+from seg_at_scale.models.smp_exact import non_local_modules, pooling_first, refusal
+from seg_at_scale.tiling.staged import Chain, Stage, widest_tap
 
 __all__ = ["smp_stages"]
 
@@ -138,23 +137,13 @@ def _aspp_stages(aspp: ASPP, after: nn.Module, source: int, stride: int, out_str
     """
     groups: dict[int, list[int]] = {}
     for i, branch in enumerate(aspp.convs):
-        groups.setdefault(_reach(branch), []).append(i)
+        groups.setdefault(widest_tap(branch), []).append(i)
     stages = [Stage(f"decoder.aspp.rate{r}" if r else "decoder.aspp.local",
                     _AsppBranches([aspp.convs[i] for i in idx]), (source,), stride)
               for r, idx in sorted(groups.items())]
     maps = tuple(source + 1 + k for k in range(len(stages)))
     project = _AsppProject(aspp.project, [idx for _, idx in sorted(groups.items())], after)
     return [*stages, Stage(last, project, maps, out_stride)]
-
-
-def _reach(branch: nn.Module) -> int:
-    """How far a branch reads past its output pixel (its widest tap), in its input's pixels."""
-    reach = 0
-    for m in branch.modules():
-        if isinstance(m, nn.Conv2d):
-            reach = max(reach, m.dilation[0] * (m.kernel_size[0] - 1) // 2,
-                        m.dilation[1] * (m.kernel_size[1] - 1) // 2)
-    return reach
 
 
 class _AsppBranches(nn.Module):
@@ -169,10 +158,7 @@ class _AsppBranches(nn.Module):
 
     def forward(self, xs: list[Tensor]) -> Tensor:
         (x,) = xs
-        n = len(self.branches)
-        first = sorted(range(n), key=lambda i: not has_statistics(self.branches[i]))
-        out = {i: self.branches[i](x) for i in first}
-        return torch.cat([out[i] for i in range(n)], dim=1)
+        return torch.cat(pooling_first(self.branches, x), dim=1)
 
 
 class _AsppProject(nn.Module):

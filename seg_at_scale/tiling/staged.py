@@ -56,7 +56,7 @@ from seg_at_scale.tiling.passes import fixed_statistics, has_statistics
 from seg_at_scale.tiling.predict import extend
 
 __all__ = ["Chain", "Map", "WindowMap", "read_map", "staged_maps", "Stage", "StagePlan",
-           "plan_stages", "predict_staged", "stage_halo"]
+           "plan_stages", "predict_staged", "stage_halo", "widest_tap"]
 
 
 class Chain(nn.Module):
@@ -196,7 +196,7 @@ def _stage_halo(module: nn.Module, strides: Sequence[int], channels: Sequence[in
                 out_stride: int, align: int, max_size: int) -> tuple[int, tuple[bool, ...]]:
     net = structural_copy(module)
     # dilated taps past a small probe read only padding: start where the widest one fits
-    size = max(8 * align, 64, max(strides) * (4 * _widest_tap(net) + 8))
+    size = max(8 * align, 64, max(strides) * (4 * widest_tap(net) + 8))
     size = align * math.ceil(size / align)
     whole_before, before = False, 0
     used = [False] * len(strides)
@@ -238,7 +238,7 @@ def _stage_halo(module: nn.Module, strides: Sequence[int], channels: Sequence[in
         whole_before, before, size = whole, size, 2 * size
 
 
-def _widest_tap(net: nn.Module) -> int:
+def widest_tap(net: nn.Module) -> int:
     """The largest reach of one convolution or pooling, in its own input's pixels."""
     reach = 0
     for m in net.modules():
