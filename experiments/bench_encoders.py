@@ -22,7 +22,8 @@ normalised as ``(x / 255 - 0.5) / 0.25``. Runs, each a fresh process, one after 
   the raster path's statistic passes over windows read from the file (timed with the run);
 * *ours staged*: ``predict_raster`` with ``staged=True`` (seg-predict ``staged=true``), file
   to file: the image read by window, maps and logits in files beside the output, tiles of
-  ``--budget`` floats (``stage_memory_mb``);
+  ``--budget`` floats (``stage_memory_mb``); ``ours_staged_fp32_cl_folded`` is the staged run
+  with ``fold_bn=true`` (BatchNorm folded into its convolutions);
 * *staged* (``--budget``): the image loaded in memory, ``predict_staged``: each stage of
   the network (the encoder's stages, then decoder + head) tiled over the whole feature maps
   with its own halo, tiles of at most ``budget`` floats of input and output maps (deep
@@ -115,6 +116,7 @@ def run_ours(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
 
     cl, fast = variant != "fp32", variant == "bf16_cl"
     staged = variant.startswith("staged")
+    fold = variant.endswith("_folded")  # seg-predict's fold_bn (default false)
     net = _setup(cfg, cl)
     fp = Footprint(**cfg["footprint"])
     out = Path(cfg["workdir"]) / f"{cfg['model']}_ours_{variant}.tif"
@@ -123,6 +125,7 @@ def run_ours(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
                            PredictOptions(tile_size=cfg["tile"], fast=fast,
                                           layout="channels_last" if cl else "contiguous",
                                           staged=staged, stage_memory_mb=cfg["budget"] * 4 >> 20,
+                                          fold_bn=fold,
                                           overwrite=True, progress=False),
                            fp=fp, normalizer=NORM)
     seconds = time.perf_counter() - t0
@@ -239,7 +242,8 @@ def bench_model(name: str, base: dict[str, Any], loads: list, contiguous: bool
     jobs: list[tuple[str, Any, Any]] = [("untiled_fp32", run_untiled, False),
                                         ("untiled_fp32_channels_last", run_untiled, True)]
     variants = ("fp32", "fp32_cl", "bf16_cl") if contiguous else ("fp32_cl", "bf16_cl")
-    jobs += [(f"ours_{v}", run_ours, v) for v in (*variants, "staged_fp32_cl")]
+    jobs += [(f"ours_{v}", run_ours, v) for v in (*variants, "staged_fp32_cl",
+                                                  "staged_fp32_cl_folded")]
     jobs += [(f"staged_{v}", run_staged, v) for v in ("fp32_cl", "bf16_cl")]
     jobs += [(f"monai_{w}_{o}", run_monai, (w, o)) for w, o in MONAI]
     if base.get("runs"):
@@ -272,7 +276,8 @@ def summarise(runs: dict[str, Any], facts: dict[str, Any]) -> dict[str, Any]:
     if same_layout and "staged_fp32_cl" in ok:
         out["labels_off_pct_staged_fp32_cl_vs_untiled_channels_last"] = off(
             ok["staged_fp32_cl"]["labels"], same_layout)
-    for mine in ("ours_fp32_cl", "staged_fp32_cl", "ours_staged_fp32_cl"):
+    for mine in ("ours_fp32_cl", "staged_fp32_cl", "ours_staged_fp32_cl",
+                 "ours_staged_fp32_cl_folded"):
         if mine not in ok:
             continue
         for k, v in ok.items():

@@ -42,6 +42,7 @@ from seg_at_scale.prediction.plan import (
     model_digest,
     open_store,
     plan_raster,
+    prediction_network,
     reusable,
 )
 from seg_at_scale.prediction.progress import progress_bar
@@ -257,6 +258,8 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
                                  weights=weights, device=device,
                                  exact=bool(trained.card.get("exact", True))))
         plans[-1].reader.close()  # reopened by the rank that reads it: one file open at once
+    if plans:
+        model = prediction_network(model, options, plans[0].reader.bands, trained.footprint)
     records = [SceneRecord(s.stem, str(s.image), str(s.output), tiles=len(p.grid),
                            megapixels=p.grid.height * p.grid.width / 1e6)
                for s, p in zip(scenes, plans, strict=True)]

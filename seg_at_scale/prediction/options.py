@@ -58,6 +58,10 @@ class PredictOptions:
             untiled forward's work instead of the whole network's halo on every tile. The
             maps live in files beside the output; one process; no TTA.
         stage_memory_mb: input and output maps one stage tile may hold (staged).
+        fold_bn: fold every eval BatchNorm that follows a convolution into it
+            (:mod:`seg_at_scale.models.fold`): the same function with one pass over the
+            feature maps fewer (1.01-1.07x on CPU here); the logits differ from the
+            network as written by float rounding, like the memory layout's.
         stac: write a STAC Item (``<name>.stac.json``) beside each output.
         vector_connectivity: polygons' pixel connectivity, 4 or 8 (vector outputs).
         vector_min_area: drop polygons smaller than this (CRS units, e.g. m²).
@@ -81,6 +85,7 @@ class PredictOptions:
     layout: Literal["auto", "channels_last", "contiguous"] = "auto"
     staged: bool = False
     stage_memory_mb: int = 512
+    fold_bn: bool = False
     stac: bool = True
     vector_connectivity: Literal[4, 8] = 4
     vector_min_area: float = 0.0

@@ -20,6 +20,7 @@ from torch import nn
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import OutputExistsError
 from seg_at_scale.io import RasterReader
+from seg_at_scale.models.fold import fold_batchnorm
 from seg_at_scale.prediction.checks import rewritten_by_resume, store_path
 from seg_at_scale.prediction.finalize import cog_outputs
 from seg_at_scale.prediction.finished import digest, finished
@@ -28,8 +29,8 @@ from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, make_grid
 from seg_at_scale.tiling.engine import Batch, plan_batches
 
-__all__ = ["RasterPlan", "plan_raster", "model_digest", "reusable", "open_store",
-           "default_batch_size"]
+__all__ = ["RasterPlan", "plan_raster", "model_digest", "prediction_network", "reusable",
+           "open_store", "default_batch_size"]
 
 
 def default_batch_size(grid: TileGrid, device: torch.device | str) -> int:
@@ -50,6 +51,23 @@ def model_digest(model: nn.Module) -> str:
             x = x.view(torch.int16)  # same bytes; numpy has no bfloat16
         h.update(x.numpy().tobytes())  # C order, whatever the memory format
     return h.hexdigest()
+
+
+def prediction_network(model: nn.Module, options: PredictOptions, bands: int,
+                       fp: Footprint) -> nn.Module:
+    """The network a prediction runs: ``model``, its BatchNorms folded unless ``fold_bn=false``.
+
+    The pairs are found on one small forward (:func:`~seg_at_scale.models.fold.fold_batchnorm`)
+    of ``bands`` zero bands, a multiple of the footprint's alignment on a side; ``model``
+    itself is unchanged.
+    """
+    if not options.fold_bn:
+        return model
+    p = next(model.parameters())
+    side = fp.align * max(1, -(-64 // fp.align))
+    fmt = torch.channels_last if options.channels_last else torch.contiguous_format
+    x = torch.zeros(1, bands, side, side, device=p.device).contiguous(memory_format=fmt)
+    return fold_batchnorm(model, x)[0]
 
 
 @dataclass
@@ -114,6 +132,8 @@ def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footp
                    "normalizer": [normalizer.scale, list(normalizer.mean),
                                   list(normalizer.std)],
                    "nodata": nodata if nodata is None else float(nodata)}
+    if options.fold_bn:  # the same labels up to float ties, computed otherwise: recorded
+        fingerprint["fold_bn"] = True
     if options.staged:  # the same labels up to float ties, computed otherwise: recorded
         fingerprint["staged"] = True
     if not exact:  # tiling.exact=false: recorded (the output's TILING tag says so)

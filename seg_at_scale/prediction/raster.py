@@ -44,6 +44,7 @@ from seg_at_scale.prediction.plan import (
     model_digest,
     open_store,
     plan_raster,
+    prediction_network,
     reusable,
 )
 from seg_at_scale.prediction.progress import progress_bar
@@ -140,7 +141,6 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     out_path, image = Path(output), Path(image)
     output_kind(out_path)
     rank, world = rank_world()
-    stages = check_staged(model, o, world) if o.staged else None
     check_outputs({"output": out_path, "working store": store_path(out_path)},
                   {"image": image}, overwrite=True)  # existing outputs: open_store
     fp = fp or footprint(model)
@@ -149,6 +149,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     plan = plan_raster(image, out_path, o, fp=fp, normalizer=norm,
                        names=_names(model, image, fp, class_names), weights=model_digest(model),
                        device=device, exact=exact)
+    model = prediction_network(model, o, plan.reader.bands, fp)  # BatchNorm folded
+    stages = check_staged(model, o, world) if o.staged else None  # or refused, before work
     grid, batches = plan.grid, plan.batches
     if world > len(batches):
         raise agreed(ConfigError(f"processes={world} but the grid of '{image}' has only "
