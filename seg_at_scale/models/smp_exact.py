@@ -32,6 +32,7 @@ from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPP, ASPPPoo
 from segmentation_models_pytorch.decoders.fpn.decoder import Conv3x3GNReLU
 from torch import Tensor, nn
 
+from seg_at_scale.models.layout import SharedNCHW
 from seg_at_scale.tiling.sites import GroupNormSite, PooledMean
 
 __all__ = ["make_exact", "non_local_modules", "ASPPImagePool", "refusal", "skip_non_local",
@@ -73,7 +74,8 @@ def pooling_first(branches: Iterable[nn.Module], x: Tensor) -> list[Tensor]:
     """Each ASPP branch on ``x``, in order; the image pooling computed before the others."""
     mods = list(branches)
     order = sorted(range(len(mods)), key=lambda i: not isinstance(mods[i], PooledMean))
-    out = {i: mods[i](x) for i in order}
+    src = SharedNCHW(x)  # the separable branches computing in NCHW share one copy of x
+    out = {i: src.run(mods[i]) for i in order}
     return [out[i] for i in range(len(mods))]
 
 

@@ -143,11 +143,11 @@ def test_tiled_gradients_equal_whole_image_gradients(preset):
 def test_channels_last_fp32_tiles_equal_the_contiguous_whole_image(preset):
     """The fast fp32 layout keeps exactness: NHWC tiles against the NCHW untiled forward
     (DeepLabV3+ at rates >= 8: its ASPP depthwise convolutions compute in NCHW)."""
-    from seg_at_scale.models.layout import NCHWConv2d
+    from seg_at_scale.models.layout import NCHWBlock
 
     net = (preset_model("deeplabv3plus_test_resnet", "model.options.decoder_atrous_rates=[8,9,10]")
            if preset == "deeplab_rate_8" else preset_model(preset))
-    assert sum(isinstance(m, NCHWConv2d) for m in net.modules()) == (
+    assert sum(isinstance(m, NCHWBlock) for m in net.modules()) == (
         3 if preset == "deeplab_rate_8" else 0)
     x = torch.randn(1, 4, 301, 277)
     ref = predict_full(net, x)
