@@ -156,8 +156,6 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         raise agreed(ConfigError(f"processes={world} but the grid of '{image}' has only "
                                  f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
                                  f"processes <= {len(batches)} or a smaller tile_size"))
-    stage_plan = (plan_staged(stages, grid, plan.reader.bands, out_path, o)
-                  if stages is not None else None)
     stats = PredictionStats(out_path, grid.height, grid.width, len(grid), grid.efficiency,
                             processes=world, store=str(plan.working))
     lock = output_lock(out_path) if rank == 0 else contextlib.nullcontext()
@@ -167,6 +165,10 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
             stats.tiles_resumed, stats.class_pixels, stats.reused = len(grid), reused, True
             stats.total_s = time.perf_counter() - t_start
             return stats
+        # the stage plan and its disk check: after the reuse check (a finished output is
+        # reported on a full disk too) and before the store (refused before any work)
+        stage_plan = (plan_staged(stages, grid, plan.reader.bands, out_path, o)
+                      if stages is not None else None)
         opened: list[PredictionStore] = []
         _on_rank0(lambda: opened.append(open_store(plan, o)))
         store = opened[0] if rank == 0 else PredictionStore.attach(plan.working)

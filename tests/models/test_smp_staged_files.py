@@ -227,6 +227,9 @@ def test_a_disk_too_small_for_the_maps_is_refused_before_any_work(tmp_path, monk
     ref = predict_full(net, torch.from_numpy(DATA(read_raster(image)))[None])
     check_labels(read_raster(tmp_path / "pred.tif")[0], ref)
     assert not stale.exists()
+    # the same run again on the full disk: the finished output is reported, not refused
+    again = predict_raster(net, image, tmp_path / "pred.tif", opts, normalizer=DATA)
+    assert again.reused and again.tiles_resumed == again.tiles
 
 
 def test_a_disk_that_fills_during_the_stages_loses_nothing_and_a_rerun_completes(tmp_path):
