@@ -160,14 +160,27 @@ def _shape_only(m: Map) -> bool:
 
 
 def _windows(maps: list[Map], st: Stage, strides: Sequence[int], tile: Tile,
-             channels_last: bool, device: torch.device) -> list[Tensor]:
-    """The stage's input windows for ``tile`` (image-pixel windows divided by each stride)."""
+             channels_last: bool, device: torch.device,
+             used: Sequence[bool] | None = None) -> list[Tensor]:
+    """The stage's input windows for ``tile`` (image-pixel windows divided by each stride).
+
+    An input the stage reads for its shape only (``used``: the probe found no gradient
+    through it) is not read: a zero-stride tensor of the window's shape stands for it.
+    Before, a stage of no channels (a timm encoder's empty stride-2 map) read the whole
+    image as its one tile: 2.4 GB at 12288^2.
+    """
     out = []
     rd = tile.read
-    for i in st.inputs:
+    for j, i in enumerate(st.inputs):
         s = strides[i]
-        w = read_map(maps[i], slice(rd.row // s, rd.row_end // s),
-                  slice(rd.col // s, rd.col_end // s))
+        rows, cols = slice(rd.row // s, rd.row_end // s), slice(rd.col // s, rd.col_end // s)
+        if used is not None and not used[j]:
+            b, c = maps[i].shape[:2]
+            dtype = getattr(maps[i], "dtype", torch.float32)
+            out.append(torch.zeros((), dtype=dtype, device=device).expand(
+                b, c, rows.stop - rows.start, cols.stop - cols.start))
+            continue
+        w = read_map(maps[i], rows, cols)
         if w.stride(-1) == 0:  # a shape-only map (never read): keep it free
             out.append(w.to(device))
             continue
@@ -283,10 +296,11 @@ def _stage_grid(height: int, width: int, fp: Footprint, floats_per_pixel: float,
     return make_grid(height, width, fp, tile_size=side)
 
 
-def _tiles(maps: list[Map], st: Stage, plan: StagePlan, grid: TileGrid,
+def _tiles(maps: list[Map], st: Stage, k: int, plan: StagePlan, grid: TileGrid,
            channels_last: bool, device: torch.device) -> Iterator[tuple[Tile, list[Tensor]]]:
     for tile in grid:
-        yield tile, _windows(maps, st, plan.strides, tile, channels_last, device)
+        yield tile, _windows(maps, st, plan.strides, tile, channels_last, device,
+                             plan.used[k])
 
 
 @torch.no_grad()
@@ -301,7 +315,7 @@ def _run_stage(maps: list[Map], st: Stage, k: int, plan: StagePlan, budget: int,
     out: Map | None = None
 
     def tiles() -> Iterator[tuple[Tile, list[Tensor]]]:
-        return _tiles(maps, st, plan, grid, channels_last, device)
+        return _tiles(maps, st, k, plan, grid, channels_last, device)
 
     fixed = fixed_statistics(st.module, tiles, grid) if (
         len(grid) > 1 and has_statistics(st.module)) else contextlib.nullcontext()

@@ -85,18 +85,28 @@ def test_staged_runs_the_deep_stages_whole_and_equals_untiled_unbatched_width():
     assert_exact(y, predict_full(net, x))
 
 
-def test_a_transformer_style_encoder_with_its_empty_stride_2_map():
+def test_a_transformer_style_encoder_with_its_empty_stride_2_map(monkeypatch):
     """A timm encoder without a stride-2 feature (ConvNeXt) gets smp's empty placeholder
-    as a stage of its own, and the decoder still receives every map in smp's order."""
+    as a stage of its own, and the decoder still receives every map in smp's order. The
+    placeholder stage reads nothing: it had no channels to budget, so it read the whole
+    image as one tile (2.4 GB of a 12288^2 scene from the file)."""
+    import seg_at_scale.tiling.staged as staged
+
     torch.manual_seed(0)
     net = lively(SMPModel("Unet", "tu-test_convnext", in_channels=4, num_classes=3,
                           options={"decoder_channels": [16, 16, 8, 8, 8]}))
     stages = smp_stages(net)
     assert stages[0].name == "encoder.empty" and stages[1].inputs == (0,)
+    reads = []
+    real = staged.read_map
+    monkeypatch.setattr(staged, "read_map", lambda m, rows, cols: reads.append(
+        (rows.stop - rows.start, cols.stop - cols.start)) or real(m, rows, cols))
     x = torch.randn(1, 4, 421, 357)
     y, eff = _staged(net, x, budget=60_000)
     assert max(eff) > 1.0
     assert_exact(y, predict_full(net, x))
+    extended = -(-421 // 32) * 32  # the image extended to the alignment: 448 rows
+    assert reads and max(h for h, _ in reads) < extended  # no stage read the whole image
 
 
 def test_a_dilated_stage_is_probed_where_its_taps_land():
