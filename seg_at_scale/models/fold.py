@@ -5,7 +5,9 @@ output that nothing else reads, it folds into that convolution's weight and bias
 (:func:`torch.nn.utils.fusion.fuse_conv_bn_weights`, computed in float64 and rounded
 once), and the BatchNorm becomes an identity (timm's ``BatchNormAct2d`` keeps its
 activation). The network computes the same function with one pass over every feature map
-fewer: eval BatchNorm was 12 % of a DeepLabV3+-ResNet50 forward on CPU.
+fewer. On this project's CPU that gained 1.01-1.07x (``experiments/bench_fold.py``; eval
+BatchNorm's 10-12 % of the profile mostly moves to the next operation's memory traffic),
+so ``seg-predict`` folds only with ``fold_bn=true``.
 
 Which pairs fold is found by running the network once, on a small input, not by reading
 its code (smp's DeepLab and FPN do not trace with ``torch.fx``): a forward hook on each
@@ -14,8 +16,8 @@ mode counts the operations that read each convolution's output. A pair folds whe
 BatchNorm's input is that convolution's output, read by nothing else (not a residual, not
 an in-place activation), and both modules ran once.
 
-Prediction folds the network it runs, so the tiled, the staged and the whole-image
-forward of ``seg-predict`` are one network and tiling stays exact; against the unfolded
+With ``fold_bn=true`` prediction folds the network it runs, so its tiled, staged and
+whole-image forwards are one network and tiling stays exact; against the unfolded
 network the logits differ by float rounding (about 1e-6 of the largest).
 
 >>> import torch

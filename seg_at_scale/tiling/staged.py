@@ -160,21 +160,19 @@ def _shape_only(m: Map) -> bool:
 
 
 def _windows(maps: list[Map], st: Stage, strides: Sequence[int], tile: Tile,
-             channels_last: bool, device: torch.device,
-             used: Sequence[bool] | None = None) -> list[Tensor]:
+             channels_last: bool, device: torch.device, used: Sequence[bool]) -> list[Tensor]:
     """The stage's input windows for ``tile`` (image-pixel windows divided by each stride).
 
     An input the stage reads for its shape only (``used``: the probe found no gradient
-    through it) is not read: a zero-stride tensor of the window's shape stands for it.
-    Before, a stage of no channels (a timm encoder's empty stride-2 map) read the whole
-    image as its one tile: 2.4 GB at 12288^2.
+    through it, e.g. the image for a timm encoder's empty stride-2 stage) is not read: a
+    zero-stride tensor of the window's shape stands for it.
     """
     out = []
     rd = tile.read
     for j, i in enumerate(st.inputs):
         s = strides[i]
         rows, cols = slice(rd.row // s, rd.row_end // s), slice(rd.col // s, rd.col_end // s)
-        if used is not None and not used[j]:
+        if not used[j]:
             b, c = maps[i].shape[:2]
             dtype = getattr(maps[i], "dtype", torch.float32)
             out.append(torch.zeros((), dtype=dtype, device=device).expand(
