@@ -17,15 +17,19 @@ figure it can; an out-of-memory step is a figure, ``fits: false``):
   device's memory (``find_largest_tile``), time per pixel vs ``none``;
 * ``offload_cost``: offload vs none at one tile, and the pinned host link's GB/s;
 * ``ibm_gscnn``: Gated-SCNN (wide) on 800^2 crops, batch 16, per memory mode;
+* ``encoders``: Unet-ResNet34 and DeepLabV3+-ResNet50 (smp) on a device-resident 8192^2
+  scene: untiled, exact tiles fp32 / bf16, MONAI's sliding window (``gpu_encoders.py``);
 * ``pipeline``: fairscale Pipe with one stage vs the plain model (torchgpipe: 0.858x), and
   the planner's predicted step vs the measured one for 1 and 2 stages on the device.
 
-Without a CUDA device and without ``--quick`` it says so and writes nothing.
+Without a CUDA device and without ``--quick`` it says so and writes nothing. After each
+section the figures so far are in ``<out>.partial.json`` (removed when the run completes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -37,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import machine, save
+from common import RESULTS, machine, save
 from gpu_common import (
     Sizes,
     attempt,
@@ -48,6 +52,7 @@ from gpu_common import (
     timed,
     unet_from_conf,
 )
+from gpu_encoders import encoders
 from gpu_training import ibm_gscnn, largest_tile, offload_cost, train_step
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -274,16 +279,26 @@ def main() -> None:
         "largest_tile": lambda: largest_tile(dev, sz),
         "offload_cost": lambda: offload_cost(dev, sz),
         "ibm_gscnn": lambda: ibm_gscnn(dev, sz),
-        "pipeline": lambda: pipeline(dev, sz)}
+        "pipeline": lambda: pipeline(dev, sz),
+        "encoders": lambda: encoders(dev, sz)}
     chosen = args.sections.split(",") if args.sections else list(todo)
+    unknown = sorted(set(chosen) - set(todo))
+    if unknown:
+        ap.error(f"--sections: unknown {unknown}; choose from {sorted(todo)}")
     sections: dict[str, Any] = {}
-    for name in chosen:
-        sections[name] = run_section(name, todo[name], dev)
-    head["loadavg_end"] = list(os.getloadavg())
     name = "bench_gpu" + ("_cpu" if dev.type == "cpu" else "") + ("_quick" if args.quick else "")
+    partial = (args.out or RESULTS / f"{name}.json").with_suffix(".partial.json")
+    for section in chosen:
+        sections[section] = run_section(section, todo[section], dev)
+        # a run stopped at a time limit keeps the sections it finished
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"device": head, "sizes": asdict(sz),
+                                       "sections": sections}, indent=2, default=float))
+    head["loadavg_end"] = list(os.getloadavg())
     save(name, {"device": head, "quick": args.quick, "sizes": asdict(sz), "seeds": SEEDS,
                 "wall_s": round(time.perf_counter() - t0, 1), "sections": sections},
          path=args.out)
+    partial.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -57,13 +57,17 @@ class Sizes:
     pipe_batch: int = 8
     pipe_tile: int = 512
     pipe_chunks: int = 4
+    enc_side: int = 8192
+    enc_tile: int = 4096
+    enc_repeats: int = 2
 
 
 QUICK = Sizes(matmul=256, repeats=1, unet_side=32, unet_batch=1, raster_side=256,
               raster_tile=128, train_model="tiny", train_sides=(96, 128), train_tile=96,
               tile_modes=("none", "checkpoint:strips"), budget_gib=48 / 1024, max_probes=3,
               rel_tol=0.2, max_side=256, offload_side=128, gscnn_preset="tiny", gscnn_crop=64,
-              gscnn_batch=2, pipe_batch=4, pipe_tile=64, pipe_chunks=2)
+              gscnn_batch=2, pipe_batch=4, pipe_tile=64, pipe_chunks=2, enc_side=256,
+              enc_tile=1728, enc_repeats=1)
 
 
 def sizes_for(quick: bool, **overrides: Any) -> Sizes:

@@ -20,7 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {"matmul_peak", "unet_forward", "prediction", "train_step", "largest_tile",
-            "offload_cost", "ibm_gscnn", "pipeline"}
+            "offload_cost", "ibm_gscnn", "pipeline", "encoders"}
 
 
 def bench(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -91,6 +91,17 @@ def test_quick_cpu_run_gives_every_section(tmp_path):
     assert set(ibm) == {"none", "checkpoint:block", "offload", "checkpoint_offload:block"}
     assert positive(*(m["step_s"] for m in ibm.values()),
                     *(m["peak_mib_with_state"] for m in ibm.values()))
+
+    enc = s["encoders"]["models"]
+    assert set(enc) == {"unet_resnet34", "deeplabv3plus_resnet50"}
+    for row in enc.values():
+        runs = {k: v for k, v in row.items() if isinstance(v, dict)}
+        assert set(runs) == {"untiled_fp32", "untiled_fp32_cl", "ours_fp32_cl", "ours_bf16",
+                             "monai_512_0.25", "monai_1024_0.25"}
+        assert positive(*(r["mpix_per_s"] for r in runs.values()),
+                        *(r["peak_mib"] for r in runs.values()))
+        assert runs["untiled_fp32"]["labels_off_pct"] == 0.0  # the reference itself
+        assert runs["ours_fp32_cl"]["labels_off_pct"] <= 0.01  # exact, but for float ties
 
     pipe = s["pipeline"]
     assert positive(pipe["plain_step_s"], *(v["speed_vs_plain"] for v in

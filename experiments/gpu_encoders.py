@@ -1,0 +1,118 @@
+"""``bench_gpu.py``'s ``encoders`` section: pretrained-encoder networks (smp) on the device.
+
+Unet-ResNet34 and DeepLabV3+-ResNet50 (4 bands, 5 classes, random weights, BatchNorm
+statistics calibrated on four crops of the image as ``bench_encoders.py`` does), on the
+synthetic 4-band scene of ``enc_side``^2 resident on the device, normalised as
+``(x / 255 - 0.5) / 0.25``. Runs, each timed as the best of ``enc_repeats`` after a warm-up
+call (whose labels count), with the device's peak memory above the image and weights:
+
+* ``untiled_fp32`` (TF32 off, contiguous: the reference labels) and ``untiled_fp32_cl``;
+* ``ours_fp32_cl``: ``predict_tiled_exact`` (DeepLab's image pooling by its statistic pass)
+  at ``enc_tile``, channels_last, logits back on the host; ``ours_bf16``: the same under
+  bf16 autocast (the fast path);
+* ``monai_<window>_<overlap>``: MONAI's Gaussian sliding window, fp32, ``sw_batch_size=4``,
+  the whole image and its output on the device.
+
+Each run gives Mpix/s, seconds, peak MiB and the % of labels off the untiled fp32 result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from gpu_common import Peak, Sizes, attempt, precision, timed
+
+from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.models.smp import SMPModel
+from seg_at_scale.tiling import Window, make_grid, predict_full
+from seg_at_scale.tiling.passes import predict_tiled_exact
+
+NORM = Normalizer(1 / 255, (0.5,) * 4, (0.25,) * 4)
+MODELS = {"unet_resnet34": ("Unet", "resnet34"),
+          "deeplabv3plus_resnet50": ("DeepLabV3Plus", "resnet50")}
+MONAI = ((512, 0.25), (1024, 0.25))
+
+
+def encoders(dev: torch.device, sz: Sizes) -> dict[str, Any]:
+    side = sz.enc_side
+    raw = SceneGenerator(seed=0, height=side, width=side, bands=4).render(
+        Window(0, 0, side, side))[0]
+    x = torch.from_numpy(NORM(raw))[None].to(dev)
+    out: dict[str, Any] = {"side": side, "tile": sz.enc_tile, "repeats": sz.enc_repeats,
+                           "input": "synthetic 4-band scene, (x / 255 - 0.5) / 0.25",
+                           "models": {}}
+    for name, (arch, enc) in MODELS.items():
+        out["models"][name] = attempt(lambda a=arch, e=enc: _model(a, e, x, dev, sz))
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"   {name}: " + ", ".join(
+            f"{k} {v.get('mpix_per_s')} Mpix/s ({v.get('labels_off_pct')} % off)"
+            for k, v in out["models"][name].items() if isinstance(v, dict)
+            and "mpix_per_s" in v), flush=True)
+    return out
+
+
+def calibrated(arch: str, encoder: str, x: torch.Tensor) -> SMPModel:
+    """Random weights, BatchNorm statistics from one train-mode pass over four crops."""
+    torch.manual_seed(0)
+    net = SMPModel(arch, encoder, in_channels=4, num_classes=5).to(x.device)
+    for m in net.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.reset_running_stats()
+            m.momentum = None
+    c = min(512, x.shape[-1] // 2)
+    net.train()
+    with torch.no_grad():
+        net(torch.cat([x[..., r : r + c, s : s + c] for r in (0, c) for s in (0, c)]))
+    return net.eval()
+
+
+def _model(arch: str, encoder: str, x: torch.Tensor, dev: torch.device,
+           sz: Sizes) -> dict[str, Any]:
+    net = calibrated(arch, encoder, x)
+    fp = net.footprint()
+    side, tile = x.shape[-1], sz.enc_tile
+    row: dict[str, Any] = {"halo": fp.halo, "align": fp.align,
+                           "E": round(make_grid(side, side, fp, tile_size=tile).efficiency, 4)}
+    ref: dict[str, torch.Tensor] = {}
+
+    def run(name: str, fn: Callable[[], torch.Tensor], prec: str = "fp32") -> None:
+        def measure() -> dict[str, Any]:
+            with torch.inference_mode(), precision(prec, dev):
+                labels = fn().argmax(1).cpu()  # the warm-up call (kernel plans)
+                with Peak(dev) as peak:
+                    times = timed(fn, dev, sz.enc_repeats, warmup=0)
+            best = min(times)
+            if not ref:
+                ref["labels"] = labels
+            off = float((labels != ref["labels"]).float().mean()) * 100
+            return {"s": round(best, 4), "mpix_per_s": round(side * side / 1e6 / best, 3),
+                    "peak_mib": peak.mib, "labels_off_pct": round(off, 4)}
+
+        row[name] = attempt(measure)
+
+    run("untiled_fp32", lambda: predict_full(net, x))
+    cl = net.to(memory_format=torch.channels_last)
+    xc = x.contiguous(memory_format=torch.channels_last)
+    run("untiled_fp32_cl", lambda: predict_full(cl, xc))
+    run("ours_fp32_cl", lambda: predict_tiled_exact(cl, x, tile_size=tile, channels_last=True))
+    run("ours_bf16", lambda: predict_tiled_exact(cl, x, tile_size=tile, channels_last=True,
+                                                 autocast=torch.bfloat16))
+    try:
+        from monai.inferers import sliding_window_inference
+    except ImportError as e:
+        row["monai"] = {"error": f"ImportError: {e}"}
+        return row
+    net = net.to(memory_format=torch.contiguous_format)
+    for window, overlap in MONAI:
+        run(f"monai_{window}_{overlap}", lambda w=window, o=overlap: sliding_window_inference(
+            x, (w, w), 4, net, overlap=o, mode="gaussian", padding_mode="constant", cval=0.0))
+    mine = row.get("ours_fp32_cl", {}).get("mpix_per_s")
+    for key in [k for k in row if k.startswith("monai_")]:
+        theirs = row[key].get("mpix_per_s")
+        if mine and theirs:
+            row[key]["ours_fp32_cl_vs_this"] = round(mine / theirs, 3)
+    return row
