@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -153,3 +157,21 @@ def test_grouped_sampler_keeps_images_together():
     runs = [order[i:i + 3] for i in range(len(order))]
     assert [0, 1, 2] in runs
     assert any(order[i:i + 2] == [3, 4] for i in range(5))
+
+
+def test_importing_the_augmentations_asks_no_server():
+    """albumentations looks up its latest release on PyPI when imported (a 2 s timeout per
+    process, offline too); importing the project's augmentations resolves no host name."""
+    code = ("import socket\n"
+            "asked = []\n"
+            "def refuse(host, *a, **k):\n"
+            "    asked.append(host)\n"
+            "    raise OSError('offline')\n"
+            "socket.getaddrinfo = refuse\n"
+            "import seg_at_scale.data.transforms\n"
+            "print('asked', asked)\n")
+    env = {k: v for k, v in os.environ.items() if k != "NO_ALBUMENTATIONS_UPDATE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "asked []" in out.stdout, out.stdout

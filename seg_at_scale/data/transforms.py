@@ -8,10 +8,15 @@ samples rescaled to ``[0, 1]`` before standardisation.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-import albumentations as A
-import numpy as np
+# albumentations asks PyPI for a newer release on import (2 s timeout), in every process
+# that imports it: nothing here goes online unasked (NO_ALBUMENTATIONS_UPDATE=0 re-enables)
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+
+import albumentations as A  # noqa: E402
+import numpy as np  # noqa: E402
 
 __all__ = ["Augment", "build_augment"]
 

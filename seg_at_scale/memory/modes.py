@@ -129,7 +129,12 @@ def pipe_checkpoint_mode(cfg: MemoryConfig) -> str:
 
 
 class _ToHost(torch.autograd.Function):
-    """Differentiable copy to (optionally pinned) host memory; the gradient goes back."""
+    """Differentiable copy to (optionally pinned) host memory; the gradient goes back.
+
+    The copy is complete when it returns (a blocking copy): under ``checkpoint_offload``
+    ``save_on_cpu`` packs such host tensors with a CPU-side memcpy, which read a
+    still-arriving asynchronous copy and gave wrong gradients on a GPU (seen on an H200).
+    """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, pin: bool) -> Tensor:  # type: ignore[override]
@@ -137,7 +142,7 @@ class _ToHost(torch.autograd.Function):
         if x.device.type == "cpu":
             return x.view_as(x)  # already in host memory: nothing to copy
         out = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
-        return out.copy_(x, non_blocking=pin)
+        return out.copy_(x)  # blocking: host code may read ``out`` at once
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]

@@ -38,6 +38,7 @@ import segmentation_models_pytorch as smp
 import torch
 from torch import Tensor, nn
 
+from seg_at_scale.devices import module_device
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import weights as W
 from seg_at_scale.models.layout import prefer_layouts
@@ -209,7 +210,7 @@ class SMPModel(nn.Module):
                repr(sorted(self.options.items())), self.align_corners)
         if key not in _HALOS:
             a = self.downsampling_factor
-            twin = copy.deepcopy(self).eval()
+            twin = copy.deepcopy(self).cpu().eval()  # the probe runs on the CPU
             try:
                 skip_non_local(twin.net, torch.zeros(1, self.in_channels, 2 * a, 2 * a))
                 _HALOS[key] = empirical_halo(twin, align=a)
@@ -277,7 +278,8 @@ class SMPModel(nn.Module):
     def statistic_levels(self) -> int:
         """Extra passes over the tiles exact tiling needs (0: none)."""
         a = self.downsampling_factor
-        levels = site_levels(self, torch.zeros(1, self.in_channels, 2 * a, 2 * a))
+        levels = site_levels(self, torch.zeros(1, self.in_channels, 2 * a, 2 * a,
+                                               device=module_device(self)))
         return max(levels.values(), default=0)
 
 

@@ -35,6 +35,7 @@ from segmentation_models_pytorch.encoders.timm_universal import TimmUniversalEnc
 from timm.models._features import FeatureListNet
 from torch import Tensor, nn
 
+from seg_at_scale.devices import module_device
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.smp_exact import non_local_modules, pooling_first, refusal
 from seg_at_scale.tiling.staged import Chain, Stage, widest_tap
@@ -289,7 +290,7 @@ def _with_strides(enc: nn.Module, parts: list[tuple[str, nn.Module]]
     """Each part's output stride, from one small forward of the chain."""
     size = 2 * int(getattr(enc, "output_stride", 32))
     channels = _in_channels(enc)
-    x = torch.zeros(1, channels, size, size)
+    x = torch.zeros(1, channels, size, size, device=module_device(enc))
     out, last = [], x
     for name, m in parts:
         y = m([x if isinstance(m, _Empty) else last])

@@ -253,7 +253,11 @@ def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
     event = None
     if stream is not None:
         for grp in by_size.values():
-            x = torch.cat(grp.raws).pin_memory()  # raw samples: uint8 is 4x fewer bytes
+            x = torch.cat(grp.raws)
+            if x.device.type != "cpu":  # an image already on the device: nothing to copy
+                grp.raws = list(x.to(device).split([r.shape[0] for r in grp.raws]))
+                continue
+            x = x.pin_memory()  # raw samples: uint8 is 4x fewer bytes
             with torch.cuda.stream(stream):
                 grp.raws = list(x.to(device, non_blocking=True).split(
                     [r.shape[0] for r in grp.raws]))

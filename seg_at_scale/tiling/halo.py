@@ -97,12 +97,12 @@ def _pointwise_norm(module: nn.Module) -> bool:
 
 
 def structural_copy(model: nn.Module) -> nn.Module:
-    """The model as the probe runs it (float64, positive weights, statistics held).
+    """The model as the probe runs it (float64 on the CPU, positive weights, statistics held).
 
     Activations and pointwise norms are dropped and max pooling becomes average pooling, so
     every tap inside the receptive field carries gradient.
     """
-    net = copy.deepcopy(model).double().eval()
+    net = copy.deepcopy(model).to("cpu", torch.float64).eval()  # a CUDA model's too
     for child in list(net.modules()):
         for attr, sub in list(child.named_children()):
             if _is_activation(sub) or _pointwise_norm(sub):

@@ -49,6 +49,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from seg_at_scale.devices import module_device
 from seg_at_scale.tiling.feature_files import DiskMap
 from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
 from seg_at_scale.tiling.halo import GLOBAL_SIZE, WholeImageDependency, structural_copy
@@ -264,7 +265,9 @@ def widest_tap(net: nn.Module) -> int:
 @torch.no_grad()
 def plan_stages(stages: Sequence[Stage], in_channels: int, align: int) -> StagePlan:
     """Strides and channels of every map (one small forward), and each stage's halo."""
-    x = torch.zeros(1, in_channels, 2 * align, 2 * align)
+    x = torch.zeros(1, in_channels, 2 * align, 2 * align,
+                    device=next((module_device(st.module) for st in stages),
+                                torch.device("cpu")))
     maps = [x]
     for st in stages:
         maps.append(st.module([maps[i] for i in st.inputs]))

@@ -21,6 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from seg_at_scale.devices import module_device
 from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
 from seg_at_scale.tiling.halo import footprint
 from seg_at_scale.tiling.predict import PixelLoss, predict_tiled, read_window, tiled_backward
@@ -87,7 +88,8 @@ def whole_image_batch_norm(model: nn.Module, images: Sequence[Tensor], *,
     hooks = [m.register_forward_pre_hook(lambda m, _: order.append(m) if m not in order else None)
              for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     model.eval()
-    model(torch.zeros(1, int(getattr(model, "in_channels", 1)), fp.align, fp.align))
+    model(torch.zeros(1, int(getattr(model, "in_channels", 1)), fp.align, fp.align,
+                      device=module_device(model)))
     for h in hooks:
         h.remove()
     for bn in order:
