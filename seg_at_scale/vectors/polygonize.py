@@ -31,9 +31,6 @@ import numpy as np
 import rasterio.features
 import shapely
 from affine import Affine
-from scipy import ndimage
-from scipy.sparse import coo_matrix
-from scipy.sparse.csgraph import connected_components
 from shapely.geometry import shape
 
 from seg_at_scale.errors import ConfigError, InputError
@@ -127,6 +124,8 @@ class SeamMerger:
                  classes: frozenset[int] | None = None, scale: float | None = None) -> None:
         self.width, self.connectivity, self.classes = width, connectivity, classes
         self.scale = scale
+        from scipy import ndimage  # here: scipy costs 0.3 s of every seg-predict's start
+
         self._structure = ndimage.generate_binary_structure(2, 1 if connectivity == 4 else 2)
         self._open: list[_Open] = []
         self._seam_labels: np.ndarray | None = None  # [W] last row of the previous strip
@@ -195,6 +194,8 @@ class SeamMerger:
 
     def _components(self, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Component ids ``[h, W]`` int32 (0 = no data), unique over classes, and their class."""
+        from scipy import ndimage
+
         comp = np.zeros(labels.shape, np.int32)
         classes: list[np.ndarray] = []
         n = 0
@@ -235,6 +236,9 @@ class SeamMerger:
                 dst.append(top_comp[below][ok].astype(np.int64) - 1 + m)
         a = np.concatenate(src) if src else np.zeros(0, np.int64)
         b = np.concatenate(dst) if dst else np.zeros(0, np.int64)
+        from scipy.sparse import coo_matrix
+        from scipy.sparse.csgraph import connected_components
+
         graph = coo_matrix((np.ones(a.size, np.int8), (a, b)), shape=(m + n, m + n))
         return connected_components(graph, directed=False)[1]
 
