@@ -248,3 +248,17 @@ def test_the_bf16_fast_path_runs_the_statistic_passes_on_bf16_maps():
     fast, eff = _staged(net, x, budget=40_000, autocast=torch.bfloat16, channels_last=True)
     assert eff[-1] > 1.0
     assert (fast.argmax(1) == exact.argmax(1)).float().mean() > 0.9
+
+
+def test_fpn_stores_each_block_map_before_its_upsampling():
+    """A segmentation block's 2x upsampling runs in the stage reading its map (the next
+    convolution, or the merge): every GroupNorm stage writes at its convolution's stride, so
+    the merge reads three stride-8 maps and the stride-4 one (all four at stride 4 before:
+    4x the bytes for three of them)."""
+    net = preset_model("fpn_test_resnet")
+    stages = smp_stages(net)
+    plan = plan_stages(stages, 4, net.downsampling_factor)
+    norms = [k for k, st in enumerate(stages) if st.name.endswith(".norm")]
+    assert len(norms) == 7
+    assert all(plan.strides[k + 1] == plan.strides[stages[k].inputs[0]] for k in norms)
+    assert sorted(plan.strides[i] for i in stages[-1].inputs) == [4, 8, 8, 8]
