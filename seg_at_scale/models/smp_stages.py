@@ -2,7 +2,8 @@
 
 The encoder is a chain: each stage turns the previous feature map into the next one
 (smp's ResNet family: stem, pool + ``layer1``, ``layer2`` ... ; a timm ``tu-`` encoder:
-the modules of its feature net between two returned features). The decoder with the
+the modules of its feature net between two returned features); the stem runs inside the
+next stage where nothing else reads its stride-2 map (FPN, DeepLab). The decoder with the
 segmentation head is the last stage; it reads every feature map, as smp's forward hands
 them to it (the input image first; a transformer-style encoder's empty stride-2 map).
 DeepLab's ASPP is a stage per reach: its 1 x 1 branch with the image pooling, then each
@@ -21,6 +22,8 @@ statistic pass then reads a stored map instead of computing the decoder up to it
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -101,10 +104,39 @@ def smp_stages(model: nn.Module) -> list[Stage]:
     for name, module, stride in chain:
         src = 0 if not stages or name == "empty" else _last_real(stages)
         stages.append(Stage(f"encoder.{name}", module, (src,), stride))
-    stages += _decoder_stages(net, stages)
+    stages = _stem_fused(stages + _decoder_stages(net, stages))
     for st in stages:  # the wrappers take the network's mode (they hold its modules)
         st.module.train(net.training)
     return stages
+
+
+def _stem_fused(stages: list[Stage]) -> list[Stage]:
+    """The first encoder stage run inside the second where nothing else reads its map.
+
+    FPN and DeepLab read the encoder's maps from stride 4 on, so the stem's stride-2 map
+    (64 channels: as many bytes as the stride-4 map) was written and read back for the next
+    stage alone: 9.7 GB each way at 12288^2. A U-Net's decoder reads it: kept.
+    """
+    if len(stages) < 2 or stages[1].inputs != (1,) or isinstance(stages[0].module, _Empty):
+        return stages
+    if any(1 in st.inputs for st in stages[2:]):
+        return stages
+    first, second = stages[:2]
+    fused = Stage(f"{first.name}+{second.name.removeprefix('encoder.')}",
+                  _Then(first.module, second.module), first.inputs, second.stride)
+    return [fused] + [replace(st, inputs=tuple(i - 1 if i > 1 else i for i in st.inputs))
+                      for st in stages[2:]]
+
+
+class _Then(nn.Module):
+    """Two stages as one: the second on the first's output."""
+
+    def __init__(self, first: nn.Module, second: nn.Module) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, xs: list[Tensor]) -> Tensor:
+        return self.second([self.first(xs)])  # type: ignore[no-any-return]
 
 
 def _decoder_stages(net: nn.Module, enc: list[Stage]) -> list[Stage]:
