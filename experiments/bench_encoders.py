@@ -184,21 +184,27 @@ def run_monai(cfg: dict[str, Any], setting: tuple[int, float]) -> dict[str, Any]
             "peak_rss_self_mib": peak_rss_self_mib()}
 
 
-def prepare_model(name: str, cfg: dict[str, Any], workdir: str) -> dict[str, Any]:
-    """Child: weights (BatchNorm calibrated on image crops), footprint, E, our tile."""
-    torch.set_num_threads(cfg["threads"])
+def calibrated(name: str, x: torch.Tensor) -> SMPModel:
+    """``MODELS[name]`` (seeded) on ``x``'s device, BatchNorm statistics from one train-mode
+    pass over four crops of ``x`` (DeepLab's pooled BatchNorm needs a batch > 1), eval."""
     arch, enc = MODELS[name]
     torch.manual_seed(0)
-    net = SMPModel(arch, enc, in_channels=4, num_classes=5)
-    x = read_image({"image": cfg["image"]})
+    net = SMPModel(arch, enc, in_channels=4, num_classes=5).to(x.device)
     for m in net.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.reset_running_stats()
             m.momentum = None  # cumulative average over the calibration crops
+    c = min(512, x.shape[-1] // 2)
     net.train()
-    with torch.no_grad():  # one batch of four crops (DeepLab's pooled BatchNorm needs > 1)
-        net(torch.cat([x[..., r : r + 512, c : c + 512] for r in (0, 512) for c in (0, 512)]))
-    net.eval()
+    with torch.no_grad():
+        net(torch.cat([x[..., r : r + c, s : s + c] for r in (0, c) for s in (0, c)]))
+    return net.eval()
+
+
+def prepare_model(name: str, cfg: dict[str, Any], workdir: str) -> dict[str, Any]:
+    """Child: weights (BatchNorm calibrated on image crops), footprint, E, our tile."""
+    torch.set_num_threads(cfg["threads"])
+    net = calibrated(name, read_image({"image": cfg["image"]}))
     t0 = time.perf_counter()
     fp = net.footprint()
     probe_s = time.perf_counter() - t0

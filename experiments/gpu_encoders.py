@@ -22,17 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_encoders import NORM, calibrated
 from gpu_common import Peak, Sizes, attempt, precision, timed
 
-from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.synthetic import SceneGenerator
-from seg_at_scale.models.smp import SMPModel
 from seg_at_scale.tiling import Window, make_grid, predict_full
 from seg_at_scale.tiling.passes import predict_tiled_exact
 
-NORM = Normalizer(1 / 255, (0.5,) * 4, (0.25,) * 4)
-MODELS = {"unet_resnet34": ("Unet", "resnet34"),
-          "deeplabv3plus_resnet50": ("DeepLabV3Plus", "resnet50")}
+MODELS = ("unet_resnet34", "deeplabv3plus_resnet50")  # bench_encoders.MODELS' names
 MONAI = ((512, 0.25), (1024, 0.25))
 
 
@@ -44,8 +41,8 @@ def encoders(dev: torch.device, sz: Sizes) -> dict[str, Any]:
     out: dict[str, Any] = {"side": side, "tile": sz.enc_tile, "repeats": sz.enc_repeats,
                            "input": "synthetic 4-band scene, (x / 255 - 0.5) / 0.25",
                            "models": {}}
-    for name, (arch, enc) in MODELS.items():
-        out["models"][name] = attempt(lambda a=arch, e=enc: _model(a, e, x, dev, sz))
+    for name in MODELS:
+        out["models"][name] = attempt(lambda name=name: _model(name, x, dev, sz))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
         print(f"   {name}: " + ", ".join(
@@ -55,24 +52,8 @@ def encoders(dev: torch.device, sz: Sizes) -> dict[str, Any]:
     return out
 
 
-def calibrated(arch: str, encoder: str, x: torch.Tensor) -> SMPModel:
-    """Random weights, BatchNorm statistics from one train-mode pass over four crops."""
-    torch.manual_seed(0)
-    net = SMPModel(arch, encoder, in_channels=4, num_classes=5).to(x.device)
-    for m in net.modules():
-        if isinstance(m, torch.nn.BatchNorm2d):
-            m.reset_running_stats()
-            m.momentum = None
-    c = min(512, x.shape[-1] // 2)
-    net.train()
-    with torch.no_grad():
-        net(torch.cat([x[..., r : r + c, s : s + c] for r in (0, c) for s in (0, c)]))
-    return net.eval()
-
-
-def _model(arch: str, encoder: str, x: torch.Tensor, dev: torch.device,
-           sz: Sizes) -> dict[str, Any]:
-    net = calibrated(arch, encoder, x)
+def _model(name: str, x: torch.Tensor, dev: torch.device, sz: Sizes) -> dict[str, Any]:
+    net = calibrated(name, x)
     fp = net.footprint()
     side, tile = x.shape[-1], sz.enc_tile
     row: dict[str, Any] = {"halo": fp.halo, "align": fp.align,

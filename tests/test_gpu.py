@@ -245,6 +245,8 @@ def test_host_copy_is_complete_when_it_returns(device):
     if device.type == "cuda":
         assert torch.cuda.current_stream(device).query()  # no copy still in flight
         assert y.device.type == "cpu" and y.is_pinned()
+    else:  # already in host memory: the same storage, nothing copied
+        assert y.data_ptr() == x.data_ptr()
     assert torch.equal(y, x.cpu())
 
 

@@ -49,7 +49,6 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from seg_at_scale.devices import module_device
 from seg_at_scale.tiling.feature_files import DiskMap
 from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
 from seg_at_scale.tiling.halo import GLOBAL_SIZE, WholeImageDependency, structural_copy
@@ -262,12 +261,17 @@ def widest_tap(net: nn.Module) -> int:
     return reach
 
 
+def _device(stages: Sequence[Stage]) -> torch.device:
+    """Where the stages' parameters live (the first stage may hold none: an empty map)."""
+    return next((p.device for st in stages for p in st.module.parameters()),
+                torch.device("cpu"))
+
+
 @torch.no_grad()
 def plan_stages(stages: Sequence[Stage], in_channels: int, align: int) -> StagePlan:
     """Strides and channels of every map (one small forward), and each stage's halo."""
-    x = torch.zeros(1, in_channels, 2 * align, 2 * align,
-                    device=next((module_device(st.module) for st in stages),
-                                torch.device("cpu")))
+    device = _device(stages)
+    x = torch.zeros(1, in_channels, 2 * align, 2 * align, device=device)
     maps = [x]
     for st in stages:
         maps.append(st.module([maps[i] for i in st.inputs]))
@@ -389,7 +393,7 @@ def staged_maps(stages: Sequence[Stage], image: Map, *, align: int, budget: int 
     of them when the block ends, normally or not.
     """
     plan = plan or plan_stages(stages, image.shape[1], align)
-    device = next(p for st in stages for p in st.module.parameters()).device
+    device = _device(stages)
     maps: list[Map] = [image]
     last = plan.last_reads(stages)
     try:
