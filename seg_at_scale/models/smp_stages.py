@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from seg_at_scale.devices import module_device
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.smp_exact import non_local_modules, pooling_first, refusal
+from seg_at_scale.tiling.core import computes_core, core_of
 from seg_at_scale.tiling.staged import Chain, Stage, widest_tap
 
 __all__ = ["smp_stages"]
@@ -182,16 +183,22 @@ def _aspp_stages(aspp: ASPP, after: nn.Module, source: int, stride: int, out_str
 class _AsppBranches(nn.Module):
     """Some of ASPP's branches (its own modules) on its input, concatenated in order.
 
-    Branches with a whole-image statistic (the image pooling) run first.
+    Branches with a whole-image statistic (the image pooling) run first. Dilated branches
+    compute only the tile's core (``computes_core``, :func:`~seg_at_scale.tiling.core.core_of`):
+    their pointwise convolution then runs on the core, not on the rate-36 halo around it.
     """
 
     def __init__(self, branches: list[nn.Module]) -> None:
         super().__init__()
         self.branches = nn.ModuleList(branches)
+        self.computes_core = all(map(computes_core, branches))
 
-    def forward(self, xs: list[Tensor]) -> Tensor:
+    def forward(self, xs: list[Tensor], core: tuple[slice, slice] | None = None) -> Tensor:
         (x,) = xs
-        return torch.cat(pooling_first(self.branches, x), dim=1)
+        if core is not None and self.computes_core:
+            return torch.cat([core_of(b, x, *core) for b in self.branches], dim=1)
+        y = torch.cat(pooling_first(self.branches, x), dim=1)
+        return y if core is None else y[..., core[0], core[1]]
 
 
 class _AsppProject(nn.Module):

@@ -82,7 +82,10 @@ class Stage:
     Attributes:
         name: shown in logs and errors.
         module: takes the list of its input windows ``[B, C_i, h_i, w_i]`` and returns
-            ``[B, C, h, w]`` at ``stride``.
+            ``[B, C, h, w]`` at ``stride``. A module with ``computes_core = True`` also
+            takes ``core=(rows, cols)``, the slices of its output the tile keeps, and
+            returns that part alone (computing only it where it can: e.g. an ASPP
+            branch's pointwise convolution on the core, not on the halo).
         inputs: indices of the maps it reads.
         stride: its output's downsampling factor from the image.
     """
@@ -324,11 +327,14 @@ def _run_stage(maps: list[Map], st: Stage, k: int, plan: StagePlan, budget: int,
 
     fixed = fixed_statistics(st.module, tiles, grid) if (
         len(grid) > 1 and has_statistics(st.module)) else contextlib.nullcontext()
+    core_only = bool(getattr(st.module, "computes_core", False))
     # the passes under the same autocast: a map the stage before wrote in bf16 feeds both
     with torch.autocast(device.type, dtype=autocast or torch.float32,
                         enabled=autocast is not None), fixed:
         for tile, xs in tiles():
-            y = st.module(xs)
+            c, cr = tile.core, tile.crop
+            crop = (slice(cr.row // s, cr.row_end // s), slice(cr.col // s, cr.col_end // s))
+            y = st.module(xs, core=crop) if core_only else st.module(xs)
             if out is None:
                 shape = (y.shape[0], y.shape[1], height // s, width // s)
                 if store is not None:
@@ -336,9 +342,8 @@ def _run_stage(maps: list[Map], st: Stage, k: int, plan: StagePlan, budget: int,
                 else:
                     out = torch.empty(shape, dtype=y.dtype, memory_format=torch.channels_last
                                       if channels_last else torch.contiguous_format)
-            c, cr = tile.core, tile.crop
             rows, cols = slice(c.row // s, c.row_end // s), slice(c.col // s, c.col_end // s)
-            core = y[..., cr.row // s : cr.row_end // s, cr.col // s : cr.col_end // s].cpu()
+            core = (y if core_only else y[..., crop[0], crop[1]]).cpu()
             if isinstance(out, DiskMap):
                 out.write(rows, cols, core)
             else:

@@ -75,6 +75,37 @@ def test_deeplabv3_staged_by_aspp_branch_equals_untiled():
     assert_exact(y, predict_full(net, x))
 
 
+@pytest.mark.parametrize("arch", ["DeepLabV3Plus", "DeepLabV3"])
+def test_aspp_rate_stages_compute_only_their_cores(arch, monkeypatch):
+    """The dilated branches' stages compute their tiles' cores alone (``core_of``: the
+    pointwise / full convolution not on the rate-36 halo); tiles inside the map and at its
+    edges, channels-last with DeepLabV3+'s NCHW separable blocks; the untiled logits."""
+    import seg_at_scale.models.smp_stages as mod
+
+    calls: list[tuple[int, int, int, int]] = []
+
+    def recorded(block, x, rows, cols):
+        calls.append((rows.stop - rows.start, x.shape[-2], rows.start, cols.start))
+        return real(block, x, rows, cols)
+
+    real = mod.core_of
+    monkeypatch.setattr(mod, "core_of", recorded)
+    torch.manual_seed(0)
+    net = lively(SMPModel(arch, "tu-test_resnet", in_channels=4, num_classes=3,
+                          options={"decoder_channels": 32}))
+    x = torch.randn(1, 4, 1061, 913)  # the rate-12 stage's tiles need cores of 4 x 208 px
+    with torch.no_grad():  # centre the logits: a random DeepLab labels one class only
+        net.net.segmentation_head[0].bias.sub_(predict_full(net, x).mean((0, 2, 3)))
+    ref = predict_full(net, x)
+    net = net.to(memory_format=torch.channels_last)
+    rates = [s for s in smp_stages(net) if ".rate" in s.name]
+    assert len(rates) == 3 and all(s.module.computes_core for s in rates)
+    y, _ = _staged(net, x, budget=12_000, channels_last=True)
+    assert_exact(y, ref)
+    assert any(core < window for core, window, _, _ in calls)  # the halo not computed
+    assert any(r == 0 for _, _, r, _ in calls) and any(r > 0 for _, _, r, _ in calls)
+
+
 def test_staged_runs_the_deep_stages_whole_and_equals_untiled_unbatched_width():
     """With the default budget a small scene is one tile per stage (E = 1): the untiled
     forward computed stage by stage; a batch of two images is predicted as two."""
