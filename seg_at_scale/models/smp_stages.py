@@ -9,7 +9,8 @@ them to it (the input image first; a transformer-style encoder's empty stride-2 
 DeepLab's ASPP is a stage per reach: its 1 x 1 branch with the image pooling, then each
 dilated branch alone (so a rate-12 branch's tiles read 12 map pixels past their core,
 not the rate-36 branch's 36), then the projection; DeepLabV3+ then fuses with the
-stride-4 map and runs the head. FPN's is its top-down path, then each convolution of its
+stride-4 map, reduced to 48 channels by a stage run as soon as that map is written, and
+runs the head. FPN's is its top-down path, then each convolution of its
 segmentation blocks and each GroupNorm after it, then merge and head: a GroupNorm's
 statistic pass then reads a stored map instead of computing the decoder up to it again.
 
@@ -59,16 +60,19 @@ class _Decode(nn.Module):
 
 
 class _FusePlus(nn.Module):
-    """DeepLabV3+'s decoder after ASPP (smp's forward from ``self.up`` on), then the head."""
+    """DeepLabV3+'s decoder after ASPP (smp's forward from ``self.up`` on), then the head.
+
+    It reads the stride-4 map through ``block1`` (1 x 1, 256 -> 48 channels, BatchNorm,
+    ReLU), a stage of its own that runs right after the map is written (``_early``).
+    """
 
     def __init__(self, decoder: DeepLabV3PlusDecoder, head: nn.Module) -> None:
         super().__init__()  # its modules only (not ASPP, whose pooling is another stage's)
-        self.up, self.block1, self.block2 = decoder.up, decoder.block1, decoder.block2
-        self.head = head
+        self.up, self.block2, self.head = decoder.up, decoder.block2, head
 
     def forward(self, xs: list[Tensor]) -> Tensor:
-        aspp, high_res = xs
-        fused = self.block2(torch.cat([self.up(aspp), self.block1(high_res)], dim=1))
+        aspp, high_res = xs  # high_res: block1's output
+        fused = self.block2(torch.cat([self.up(aspp), high_res], dim=1))
         return self.head(fused)  # type: ignore[no-any-return]
 
 
@@ -106,6 +110,7 @@ def smp_stages(model: nn.Module) -> list[Stage]:
         src = 0 if not stages or name == "empty" else _last_real(stages)
         stages.append(Stage(f"encoder.{name}", module, (src,), stride))
     stages = _stem_fused(stages + _decoder_stages(net, stages))
+    stages = _early(stages, "decoder.block1")
     for st in stages:  # the wrappers take the network's mode (they hold its modules)
         st.module.train(net.training)
     return stages
@@ -129,6 +134,25 @@ def _stem_fused(stages: list[Stage]) -> list[Stage]:
                       for st in stages[2:]]
 
 
+def _early(stages: list[Stage], name: str) -> list[Stage]:
+    """The stage ``name`` run right after the stage writing the last map it reads.
+
+    DeepLabV3+'s ``block1`` reduces the stride-4 map (256 channels: 9.7 GB at 12288^2) to
+    48 channels. Run last, beside the fusion, it read that map back after every deeper map
+    had pushed it out of the page cache; run right after it is written, it reads it while
+    it is there, and the map is dropped once layer2 has read it too.
+    """
+    k = next((i for i, st in enumerate(stages) if st.name == name), None)
+    if k is None:
+        return stages
+    order = list(range(len(stages)))
+    order.remove(k)
+    order.insert(max(stages[k].inputs), k)  # map i is written by stage i - 1
+    new = {0: 0} | {old + 1: pos + 1 for pos, old in enumerate(order)}
+    return [replace(stages[old], inputs=tuple(new[i] for i in stages[old].inputs))
+            for old in order]
+
+
 class _Then(nn.Module):
     """Two stages as one: the second on the first's output."""
 
@@ -148,8 +172,9 @@ def _decoder_stages(net: nn.Module, enc: list[Stage]) -> list[Stage]:
         # decoder would take its 600-pixel halo at the stride-4 map's tile size
         aspp = _aspp_stages(net.decoder.aspp[0], Chain(*list(net.decoder.aspp)[1:]), depth,
                             enc[-1].stride, enc[-1].stride)
-        return [*aspp, Stage("decoder.fuse+head", _FusePlus(net.decoder, head),
-                             (depth + len(aspp), 2), 1)]
+        high = Stage("decoder.block1", Chain(net.decoder.block1), (2,), enc[1].stride)
+        return [*aspp, high, Stage("decoder.fuse+head", _FusePlus(net.decoder, head),
+                                   (depth + len(aspp), depth + len(aspp) + 1), 1)]
     if isinstance(net.decoder, DeepLabV3Decoder):
         d = net.decoder
         return _aspp_stages(d.aspp, Chain(d.conv, d.bn, d.relu, head), depth,

@@ -158,23 +158,27 @@ def test_the_plan_finds_which_maps_the_decoder_reads():
     assert plan.used[-1] == (False, True, True, True, True, True)
     assert plan.strides == (1, 2, 4, 8, 16, 32, 1)
     dl = smp_stages(preset_model("deeplabv3plus_test_resnet"))
-    # nothing but the next stage reads the stem's stride-2 map: the stem runs inside it
-    assert dl[0].name == "encoder.conv1..act1+maxpool..layer1" and dl[1].inputs == (1,)
+    # nothing but the next stages read the stem's stride-2 map: the stem runs inside them
+    assert dl[0].name == "encoder.conv1..act1+maxpool..layer1" and dl[2].inputs == (1,)
+    # the fusion reads the stride-4 map through block1, which runs as soon as it is written
+    assert [(s.name, s.inputs) for s in dl[1:3]] == [("decoder.block1", (1,)),
+                                                     ("encoder.layer2", (1,))]
     assert [(s.name, s.inputs) for s in dl[-6:]] == [
-        ("decoder.aspp.local", (4,)), ("decoder.aspp.rate2", (4,)),
-        ("decoder.aspp.rate4", (4,)), ("decoder.aspp.rate6", (4,)),
-        ("decoder.aspp.project", (5, 6, 7, 8)), ("decoder.fuse+head", (9, 1))]
+        ("decoder.aspp.local", (5,)), ("decoder.aspp.rate2", (5,)),
+        ("decoder.aspp.rate4", (5,)), ("decoder.aspp.rate6", (5,)),
+        ("decoder.aspp.project", (6, 7, 8, 9)), ("decoder.fuse+head", (10, 2))]
     plan = plan_stages(dl, 4, 16)
-    assert plan.strides[:-1] == (1, 4, 8, 16) + (16,) * 6
-    assert plan.used[-1] == (True, True)
-    # the deepest map is read by every branch; the stride-4 map waits for the fusion
-    assert plan.last_reads(dl) == {0: 0, 1: 9, 2: 2, 3: 3, 4: 7, 5: 8, 6: 8, 7: 8, 8: 8,
-                                   9: 9}
+    assert plan.strides[:-1] == (1, 4, 4, 8, 16) + (16,) * 6
+    assert plan.channels[2] == 48 and plan.used[-1] == (True, True)
+    # the deepest map is read by every branch; the stride-4 map is dropped after layer2,
+    # block1's 48 channels wait for the fusion
+    assert plan.last_reads(dl) == {0: 0, 1: 2, 2: 10, 3: 3, 4: 4, 5: 8, 6: 9, 7: 9, 8: 9,
+                                   9: 9, 10: 10}
     # each branch's halo is its own reach, not the widest's; only the branch stage that
     # holds the image pooling has a statistic (takes passes)
-    halos = [f.halo for f in plan.footprints[4:8]]
+    halos = [f.halo for f in plan.footprints[5:9]]
     assert halos == sorted(halos) and halos[0] == 0 and halos[1] < halos[3]
-    assert [has_statistics(s.module) for s in dl[4:10]] == [True] + [False] * 5
+    assert [has_statistics(s.module) for s in dl[5:11]] == [True] + [False] * 5
     # a U-Net's decoder reads the stride-2 map: its stem stays a stage of its own
     assert [s.name for s in unet[:2]] == ["encoder.conv1..act1", "encoder.maxpool..layer1"]
 
