@@ -82,3 +82,65 @@ def test_a_container_with_its_own_forward_is_not_cropped():
 
     assert not computes_core(Residual(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()))
     assert computes_core(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()))
+
+
+def _convnext_stage(conv_mlp: bool = False, **kw) -> nn.Module:
+    from timm.layers import LayerNorm, LayerNorm2d
+    from timm.models.convnext import ConvNeXtStage
+
+    from seg_at_scale.tiling.staged import Chain
+
+    torch.manual_seed(0)
+    stage = ConvNeXtStage(6, 8, kernel_size=5, stride=2, depth=3, conv_mlp=conv_mlp,
+                          ls_init_value=0.5, norm_layer=LayerNorm2d,
+                          norm_layer_cl=LayerNorm2d if conv_mlp else LayerNorm, **kw).eval()
+    for p in stage.parameters():  # lively: biases and scales far from their init
+        p.data.add_(torch.randn_like(p) * 0.1)
+    return Chain(stage)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("kind", ["linear_mlp", "conv_mlp", "dilated"])
+def test_convnext_blocks_shrinking_to_the_core_equal_the_stage_cropped(kind, layout):
+    """Three ConvNeXt blocks after a stride-2 downsample; windows of odd sizes with the
+    map's edge on no side, one side, or all (zero padding there, shrinking elsewhere);
+    the stage's output cropped to the core."""
+    from seg_at_scale.tiling.core import shrinking, shrinks
+
+    chain = _convnext_stage(conv_mlp=kind == "conv_mlp",
+                            **({"dilation": (1, 2)} if kind == "dilated" else {}))
+    reach = 2 * (2 if kind == "dilated" else 1) * 3  # per side: 3 blocks x dilation x 2
+    assert shrinks(chain)
+    x = torch.randn(1, 6, 2 * 41, 2 * 37)
+    if layout == "channels_last":
+        chain, x = chain.to(memory_format=torch.channels_last), x.contiguous(
+            memory_format=torch.channels_last)
+    cases = [  # (rows, cols, edges: top, bottom, left, right)
+        (slice(reach, 41 - reach), slice(reach, 37 - reach), (False,) * 4),
+        (slice(0, 41 - reach), slice(reach + 3, 37), (True, False, False, True)),
+        (slice(reach, 41), slice(0, 37 - reach), (False, True, True, False)),
+        (slice(0, 41), slice(0, 37), (True,) * 4),
+        (slice(0, 20), slice(reach, 19), (True, False, False, False)),
+    ]
+    with torch.no_grad():
+        whole = chain([x])
+        for rows, cols, edges in cases:
+            y = shrinking(chain, x, rows, cols, edges)
+            torch.testing.assert_close(y, whole[..., rows, cols], atol=1e-5, rtol=1e-5)
+        for rows, cols in ((slice(reach - 1, 30), slice(0, 37)),
+                           (slice(0, 41), slice(0, 37 - reach + 1))):
+            with pytest.raises(ValueError, match="narrower than the blocks' reach"):
+                shrinking(chain, x, rows, cols, (True, False, True, False))
+
+
+def test_what_does_not_shrink():
+    """Blocks in training mode (drop path, BatchNorm-free but live), a stage checkpointed
+    by timm, and chains of other modules run on the whole window."""
+    from seg_at_scale.tiling.core import shrinks
+    from seg_at_scale.tiling.staged import Chain
+
+    assert not shrinks(_convnext_stage().train())
+    checkpointed = _convnext_stage()
+    checkpointed.parts[0].grad_checkpointing = True
+    assert not shrinks(checkpointed)
+    assert not shrinks(Chain(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()))

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from seg_at_scale.devices import module_device
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.smp_exact import non_local_modules, pooling_first, refusal
-from seg_at_scale.tiling.core import computes_core, core_of
+from seg_at_scale.tiling.core import Shrinking, computes_core, core_of, shrinks
 from seg_at_scale.tiling.staged import Chain, Stage, widest_tap
 
 __all__ = ["smp_stages"]
@@ -108,6 +108,8 @@ def smp_stages(model: nn.Module) -> list[Stage]:
     stages: list[Stage] = []
     for name, module, stride in chain:
         src = 0 if not stages or name == "empty" else _last_real(stages)
+        if shrinks(module):  # ConvNeXt blocks: each computes what the next one reads
+            module = Shrinking(module)
         stages.append(Stage(f"encoder.{name}", module, (src,), stride))
     stages = _stem_fused(stages + _decoder_stages(net, stages))
     stages = _early(stages, "decoder.block1")
@@ -218,7 +220,8 @@ class _AsppBranches(nn.Module):
         self.branches = nn.ModuleList(branches)
         self.computes_core = all(map(computes_core, branches))
 
-    def forward(self, xs: list[Tensor], core: tuple[slice, slice] | None = None) -> Tensor:
+    def forward(self, xs: list[Tensor], core: tuple[slice, slice] | None = None,
+                edges: tuple[bool, ...] | None = None) -> Tensor:
         (x,) = xs
         if core is not None and self.computes_core:
             return torch.cat([core_of(b, x, *core) for b in self.branches], dim=1)

@@ -15,7 +15,12 @@ at the window's edges, then the per-pixel layers. This equals the block on the w
 window cropped to the core: the same taps read the same values, and at the window's edge
 (where the stage's window stops at the map's edge) the same zeros.
 
-Layout: it computes in its input's layout, also in a block that
+A chain of ConvNeXt blocks (each: depthwise 7 x 7, then per-pixel LayerNorm and MLP, plus
+the residual) takes the same idea block by block (:func:`shrinking`, :class:`Shrinking`):
+each block computes what the blocks after it read, a window shrinking from the tile's to
+its core, instead of every block's MLP on the whole halo.
+
+Layout: :func:`core_of` computes in its input's layout, also in a block that
 :func:`~seg_at_scale.models.layout.prefer_layouts` made compute in NCHW. What is slow
 channels-last on CPU is oneDNN's *padded* dilated depthwise convolution (3.25 s for a rate-36
 tile of DeepLabV3+-ResNet50's 2048-channel map, torch 2.14.1, 2-core EPYC); the same
@@ -39,7 +44,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.models.layout import NCHWBlock, NCHWConv2d
 
-__all__ = ["computes_core", "core_of"]
+__all__ = ["Shrinking", "computes_core", "core_of", "shrinking", "shrinks"]
 
 _PER_PIXEL = (nn.BatchNorm2d, nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Identity)
 
@@ -92,3 +97,101 @@ def core_of(block: nn.Module, x: Tensor, rows: slice, cols: slice) -> Tensor:
     for m in leaves[1:]:  # in the input's layout, NCHW blocks too (see the module notes)
         y = nn.Conv2d.forward(m, y) if isinstance(m, NCHWConv2d) else m(y)
     return y
+
+
+def _convnext_block(m: nn.Module) -> bool:
+    """A timm ConvNeXt block whose halo is its depthwise convolution alone (eval)."""
+    from timm.models.convnext import ConvNeXtBlock
+
+    if type(m) is not ConvNeXtBlock or m.training:
+        return False
+    conv = m.conv_dw
+    reach = tuple(d * (k - 1) // 2 for d, k in zip(conv.dilation, conv.kernel_size,
+                                                      strict=True))
+    return (conv.stride == (1, 1) and conv.padding_mode == "zeros" and conv.padding == reach
+            and all(k % 2 for k in conv.kernel_size) and isinstance(m.shortcut, nn.Identity))
+
+
+def _blocks(chain: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """A chain's modules in order, split into what runs whole and its trailing blocks."""
+    from timm.models.convnext import ConvNeXtStage
+
+    flat: list[nn.Module] = []
+    for m in getattr(chain, "parts", [chain]):
+        if type(m) is ConvNeXtStage and not m.grad_checkpointing:
+            flat += [m.downsample, *m.blocks]
+        else:
+            flat.append(m)
+    k = len(flat)
+    while k > 0 and _convnext_block(flat[k - 1]):
+        k -= 1
+    return flat[:k], flat[k:]
+
+
+def _tail(b: nn.Module, y: Tensor) -> Tensor:
+    """A ConvNeXt block after its depthwise convolution, less the residual (timm's order)."""
+    if b.use_conv_mlp:
+        y = b.mlp(b.norm(y))
+    else:
+        y = b.mlp(b.norm(y.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+    if b.gamma is not None:
+        y = y.mul(b.gamma.reshape(1, -1, 1, 1))
+    return b.drop_path(y)  # type: ignore[no-any-return]
+
+
+def shrinks(chain: nn.Module) -> bool:
+    """Whether :func:`shrinking` applies: the chain ends in ConvNeXt blocks."""
+    return bool(_blocks(chain)[1])
+
+
+def shrinking(chain: nn.Module, x: Tensor, rows: slice, cols: slice,
+              edges: tuple[bool, bool, bool, bool]) -> Tensor:
+    """``chain(x)[..., rows, cols]``, each trailing ConvNeXt block computing what is read.
+
+    Each block computes only what the blocks after it read (:func:`shrinks`). A tile's
+    halo is there for the depthwise convolutions of its blocks: the first block's
+    output is needed up to the halo less its own reach, the next one's up to less two
+    reaches, and so on to the core; computed on the whole window, every block's MLP (nearly
+    all of a ConvNeXt's work) ran on the full halo. Here each block's depthwise convolution
+    is unpadded on the window's sides inside the map (the window shrinks by its reach there)
+    and zero-padded on the sides at the map's edge (``edges``: top, bottom, left, right),
+    as the whole map's convolution is; the residual is cropped alike.
+    """
+    whole, blocks = _blocks(chain)
+    for m in whole:
+        x = m(x)
+    cut = [0, 0]  # rows and columns taken off the window's top and left
+    for b in blocks:
+        (ph, pw), h, w = b.conv_dw.padding, x.shape[-2], x.shape[-1]
+        top, bottom, left, right = (0 if e else p for e, p in zip(edges, (ph, ph, pw, pw),
+                                                                    strict=True))
+        pad = (pw - left, pw - right, ph - top, ph - bottom)
+        y = F.conv2d(F.pad(x, pad) if any(pad) else x, b.conv_dw.weight, b.conv_dw.bias,
+                     1, 0, b.conv_dw.dilation, b.conv_dw.groups)
+        shortcut = x[..., top : h - bottom, left : w - right]
+        x = _tail(b, y) + shortcut
+        cut = [cut[0] + top, cut[1] + left]
+    r0, r1, c0, c1 = rows.start - cut[0], rows.stop - cut[0], cols.start - cut[1], \
+        cols.stop - cut[1]
+    if min(r0, c0) < 0 or r1 > x.shape[-2] or c1 > x.shape[-1]:
+        raise ValueError(f"shrinking: the window's halo around rows {rows.start}:{rows.stop}"
+                         f", columns {cols.start}:{cols.stop} is narrower than the blocks' "
+                         f"reach (left {x.shape[-2]} x {x.shape[-1]} of the window)")
+    return x[..., r0:r1, c0:c1]
+
+
+class Shrinking(nn.Module):
+    """A stage's chain (``Chain``) that computes its tiles' cores by :func:`shrinking`."""
+
+    computes_core = True
+
+    def __init__(self, chain: nn.Module) -> None:
+        super().__init__()
+        self.chain = chain
+
+    def forward(self, xs: list[Tensor], core: tuple[slice, slice] | None = None,
+                edges: tuple[bool, bool, bool, bool] | None = None) -> Tensor:
+        if core is None or edges is None:
+            return self.chain(xs)  # type: ignore[no-any-return]
+        (x,) = xs
+        return shrinking(self.chain, x, *core, edges)

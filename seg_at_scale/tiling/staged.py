@@ -84,8 +84,10 @@ class Stage:
         module: takes the list of its input windows ``[B, C_i, h_i, w_i]`` and returns
             ``[B, C, h, w]`` at ``stride``. A module with ``computes_core = True`` also
             takes ``core=(rows, cols)``, the slices of its output the tile keeps, and
-            returns that part alone (computing only it where it can: e.g. an ASPP
-            branch's pointwise convolution on the core, not on the halo).
+            ``edges=(top, bottom, left, right)``, whether each side of the window is the
+            map's edge, and returns the core alone, computing only what it needs
+            (:mod:`seg_at_scale.tiling.core`: an ASPP branch's pointwise convolution not
+            on the halo, each ConvNeXt block on a window shrinking to the core).
         inputs: indices of the maps it reads.
         stride: its output's downsampling factor from the image.
     """
@@ -334,7 +336,9 @@ def _run_stage(maps: list[Map], st: Stage, k: int, plan: StagePlan, budget: int,
         for tile, xs in tiles():
             c, cr = tile.core, tile.crop
             crop = (slice(cr.row // s, cr.row_end // s), slice(cr.col // s, cr.col_end // s))
-            y = st.module(xs, core=crop) if core_only else st.module(xs)
+            rd = tile.read
+            edges = (rd.row == 0, rd.row_end == height, rd.col == 0, rd.col_end == width)
+            y = st.module(xs, core=crop, edges=edges) if core_only else st.module(xs)
             if out is None:
                 shape = (y.shape[0], y.shape[1], height // s, width // s)
                 if store is not None:

@@ -133,9 +133,19 @@ def test_a_transformer_style_encoder_with_its_empty_stride_2_map(monkeypatch):
     monkeypatch.setattr(staged, "read_map", lambda m, rows, cols: reads.append(
         (rows.stop - rows.start, cols.stop - cols.start)) or real(m, rows, cols))
     x = torch.randn(1, 4, 421, 357)
+    # the encoder's ConvNeXt blocks compute their tiles' cores, each block on a window
+    # shrinking to it (tiling.core.shrinking): inside the map and at its edges
+    import seg_at_scale.tiling.core as core
+
+    sides: list[tuple[bool, ...]] = []
+    shrink = core.shrinking
+    monkeypatch.setattr(core, "shrinking", lambda chain, x, rows, cols, edges: sides.append(
+        edges) or shrink(chain, x, rows, cols, edges))
+    assert [type(s.module).__name__ for s in stages[1:5]] == ["Shrinking"] * 4
     y, eff = _staged(net, x, budget=60_000)
     assert max(eff) > 1.0
     assert_exact(y, predict_full(net, x))
+    assert (False, False, False, False) in sides and (True, False, True, False) in sides
     extended = -(-421 // 32) * 32  # the image extended to the alignment: 448 rows
     assert reads and max(h for h, _ in reads) < extended  # no stage read the whole image
 
