@@ -311,3 +311,21 @@ def test_fpn_stores_each_block_map_before_its_upsampling():
     assert len(norms) == 7
     assert all(plan.strides[k + 1] == plan.strides[stages[k].inputs[0]] for k in norms)
     assert sorted(plan.strides[i] for i in stages[-1].inputs) == [4, 8, 8, 8]
+
+
+def test_the_heap_is_given_back_after_the_plan_and_every_stage(monkeypatch):
+    """glibc keeps a finished stage's freed tiles for later allocations, which the next
+    stage's other shapes cannot reuse: the process then held every stage's peak at once.
+    The trim runs after the probes and after each stage; on glibc it reports that it ran."""
+    import platform
+
+    import seg_at_scale.tiling.staged as staged
+
+    ran: list[int] = []
+    real = staged.give_back_heap
+    monkeypatch.setattr(staged, "give_back_heap", lambda: ran.append(1) or real())
+    net = preset_model("unet_test_resnet")
+    stages = smp_stages(net)
+    _staged(net, torch.randn(1, 4, 97, 83), budget=1 << 27)
+    assert len(ran) == len(stages) + 1
+    assert real() is (platform.libc_ver()[0] == "glibc")
