@@ -34,6 +34,19 @@ def preset_model(preset: str, *overrides: str, bands: int = 4, classes: int = 5,
     return lively(net)  # type: ignore[return-value]
 
 
+def lively_norms(net: torch.nn.Module, seed: int = 3) -> torch.nn.Module:
+    """Every BatchNorm with running statistics and an affine part far from the identity,
+    then eval (a freshly built BatchNorm computes the identity in eval)."""
+    torch.manual_seed(seed)
+    for m in net.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+            m.weight.data.uniform_(0.5, 2)
+            m.bias.data.uniform_(-1, 1)
+    return net.eval()
+
+
 def lively(net: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """BatchNorm statistics as after training and spread logits (an untrained head makes
     every pixel one class, which would let a label comparison pass trivially)."""

@@ -7,7 +7,7 @@ import pytest
 import timm.layers
 import torch
 from prediction_helpers import make_image
-from smp_helpers import TEST_PRESETS, assert_exact, model_node, preset_model
+from smp_helpers import TEST_PRESETS, assert_exact, lively_norms, model_node, preset_model
 from test_smp_files import DATA, check_labels
 from torch import nn
 
@@ -70,22 +70,11 @@ class _Shared(nn.Module):
         return self.a(self.conv(x)) + self.b(self.conv(x))
 
 
-def _lively(net: nn.Module) -> nn.Module:
-    torch.manual_seed(3)
-    for m in net.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-1, 1)
-            m.running_var.uniform_(0.5, 2)
-            m.weight.data.uniform_(0.5, 2)
-            m.bias.data.uniform_(-1, 1)
-    return net.eval()
-
-
 @pytest.mark.parametrize(("net", "pairs"), [
     (nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)), [("0", "1")]),
     (_Residual(), []), (_InPlace(), []), (_Shared(), [])])
 def test_a_batchnorm_folds_only_when_nothing_else_reads_its_input(net, pairs):
-    net = _lively(net)
+    net = lively_norms(net)
     x = torch.randn(2, 3, 13, 11)
     assert foldable_pairs(net, x) == pairs
     folded, n = fold_batchnorm(net, x)
@@ -95,12 +84,12 @@ def test_a_batchnorm_folds_only_when_nothing_else_reads_its_input(net, pairs):
 
 
 def test_a_train_mode_batchnorm_does_not_fold():
-    net = _lively(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3))).train()
+    net = lively_norms(nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3))).train()
     assert fold_batchnorm(net, torch.randn(2, 3, 8, 8)) == (net, 0)
 
 
 def test_timm_batchnorm_act_keeps_its_activation():
-    net = _lively(timm.layers.ConvNormAct(3, 4, 3, act_layer=nn.ReLU))
+    net = lively_norms(timm.layers.ConvNormAct(3, 4, 3, act_layer=nn.ReLU))
     x = torch.randn(1, 3, 9, 10)
     folded, n = fold_batchnorm(net, x)
     assert n == 1 and _bns(folded) == 0

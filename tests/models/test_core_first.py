@@ -5,23 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPPConv, ASPPSeparableConv
+from smp_helpers import lively_norms
 from torch import nn
 
 from seg_at_scale.models.layout import NCHWBlock, prefer_layouts
 from seg_at_scale.tiling.core import computes_core, core_of
-
-
-def _lively(block: nn.Module) -> nn.Module:
-    """BatchNorm statistics that are not the identity, then eval."""
-    torch.manual_seed(1)
-    for m in block.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.running_mean.uniform_(-1, 1)
-            m.running_var.uniform_(0.5, 2)
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.5, 0.5)
-    return block.eval()
-
 
 CROPS = [  # (rows, cols) of a 45 x 38 window: inside, at each edge, the whole of it
     (slice(12, 31), slice(12, 25)), (slice(0, 19), slice(7, 38)), (slice(26, 45), slice(0, 9)),
@@ -42,7 +30,7 @@ def test_the_core_equals_the_block_cropped(kind, layout):
     else:
         block = nn.Sequential(nn.Conv2d(6, 4, (3, 5), padding=(2, 6), dilation=(2, 3)),
                               nn.BatchNorm2d(4), nn.SiLU(), nn.Conv2d(4, 3, 1))
-    block = _lively(block)
+    block = lively_norms(block, seed=1)
     if kind == "separable_nchw_block":
         assert prefer_layouts(block) == 1 and isinstance(block, NCHWBlock)
     assert computes_core(block)
