@@ -34,12 +34,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["NCHWConv2d", "NCHWBlock", "SharedNCHW", "prefer_layouts", "SLOW_NHWC_DILATION"]
+__all__ = ["NCHWConv2d", "NCHWBlock", "PER_CHANNEL", "SharedNCHW", "leaves", "prefer_layouts",
+           "SLOW_NHWC_DILATION"]
 
 #: Depthwise convolutions with at least this dilation compute in NCHW on CPU.
 SLOW_NHWC_DILATION = 8
 #: Per-channel layers a block computing in NCHW may hold after its opening convolution.
-_PER_CHANNEL = (nn.BatchNorm2d, nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Identity)
+PER_CHANNEL = (nn.BatchNorm2d, nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Identity)
 
 
 def _cpu_nhwc(x: Tensor) -> bool:
@@ -106,7 +107,8 @@ def _slow_in_nhwc(m: nn.Module) -> bool:
             and max(m.dilation) >= SLOW_NHWC_DILATION)
 
 
-def _leaves(m: nn.Module) -> list[nn.Module]:
+def leaves(m: nn.Module) -> list[nn.Module]:
+    """``m``'s modules without children, in order."""
     return [c for c in m.modules() if not list(c.children())]
 
 
@@ -116,7 +118,7 @@ def _block_part(m: nn.Module) -> bool:
     The layout matters little to a 1 x 1 convolution, and it shrinks the map to hand back.
     """
     pointwise = type(m) is nn.Conv2d and m.kernel_size == (1, 1) and m.groups == 1
-    return pointwise or isinstance(m, _PER_CHANNEL)
+    return pointwise or isinstance(m, PER_CHANNEL)
 
 
 def _block_of(net: nn.Module, conv: nn.Module) -> nn.Module:
@@ -127,9 +129,9 @@ def _block_of(net: nn.Module, conv: nn.Module) -> nn.Module:
     best = conv
     for m in net.modules():
         if (isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
-                and _leaves(m) and _leaves(m)[0] is conv
-                and all(_block_part(c) for c in _leaves(m)[1:])
-                and len(_leaves(m)) > len(_leaves(best))):
+                and leaves(m) and leaves(m)[0] is conv
+                and all(_block_part(c) for c in leaves(m)[1:])
+                and len(leaves(m)) > len(leaves(best))):
             best = m
     return best
 
@@ -157,7 +159,7 @@ def prefer_layouts(net: nn.Module) -> int:
     slow = [m for m in net.modules() if _slow_in_nhwc(m)]
     for conv in slow:
         block = _block_of(net, conv)
-        for c in _leaves(block):
+        for c in leaves(block):
             if type(c) is nn.Conv2d:
                 c.__class__ = NCHWConv2d
         if block is not conv:

@@ -223,10 +223,9 @@ class _AsppBranches(nn.Module):
     def forward(self, xs: list[Tensor], core: tuple[slice, slice] | None = None,
                 edges: tuple[bool, ...] | None = None) -> Tensor:
         (x,) = xs
-        if core is not None and self.computes_core:
+        if core is not None:  # given only when computes_core (staged._run_stage)
             return torch.cat([core_of(b, x, *core) for b in self.branches], dim=1)
-        y = torch.cat(pooling_first(self.branches, x), dim=1)
-        return y if core is None else y[..., core[0], core[1]]
+        return torch.cat(pooling_first(self.branches, x), dim=1)
 
 
 class _AsppProject(nn.Module):

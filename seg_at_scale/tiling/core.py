@@ -42,39 +42,39 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seg_at_scale.models.layout import NCHWBlock, NCHWConv2d
+from seg_at_scale.models.layout import PER_CHANNEL, NCHWBlock, NCHWConv2d, leaves
 
 __all__ = ["Shrinking", "computes_core", "core_of", "shrinking", "shrinks"]
 
-_PER_PIXEL = (nn.BatchNorm2d, nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Identity)
-
-
-def _leaves(m: nn.Module) -> list[nn.Module]:
-    return [c for c in m.modules() if not list(c.children())]
-
 
 def _plain(m: nn.Module) -> bool:
-    """Every container in ``m`` runs its children in order (``nn.Sequential``'s forward)."""
-    return all(not list(c.children()) or (isinstance(c, nn.Sequential) and (
-        type(c).forward is nn.Sequential.forward or type(c).forward is NCHWBlock.forward))
-        for c in m.modules())
+    """Every container in ``m`` runs its children in order (``nn.Sequential``'s forward).
+
+    An :class:`NCHWBlock` mixed in only changes the layout around its class's forward.
+    """
+    def own_forward(c: nn.Module) -> object:
+        return next(k.__dict__["forward"] for k in type(c).__mro__
+                    if "forward" in k.__dict__ and k is not NCHWBlock)
+
+    return all(not list(c.children()) or own_forward(c) is nn.Sequential.forward
+               for c in m.modules())
 
 
 def _per_pixel(m: nn.Module) -> bool:
     if isinstance(m, nn.Conv2d):
         return (m.kernel_size == (1, 1) and m.stride == (1, 1) and m.padding == (0, 0)
                 and m.dilation == (1, 1))
-    return isinstance(m, _PER_PIXEL) and not (isinstance(m, nn.BatchNorm2d) and m.training)
+    return isinstance(m, PER_CHANNEL) and not (isinstance(m, nn.BatchNorm2d) and m.training)
 
 
 def computes_core(block: nn.Module) -> bool:
     """Whether :func:`core_of` applies: one stride-1 convolution, then per-pixel layers."""
-    leaves = _leaves(block)
-    if not leaves or not _plain(block) or not isinstance(leaves[0], nn.Conv2d):
+    parts = leaves(block)
+    if not parts or not _plain(block) or not isinstance(parts[0], nn.Conv2d):
         return False
-    first = leaves[0]
+    first = parts[0]
     return (first.stride == (1, 1) and first.padding_mode == "zeros"
-            and isinstance(first.padding, tuple) and all(map(_per_pixel, leaves[1:])))
+            and isinstance(first.padding, tuple) and all(map(_per_pixel, parts[1:])))
 
 
 def core_of(block: nn.Module, x: Tensor, rows: slice, cols: slice) -> Tensor:
@@ -83,8 +83,8 @@ def core_of(block: nn.Module, x: Tensor, rows: slice, cols: slice) -> Tensor:
     It computes in ``x``'s layout, in an :class:`~seg_at_scale.models.layout.NCHWBlock`
     too: without padding, the dilated depthwise convolution is fast channels-last.
     """
-    leaves = _leaves(block)
-    first: nn.Conv2d = leaves[0]  # type: ignore[assignment]
+    parts = leaves(block)
+    first: nn.Conv2d = parts[0]  # type: ignore[assignment]
     window = []
     for axis, sl in ((-2, rows), (-1, cols)):
         pad, reach = first.padding[axis], first.dilation[axis] * (first.kernel_size[axis] - 1)
@@ -94,7 +94,7 @@ def core_of(block: nn.Module, x: Tensor, rows: slice, cols: slice) -> Tensor:
     part = x[..., max(r0, 0) : min(r1, h), max(c0, 0) : min(c1, w)]
     part = F.pad(part, (max(-c0, 0), max(c1 - w, 0), max(-r0, 0), max(r1 - h, 0)))
     y = F.conv2d(part, first.weight, first.bias, 1, 0, first.dilation, first.groups)
-    for m in leaves[1:]:  # in the input's layout, NCHW blocks too (see the module notes)
+    for m in parts[1:]:  # in the input's layout, NCHW blocks too (see the module notes)
         y = nn.Conv2d.forward(m, y) if isinstance(m, NCHWConv2d) else m(y)
     return y
 
