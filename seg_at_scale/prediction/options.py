@@ -57,7 +57,8 @@ class PredictOptions:
             feature maps with its own halo (:mod:`seg_at_scale.tiling.staged`): near the
             untiled forward's work instead of the whole network's halo on every tile. The
             maps live in files beside the output; one process; no TTA.
-        stage_memory_mb: input and output maps one stage tile may hold (staged).
+        stage_memory_mb: what one stage tile may hold, its input windows and the maps its
+            forward holds at once, measured when the stages are planned (staged).
         fold_bn: fold every eval BatchNorm that follows a convolution into it
             (:mod:`seg_at_scale.models.fold`): the same function with one pass over the
             feature maps fewer (1.01-1.07x on CPU here); the logits differ from the

@@ -6,7 +6,9 @@ twice its core or more. Run stage by stage instead (the encoder's stages, then t
 decoder with its head), each tiled over the *whole* feature maps it reads, with its own
 halo: a stem's halo is a few pixels, and the deep stages, whose maps are small, run as
 one tile. The work approaches the untiled forward's (E near 1) while each stage's tile
-holds at most ``budget`` floats of input and output.
+holds at most ``budget`` floats: its input windows and the most its forward holds at once
+(a ConvNeXt block's 4x MLP, a U-Net decoder's upsampled maps), measured per pixel when the
+stages are planned (:class:`~seg_at_scale.tiling.live.LiveMemory`).
 
 Exactness is the image tiles' rule applied to each stage: its windows start on its
 alignment (its deepest stride, in image pixels), read its halo past the core and stop at
@@ -55,6 +57,7 @@ from torch import Tensor, nn
 from seg_at_scale.tiling.feature_files import DiskMap
 from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
 from seg_at_scale.tiling.halo import GLOBAL_SIZE, WholeImageDependency, structural_copy
+from seg_at_scale.tiling.live import LiveMemory
 from seg_at_scale.tiling.passes import fixed_statistics, has_statistics
 from seg_at_scale.tiling.predict import extend
 
@@ -111,12 +114,16 @@ class StagePlan:
         footprints: per stage: its halo and alignment, in image pixels.
         used: per stage: which of its inputs it reads values from (the others only lend
             their shape, e.g. smp's U-Net decoder and the input image).
+        holds: per stage: the most floats its forward holds at once (its output among
+            them, its inputs not), per image pixel of its window (:class:`LiveMemory` at
+            two sizes); empty: its output's alone.
     """
 
     strides: tuple[int, ...]
     channels: tuple[int, ...]
     footprints: tuple[Footprint, ...]
     used: tuple[tuple[bool, ...], ...]
+    holds: tuple[float, ...] = ()
 
     def last_reads(self, stages: Sequence[Stage]) -> dict[int, int]:
         """The last stage that reads each map's values (maps are dropped after it)."""
@@ -277,12 +284,16 @@ def _device(stages: Sequence[Stage]) -> torch.device:
 
 @torch.no_grad()
 def plan_stages(stages: Sequence[Stage], in_channels: int, align: int) -> StagePlan:
-    """Strides and channels of every map (one small forward), and each stage's halo."""
+    """Strides and channels of every map, what each stage holds, and each stage's halo.
+
+    Two small forwards find what each stage holds at most per pixel of its window.
+    """
     device = _device(stages)
-    x = torch.zeros(1, in_channels, 2 * align, 2 * align, device=device)
-    maps = [x]
-    for st in stages:
-        maps.append(st.module([maps[i] for i in st.inputs]))
+    maps, small = _plan_forward(stages, in_channels, 2 * align, device)
+    _, large = _plan_forward(stages, in_channels, 4 * align, device)
+    # what each stage holds grows with its window: per image pixel, in floats
+    holds = tuple(max(b - a, 0) / 4 / (12 * align * align)
+                  for a, b in zip(small, large, strict=True))
     strides = tuple(2 * align // m.shape[-1] for m in maps)
     channels = tuple(int(m.shape[1]) for m in maps)
     fps, used = [], []
@@ -292,12 +303,24 @@ def plan_stages(stages: Sequence[Stage], in_channels: int, align: int) -> StageP
                              [channels[i] for i in st.inputs], st.stride, a)
         fps.append(Footprint(halo, a))
         used.append(u)
-    return StagePlan(strides, channels, tuple(fps), tuple(used))
+    return StagePlan(strides, channels, tuple(fps), tuple(used), holds)
+
+
+def _plan_forward(stages: Sequence[Stage], in_channels: int, size: int, device: torch.device
+                  ) -> tuple[list[Tensor], list[int]]:
+    """Every map of a ``size`` x ``size`` image, and the bytes each stage held at most."""
+    maps = [torch.zeros(1, in_channels, size, size, device=device)]
+    peaks = []
+    for st in stages:
+        with LiveMemory() as mem:
+            maps.append(st.module([maps[i] for i in st.inputs]))
+        peaks.append(mem.peak)
+    return maps, peaks
 
 
 def _stage_grid(height: int, width: int, fp: Footprint, floats_per_pixel: float,
                 budget: int) -> TileGrid:
-    """The stage's grid: one tile when its maps fit ``budget`` floats, else tiles that do."""
+    """The stage's grid: one tile when it fits ``budget`` floats, else tiles that do."""
     side = math.isqrt(int(budget / max(floats_per_pixel, 1e-9)))
     if side >= max(height, width):
         return make_grid(height, width, fp, q=1)
@@ -321,8 +344,10 @@ def _run_stage(maps: list[Map], st: Stage, k: int, plan: StagePlan, budget: int,
                channels_last: bool, autocast: torch.dtype | None, device: torch.device,
                store: Path | None) -> tuple[Map, TileGrid]:
     height, width = maps[0].shape[-2:]
-    fpp = sum(plan.channels[i] / plan.strides[i] ** 2 for i, u in zip(
-        st.inputs, plan.used[k], strict=True) if u) + plan.channels[k + 1] / st.stride ** 2
+    inputs = sum(plan.channels[i] / plan.strides[i] ** 2 for i, u in zip(
+        st.inputs, plan.used[k], strict=True) if u)
+    output = plan.channels[k + 1] / st.stride ** 2
+    fpp = inputs + max(output, plan.holds[k] if plan.holds else 0.0)
     grid = _stage_grid(height, width, plan.footprints[k], fpp, budget)
     s = st.stride
     out: Map | None = None
@@ -371,7 +396,8 @@ def predict_staged(stages: Sequence[Stage], image: Tensor, *, align: int,
         image: ``[B, C, H, W]``, normalised; extended to a multiple of ``align`` as
             ``predict_full`` extends it.
         align: the network's downsampling factor.
-        budget: floats of input and output maps one stage tile may hold (2**27: 512 MB).
+        budget: floats one stage tile may hold, its input windows and what its forward
+            holds at once (2**27: 512 MB; the plan's ``holds``).
         plan: from :func:`plan_stages` (found here when omitted).
         channels_last: maps and tiles in NHWC (faster convolutions on CPU).
         autocast: run stages under ``torch.autocast`` with this dtype (the fast path).

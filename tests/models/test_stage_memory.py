@@ -1,0 +1,143 @@
+"""What a stage holds: LiveMemory's count, the plan's per-pixel figure, tiles within budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from smp_helpers import lively
+from torch import nn
+
+import seg_at_scale.tiling.staged as staged
+from seg_at_scale.models.smp import SMPModel
+from seg_at_scale.models.smp_stages import smp_stages
+from seg_at_scale.tiling.live import LiveMemory
+from seg_at_scale.tiling.staged import Chain, Stage, plan_stages, predict_staged
+
+
+class _Measured(nn.Module):
+    """A stage module that records the most its tiles held: windows and created maps."""
+
+    def __init__(self, inner: nn.Module, name: str, peaks: dict[str, int]) -> None:
+        super().__init__()
+        self.inner, self.name, self.peaks = inner, name, peaks
+        self.computes_core = getattr(inner, "computes_core", False)
+
+    def forward(self, xs: list[torch.Tensor], **kw: object) -> torch.Tensor:
+        with LiveMemory() as mem:
+            y = self.inner(xs, **kw)
+        windows = sum(x.numel() * 4 for x in xs if x.numel() and x.stride()[-1] != 0)
+        self.peaks[self.name] = max(self.peaks.get(self.name, 0), mem.peak + windows)
+        return y  # type: ignore[no-any-return]
+
+
+def _wide() -> nn.Module:
+    """Three channels in, two out, sixteen in between: its in and out are a fifth of it."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True),
+                         nn.Conv2d(16, 2, 3, padding=1)).eval()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_forward_holds_what_it_creates_until_it_is_released(channels_last):
+    net, x = _wide(), torch.randn(1, 3, 31, 53)
+    if channels_last:
+        net, x = net.to(memory_format=torch.channels_last), x.to(
+            memory_format=torch.channels_last)
+    pixels = 31 * 53
+    with torch.no_grad(), LiveMemory() as mem:
+        y = net(x)
+        held = mem.live
+    assert mem.peak == (16 + 2) * pixels * 4  # the wide map lives while the last conv runs
+    assert held == 2 * pixels * 4  # then only the output
+    del y
+    assert mem.live == 0
+
+
+def test_views_in_place_results_inputs_and_parameters_add_nothing():
+    x, w = torch.randn(40, 30), nn.Parameter(torch.randn(30, 20))
+    with torch.no_grad(), LiveMemory() as mem:
+        x.relu_()
+        v = x.t()[3:]
+        _ = w.t(), x.view(-1)
+        assert mem.peak == 0
+        y = x * 2  # 4800 bytes
+        z = y.t()[1:]  # a view keeps them alive
+        del y
+        assert mem.live == 40 * 30 * 4
+        del z
+    assert (mem.peak, mem.live) == (40 * 30 * 4, 0)
+    assert v.shape == (27, 40)
+
+
+def test_the_plan_measures_what_each_stage_holds_per_pixel():
+    """16 + 2 floats per pixel for the wide stage, its input not counted; 4 at stride 2
+    for a 1 x 1 convolution to 16 channels after a stride-2 one (its output and the
+    stride-2 map it reads: 16 / 4 + 16 / 4 floats per image pixel, at most)."""
+    down = Chain(nn.Conv2d(2, 16, 3, 2, 1), nn.Conv2d(16, 16, 1))
+    stages = [Stage("wide", Chain(_wide()), (0,), 1),
+              Stage("down", down, (1,), 2)]
+    with torch.no_grad():
+        plan = plan_stages(stages, 3, align=4)
+    assert plan.holds == (18.0, 8.0)
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_stage_tiles_stay_within_the_budget(measured):
+    """Each tile's input windows plus what its forward holds stays under the budget. Sized
+    by input and output maps alone (before), the wide stage's tiles held four times it:
+    the ``measured=False`` case shows it, the check having teeth."""
+    budget = 12_000  # floats
+    peaks: dict[str, int] = {}
+    stages = [Stage("wide", _Measured(Chain(_wide()), "wide", peaks), (0,), 1)]
+    x = torch.randn(1, 3, 211, 173)
+    with torch.no_grad():
+        ref = _wide()(x)
+        plan = plan_stages(stages, 3, align=1)
+    if not measured:
+        plan = staged.StagePlan(plan.strides, plan.channels, plan.footprints, plan.used)
+    peaks.clear()
+    e: list[float] = []
+    y = predict_staged(stages, x, align=1, budget=budget, plan=plan, efficiency=e)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-5)
+    assert len(e) == 1 and e[0] > 1.0  # tiled
+    if measured:
+        assert peaks["wide"] <= budget * 4
+    else:
+        assert peaks["wide"] > 3 * budget * 4
+
+
+def test_a_convnext_unet_s_stage_tiles_hold_what_the_plan_says(monkeypatch):
+    """The real case: ConvNeXt blocks (a 4x MLP) and smp's U-Net decoder (upsampled maps
+    concatenated), channels-last as the predictor runs them, cores computed in place. No
+    tile holds more than the plan's figure for its window; the stem's tiles, sized by the
+    budget, stay under it (the deeper stages' halos make their tiles wider than it)."""
+    torch.manual_seed(0)
+    net = lively(SMPModel("Unet", "tu-test_convnext", in_channels=4, num_classes=3,
+                          options={"decoder_channels": [16, 16, 8, 8, 8]}))
+    net = net.eval().to(memory_format=torch.channels_last)
+    budget, peaks, windows = 150_000, {}, {}
+    stages = [Stage(st.name, _Measured(st.module, st.name, peaks), st.inputs, st.stride)
+              for st in smp_stages(net)]
+    x = torch.randn(1, 4, 389, 451).to(memory_format=torch.channels_last)
+    e: list[float] = []
+    with torch.no_grad():
+        plan = plan_stages(stages, 4, net.downsampling_factor)
+        peaks.clear()  # the plan's own forwards
+        real = staged._run_stage
+
+        def run(maps, st, k, *a, **kw):
+            out, grid = real(maps, st, k, *a, **kw)
+            windows[st.name] = max((t.read.row_end - t.read.row) * (t.read.col_end - t.read.col)
+                                   for t in grid)
+            return out, grid
+
+        monkeypatch.setattr(staged, "_run_stage", run)
+        predict_staged(stages, x, align=net.downsampling_factor, budget=budget, plan=plan,
+                       channels_last=True, efficiency=e)
+    assert e[1] > 1.0 and len(peaks) == len(stages)
+    for k, st in enumerate(stages):
+        inputs = sum(plan.channels[i] / plan.strides[i] ** 2
+                     for i, u in zip(st.inputs, plan.used[k], strict=True) if u)
+        said = (inputs + plan.holds[k]) * windows[st.name] * 4
+        assert peaks[st.name] <= said, (st.name, peaks[st.name], said)
+    assert peaks["encoder.stem_0..stages_0"] <= budget * 4
