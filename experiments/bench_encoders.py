@@ -26,7 +26,8 @@ normalised as ``(x / 255 - 0.5) / 0.25``. Runs, each a fresh process, one after 
   with ``fold_bn=true`` (BatchNorm folded into its convolutions);
 * *staged* (``--budget``): the image loaded in memory, ``predict_staged``: each stage of
   the network (the encoder's stages, then decoder + head) tiled over the whole feature maps
-  with its own halo, tiles of at most ``budget`` floats of input and output maps (deep
+  with its own halo, tiles of at most ``budget`` floats: input windows and what the
+  stage's forward holds at once (since stop 35; before, input and output maps only) (deep
   stages: one tile); fp32 channels_last and bf16; the stage plan (probe) is timed apart;
   the maps between stages in memory, or with ``--store`` in files read by window;
 * *MONAI*: the image loaded in memory, ``sliding_window_inference`` with Gaussian blending
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--name", default="bench_encoders")
     p.add_argument("--budget", type=int, default=1 << 27,
-                   help="staged runs: floats of input and output maps per stage tile")
+                   help="staged runs: floats one stage tile holds (windows and inner maps)")
     p.add_argument("--store", default=None,
                    help="staged runs: a folder for the maps between stages (files read and "
                         "written by window); default: in memory")

@@ -40,13 +40,10 @@ they are consumed. Inference only (no gradients).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import math
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -57,6 +54,7 @@ from torch import Tensor, nn
 from seg_at_scale.tiling.feature_files import DiskMap
 from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
 from seg_at_scale.tiling.halo import GLOBAL_SIZE, WholeImageDependency, structural_copy
+from seg_at_scale.tiling.heap import give_back_heap, large_tensors_mapped
 from seg_at_scale.tiling.live import LiveMemory
 from seg_at_scale.tiling.passes import fixed_statistics, has_statistics
 from seg_at_scale.tiling.predict import extend
@@ -430,6 +428,7 @@ def staged_maps(stages: Sequence[Stage], image: Map, *, align: int, budget: int 
     included, is a :class:`DiskMap` file in it, each removed when no longer needed and all
     of them when the block ends, normally or not.
     """
+    large_tensors_mapped()
     plan = plan or plan_stages(stages, image.shape[1], align)
     give_back_heap()  # the probes' float64 copies
     device = _device(stages)
@@ -451,31 +450,6 @@ def staged_maps(stages: Sequence[Stage], image: Map, *, align: int, budget: int 
         for m in maps:
             if isinstance(m, DiskMap):
                 m.close()
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """The C library's ``malloc_trim`` (glibc; None elsewhere: macOS, musl)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
-
-
-def give_back_heap() -> bool:
-    """Return the freed heap to the system between stages (glibc's ``malloc_trim``).
-
-    A stage's tiles are freed when it ends, but glibc keeps freed heap memory for later
-    allocations; the next stage's tiles have other shapes, so the process grew by what
-    earlier stages had held (Unet-ConvNeXt-T at 4096^2, 128 MB stage tiles: peak 2.24 GB,
-    1.89 GB with this after each stage, no slower). Returns whether it ran.
-    """
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
 
 
 def _drop(m: Map) -> Tensor:

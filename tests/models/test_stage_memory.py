@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 from smp_helpers import lively
@@ -141,3 +145,49 @@ def test_a_convnext_unet_s_stage_tiles_hold_what_the_plan_says(monkeypatch):
         said = (inputs + plan.holds[k]) * windows[st.name] * 4
         assert peaks[st.name] <= said, (st.name, peaks[st.name], said)
     assert peaks["encoder.stem_0..stages_0"] <= budget * 4
+
+
+_HEAP_CHILD = r"""
+import ctypes, sys, torch
+from seg_at_scale.tiling.heap import large_tensors_mapped
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks "
+                "fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+
+def mapped_by(n):  # bytes of mapped blocks that allocating n floats added
+    before = libc.mallinfo2().hblkhd
+    t = torch.ones(n)
+    return libc.mallinfo2().hblkhd - before, t
+
+freed = torch.ones(5 << 20)  # 20 MiB, mapped, then freed: glibc raises its threshold past it
+del freed
+plain, a = mapped_by(6 << 18)  # 6 MiB: now from the heap
+set_ = large_tensors_mapped()
+fixed, b = mapped_by(6 << 18)
+print(plain, set_, fixed)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_large_tensors_are_mapped_after_glibc_would_have_raised_its_threshold():
+    """After a 20 MiB tile is freed, glibc puts a 6 MiB map on the heap, where freed maps of
+    other sizes fragment it; with the threshold fixed the map is mapped (and unmapped when
+    freed). A fresh process: the setting lasts for the process."""
+    out = subprocess.run([sys.executable, "-c", _HEAP_CHILD], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()
+    plain, was_set, fixed = int(out[0]), out[1], int(out[2])
+    assert plain == 0  # the behaviour the fix is for
+    assert was_set == "True" and fixed >= 6 << 20
+
+
+def test_staged_runs_map_large_tensors(monkeypatch):
+    calls: list[int] = []
+    monkeypatch.setattr(staged, "large_tensors_mapped", lambda: calls.append(1) or True)
+    stages = [Stage("wide", Chain(_wide()), (0,), 1)]
+    with torch.no_grad():
+        predict_staged(stages, torch.randn(1, 3, 40, 30), align=1)
+    assert calls == [1]
