@@ -74,9 +74,9 @@ def test_views_in_place_results_inputs_and_parameters_add_nothing():
 
 
 def test_the_plan_measures_what_each_stage_holds_per_pixel():
-    """16 + 2 floats per pixel for the wide stage, its input not counted; 4 at stride 2
-    for a 1 x 1 convolution to 16 channels after a stride-2 one (its output and the
-    stride-2 map it reads: 16 / 4 + 16 / 4 floats per image pixel, at most)."""
+    """16 + 2 floats per pixel for the wide stage, its input not counted; 8 for a stage of
+    a stride-2 convolution to 16 channels then a 1 x 1 one: both 16-channel stride-2 maps
+    live while the second runs (16 / 4 + 16 / 4 floats per image pixel)."""
     down = Chain(nn.Conv2d(2, 16, 3, 2, 1), nn.Conv2d(16, 16, 1))
     stages = [Stage("wide", Chain(_wide()), (0,), 1),
               Stage("down", down, (1,), 2)]
@@ -88,7 +88,7 @@ def test_the_plan_measures_what_each_stage_holds_per_pixel():
 @pytest.mark.parametrize("measured", [True, False])
 def test_stage_tiles_stay_within_the_budget(measured):
     """Each tile's input windows plus what its forward holds stays under the budget. Sized
-    by input and output maps alone (before), the wide stage's tiles held four times it:
+    by input and output maps alone (before), the wide stage's tiles held over three times it:
     the ``measured=False`` case shows it, the check having teeth."""
     budget = 12_000  # floats
     peaks: dict[str, int] = {}
