@@ -19,7 +19,7 @@ its throughput counts the ``sliding_window_inference`` call only (load and argma
 reported apart), which favours MONAI. Each run is a fresh process, one at a time (never
 concurrently), after one warm-up forward on a T x T window; peak memory is the process's
 own ``ru_maxrss``. Exact output: our fp32 labels; checked on a central crop against the
-model run on that crop plus its context (equal to the whole-image output there, DESIGN.md).
+model run on that crop plus its context (equal to the whole-image output there, docs/design.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ training step handles within 16 GB (checked as 16 GiB), untiled vs tiled.
 Model: small same-padding U-Net (levels 4, base width 16, 4 bands, 5 classes, fp32, seeded,
 no norm, so tiling is exact); loss: ``CrossEntropy`` on the synthetic scene's mask; one
 step = forward + backward of the whole-image mean loss (no optimizer update). Untiled is
-``loss(net(image))``; tiled is ``tiled_backward`` (DESIGN.md point 2). Each variant runs in a
+``loss(net(image))``; tiled is ``tiled_backward`` (docs/design.md, "Exact training"). Each variant runs in a
 fresh process (``common.run_isolated``): peak RSS is the process's own, and it returns its
 flattened gradient, which the parent compares with the untiled fp32 one and with a float64
 step (max |difference| over max |gradient|, worst per-tensor relative L2 difference): at

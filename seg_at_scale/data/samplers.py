@@ -11,7 +11,7 @@ tiles ``rank, rank + world, ...`` of each image's grid (round-robin). Ranks must
 in the same number of gradient all-reduces, so a rank with fewer tiles of an image (q^2
 not a multiple of the world size, or fewer tiles than ranks) gets *pad* slots: no forward,
 no loss, only its place in the image's all-reduce. ``last`` marks each rank's final slot of
-an image, where the summed gradient is the whole image's (DESIGN.md point 2).
+an image, where the summed gradient is the whole image's (docs/design.md, "Exact training").
 
 >>> s = ShardedImageSampler([[0, 1, 2, 3, 4]], rank=1, world=2, shuffle=False)
 >>> list(s)

@@ -4,7 +4,7 @@ Each sample is one tile: the input window (core + halo, aligned) and a target th
 of the model's output in which only the core carries labels (everything else is the
 ignore index), so the loss is computed on core pixels only. ``norm`` is the loss
 normaliser: for whole-image grid training it is the *whole image's* pixel weight, so the
-tile gradients of one image add up to the whole-image gradient (DESIGN.md point 2).
+tile gradients of one image add up to the whole-image gradient (docs/design.md, "Exact training").
 
 Samplers are separate from datasets (as in torchgeo) and live in
 :mod:`seg_at_scale.data.samplers`: :class:`GridTiles` enumerates every tile of every scene,

@@ -2,7 +2,7 @@
 
 ``padding="valid"`` is the 2015 paper: 572 x 572 in, 388 x 388 out for five levels of
 two 3 x 3 convolutions; ``padding="same"`` keeps the size. With ``norm="none"`` the
-network has no whole-image statistics, so halo tiling is exact (``shared/DESIGN.md``).
+network has no whole-image statistics, so halo tiling is exact (``docs/design.md``).
 
 >>> net = UNet(in_channels=1, num_classes=2, levels=5, convs_per_level=2, base_width=4,
 ...            padding="valid")
@@ -102,7 +102,7 @@ class UNet(nn.Module):
         base_width: channels at the first level; doubled at every level.
         padding: ``"valid"`` (2015 paper, output smaller than input) or ``"same"``.
         norm: ``"none"`` (exact tiling), ``"batch"`` or ``"group"`` (not tile-exact in train
-            mode; see DESIGN.md point 4).
+            mode; see docs/design.md, "Where exactness does not hold").
         upsample: ``"transpose"`` (2 x 2 transposed conv), ``"nearest"`` or ``"bilinear"``
             (interpolation then 1 x 1 conv; bilinear needs ``same`` padding).
 

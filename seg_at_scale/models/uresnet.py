@@ -14,7 +14,7 @@ Tensor layout (chosen so the 4-D tiling code works unchanged):
 Padding is ``same`` everywhere; ``H`` and ``W`` must be multiples of the downsampling
 factor ``2^(depth - 1)`` (the tiling code pads the image to one). With
 ``batch_norm=False`` (or in eval mode) the network has no whole-image statistics, so halo
-tiling is exact (``shared/DESIGN.md``).
+tiling is exact (``docs/design.md``).
 
 >>> net = UResNet(**URESNET_SIZES["tiny"].kwargs()).eval()
 >>> net(torch.zeros(2, 3, 64, 96)).shape, net.footprint().align

@@ -1,7 +1,7 @@
 """Tile-grid geometry: windows in, windows out.
 
 Pure integer arithmetic, no tensors. Everything that makes halo tiling *exact* lives
-here, so it is kept small and obvious (see ``shared/DESIGN.md``):
+here, so it is kept small and obvious (see ``docs/design.md``):
 
 * every tile's input window starts at a multiple of the model's downsampling factor
   ``align`` (2^(L-1) for a U-Net with L levels), so its pooling grid is in phase with
@@ -282,7 +282,7 @@ def cover_axis(lo: int, hi: int, length: int, fp: Footprint) -> tuple[int, int, 
 
     The span starts on the pooling grid and reaches ``context`` pixels past the wanted
     outputs on every side that is not the extended image's edge, so the model computes
-    those outputs exactly as on the whole image (DESIGN.md point 1).
+    those outputs exactly as on the whole image (docs/design.md, "Receptive fields and the halo").
 
     Returns:
         ``(read_lo, read_hi, offset)``: the input span in image coordinates and where

@@ -155,7 +155,7 @@ def tiled_backward(model: nn.Module, image: Tensor, target: Tensor, loss: PixelL
 
     The whole-image loss is ``sum(pixel losses) / sum(pixel weights)`` over all pixels;
     each tile contributes its core's sum divided by the *whole image's* weight, so the
-    summed tile gradients equal the whole-image gradient (DESIGN.md point 2) while only
+    summed tile gradients equal the whole-image gradient (docs/design.md, "Exact training") while only
     one tile's activations are alive at a time.
 
     Args:

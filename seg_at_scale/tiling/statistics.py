@@ -2,7 +2,7 @@
 
 A network that normalises or pools over its whole input (train-mode BatchNorm, Gated-SCNN's
 image-level pooling) is not halo-tileable as it is: a tile sees its own statistic, not the
-whole image's (``shared/DESIGN.md``). Both are made exact by computing the statistic tile
+whole image's (``docs/design.md``). Both are made exact by computing the statistic tile
 by tile first, summing only each tile's *core* pixels, then running the tiles with it fixed:
 
 * :func:`whole_image_batch_norm`: one pass over the tiles per BatchNorm layer, in forward
