@@ -46,7 +46,7 @@ from seg_at_scale.tasks.cosmic import CosmicLoss, cosmic_confusion, cosmic_metri
 from seg_at_scale.tiling import make_grid, tiled_backward
 
 ROOT = Path(__file__).resolve().parents[1]
-REAL = ROOT.parent / "shared" / "data" / "cosmic_tagging_light.h5"
+REAL = Path(os.environ.get("COSMIC_H5", ROOT / "data" / "cosmic_tagging_light.h5"))
 FULL = (1280, 2048)
 SCALE = 0.02  # conf/data/cosmic.yaml
 

@@ -44,10 +44,29 @@ def machine() -> dict[str, Any]:
     }
 
 
+def commit() -> str:
+    """The checkout's commit (``+dirty`` when files differ from it), or ``unknown``."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def save(name: str, figures: dict[str, Any], path: Path | None = None) -> Path:
-    """Print ``figures`` and write ``results/<name>.json`` (or ``path``) with the machine."""
-    doc = {"benchmark": name, "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
-           **figures}
+    """Print ``figures`` and write ``results/<name>.json`` (or ``path``).
+
+    Every result carries the one schema ``experiments/report.py`` reads: ``benchmark``,
+    ``commit``, ``date``, ``machine`` and ``loadavg_at_save``, then the figures.
+    """
+    doc = {"benchmark": name, "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M"),
+           "machine": machine(), "loadavg_at_save": list(os.getloadavg()), **figures}
     path = path or RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2, default=float) + "\n")

@@ -7,6 +7,7 @@ import doctest
 import importlib
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,7 +38,7 @@ from seg_at_scale.tasks.cosmic import CosmicLoss, cosmic_confusion, cosmic_metri
 from seg_at_scale.tiling import Footprint
 
 ROOT = Path(__file__).resolve().parents[1]
-REAL = ROOT.parent / "shared" / "data" / "cosmic_tagging_light.h5"
+REAL = Path(os.environ.get("COSMIC_H5", ROOT / "data" / "cosmic_tagging_light.h5"))
 CONF = str(ROOT / "seg_at_scale" / "conf")
 
 def test_reader_decodes_tiny_files_written_in_the_real_layout(tmp_path):

@@ -135,7 +135,7 @@ def test_tiled_gradient_equals_whole_image_gradient(balance):
 
 
 def test_train_mode_batch_norm_is_not_tile_exact():
-    """Documented limitation: train-mode batch norm sees tile statistics (see README)."""
+    """Documented limitation: train-mode batch norm sees tile statistics (see docs/design.md)."""
     torch.manual_seed(4)
     net = lively(tiny(batch_norm=True)).train()
     x = torch.randn(1, 3, 64, 96)
