@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from seg_at_scale.errors import ConfigError
 from seg_at_scale.tiling.engine import TTA, TensorWindows, plan_batches, run_batches
 from seg_at_scale.tiling.geometry import (
     Footprint,
@@ -30,6 +31,7 @@ from seg_at_scale.tiling.geometry import (
     source_indices,
 )
 from seg_at_scale.tiling.halo import footprint as model_footprint
+from seg_at_scale.tiling.sites import statistic_sites
 
 __all__ = [
     "iter_tile_outputs",
@@ -38,6 +40,7 @@ __all__ = [
     "extend",
     "predict_full",
     "predict_tiled",
+    "refuse_tile_statistics",
     "tiled_backward",
     "run_tile",
 ]
@@ -108,6 +111,8 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
     image = image.unsqueeze(0) if squeeze else image
     fp = fp or model_footprint(model)
     grid = make_grid(image.shape[-2], image.shape[-1], fp, q=q, tile_size=tile_size)
+    if len(grid) > 1:
+        refuse_tile_statistics(model)
     device = next(model.parameters()).device
     out: Tensor | None = None
     for tile, y in iter_tile_outputs(model, image, grid, device=device, autocast=autocast,
@@ -118,6 +123,27 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
             "cpu", out_dtype)
     assert out is not None
     return out.squeeze(0) if squeeze else out
+
+
+def refuse_tile_statistics(model: nn.Module) -> None:
+    """Refuse a network whose statistic sites would see each tile's statistic.
+
+    A :class:`~seg_at_scale.tiling.sites.StatisticSite` with neither a fixed statistic nor
+    a recorder computes its tile's statistic, not the whole image's: the tiles would differ
+    from the untiled forward with no warning. The statistic passes
+    (:func:`~seg_at_scale.tiling.passes.predict_tiled_exact`) fix them first.
+
+    Raises:
+        ConfigError: naming the first such site and the fix.
+    """
+    loose = [(n, s) for n, s in statistic_sites(model) if s.fixed is None and s.recorder is None]
+    if loose:
+        name, site = loose[0]
+        raise ConfigError(
+            f"predict_tiled: {len(loose)} layer(s) of this network compute a whole-image "
+            f"statistic (first: {name or 'the model'}, {type(site).__name__}) that a tile "
+            "alone cannot: tiling them would not be exact; use "
+            "seg_at_scale.tiling.predict_tiled_exact (statistic passes), or one tile (q=1)")
 
 
 def iter_tile_outputs(model: nn.Module, image: Tensor, grid: TileGrid, *,

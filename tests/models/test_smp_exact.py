@@ -210,3 +210,20 @@ def test_deeplab_statistic_pass_stops_before_the_aspp_convolutions(monkeypatch):
     finally:
         aspp.__class__ = reordered
     assert torch.equal(y, ref)
+
+
+def test_plain_predict_tiled_refuses_statistic_sites_it_would_tile_inexactly():
+    """The trap: ``predict_tiled`` on FPN's GroupNorm sites computed each tile's statistic
+    and returned logits far from the untiled ones with no warning. It now refuses in one
+    line naming the site and the exact entry; the exact entry equals the untiled forward,
+    and one tile (the untiled forward itself) is still allowed."""
+    from seg_at_scale.tiling import predict_tiled
+
+    net = preset_model("fpn_test_resnet")
+    x = torch.randn(1, 4, 197, 229)
+    with pytest.raises(ConfigError, match=r"GroupNormSite\) that a tile alone cannot.*"
+                                          r"predict_tiled_exact"):
+        predict_tiled(net, x, q=2)
+    ref = predict_full(net, x)
+    assert_exact(predict_tiled_exact(net, x, q=2), ref)
+    assert_exact(predict_tiled(net, x, q=1), ref)
