@@ -16,6 +16,19 @@ A ``.segmodel`` file is a zip archive of those three files (stored, not compress
 anything else is a folder of them. Reading checks every checksum first: a flipped byte is
 refused naming the part. ``seg-predict model=<it>`` then predicts exactly as
 ``seg-predict run=<the run>`` does (byte-identical outputs).
+
+A model file is checked before it is trusted, each refusal one line naming the part or key:
+
+* before any part is read, the archive's members: only the three parts, each stored
+  (uncompressed, so no member can declare more bytes than the file holds: no zip bomb),
+  the card at most :data:`MAX_CARD_BYTES`, the checksums at most :data:`MAX_SUMS_BYTES`,
+  the weights the size the card records; parts are hashed as they stream in;
+* before the network is built, the card's architecture sizes (widths, depths, classes,
+  bands: :data:`MODEL_BOUNDS`) and footprint; then the network is built on the ``meta``
+  device (nothing allocated) and must fit the weights' shapes;
+* once built, what the network itself determines: its footprint (halo, alignment,
+  padding), its input bands and its classes must be what the card says (a smaller halo, a
+  wrong padding or a wrong class count would give wrong tiles or labels silently).
 """
 
 from __future__ import annotations
@@ -26,22 +39,57 @@ import os
 import shutil
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+from torch import nn
 
-from seg_at_scale.errors import InputError, OutputExistsError
+from seg_at_scale.errors import InputError, OutputExistsError, SegAtScaleError
 from seg_at_scale.models.registry import build_model, without_weight_files
-from seg_at_scale.models.trained import CARD_FORMAT, TrainedModel, load_weights
+from seg_at_scale.models.trained import CARD_FORMAT, TrainedModel, load_weights, weights_mismatch
+from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.halo import footprint as measured_footprint
 
-__all__ = ["write_model", "read_model", "read_card", "PARTS", "SUFFIX"]
+__all__ = ["write_model", "read_model", "read_card", "PARTS", "SUFFIX", "MAX_CARD_BYTES",
+           "MAX_SUMS_BYTES", "MODEL_BOUNDS"]
 
 WEIGHTS, CARD, SUMS = "weights.safetensors", "card.json", "SHA256SUMS"
 PARTS = (CARD, WEIGHTS)
 SUFFIX = ".segmodel"
+
+MAX_CARD_BYTES = 4 << 20  # names and colours of 254 classes take a few kB
+MAX_SUMS_BYTES = 4 << 10  # two lines
+_MAX_BYTES = {CARD: MAX_CARD_BYTES, SUMS: MAX_SUMS_BYTES}
+_CHUNK = 1 << 20
+
+MAX_CLASSES = 254  # labels are uint8 and 255 marks no data (seg_at_scale.data.config)
+MAX_BANDS = 1024
+MAX_WIDTH = 4096
+MAX_DEPTH = 12
+MAX_COUNT = 64
+MAX_KERNEL = 31
+MAX_OTHER = 4096  # any other whole number in the model's keys (rates, band indices)
+MAX_ALIGN = 1 << 12
+MAX_HALO = 1 << 16
+#: The inclusive range of each architecture key a card's ``model`` may hold (in a list, each
+#: item's); any other whole number is within +-MAX_OTHER. The network's own checks follow.
+MODEL_BOUNDS: dict[str, tuple[int, int]] = {
+    **dict.fromkeys(("in_channels", "planes"), (1, MAX_BANDS)),
+    "num_classes": (1, MAX_CLASSES),
+    **dict.fromkeys(("base_width", "initial_filters", "stem_width", "aspp_width",
+                     "decoder_width", "bottleneck_deepest", "widths", "shape_widths",
+                     "decoder_channels"), (1, MAX_WIDTH)),
+    **dict.fromkeys(("levels", "depth", "encoder_depth"), (1, MAX_DEPTH)),
+    **dict.fromkeys(("convs_per_level", "blocks_per_layer", "blocks_deepest", "blocks"),
+                    (0, MAX_COUNT)),
+    **dict.fromkeys(("initial_kernel", "deepest_kernel"), (1, MAX_KERNEL)),
+}
 
 
 def _sha256(data: bytes) -> str:
@@ -51,9 +99,11 @@ def _sha256(data: bytes) -> str:
 def _parts(trained: TrainedModel) -> dict[str, bytes]:
     state = {k: v.detach().cpu().contiguous().clone()
              for k, v in trained.model.state_dict().items()}
-    card = {**trained.card, "weights": {"file": WEIGHTS, "tensors": len(state)}}
+    weights = save_tensors(state, metadata={"format": CARD_FORMAT})
+    card = {**trained.card, "weights": {"file": WEIGHTS, "tensors": len(state),
+                                        "bytes": len(weights)}}
     files = {CARD: (json.dumps(card, indent=2, allow_nan=False) + "\n").encode(),
-             WEIGHTS: save_tensors(state, metadata={"format": CARD_FORMAT})}
+             WEIGHTS: weights}
     files[SUMS] = "".join(f"{_sha256(files[p])}  {p}\n" for p in PARTS).encode()
     return files
 
@@ -93,48 +143,150 @@ def write_model(trained: TrainedModel, output: str | os.PathLike[str], *,
     return out
 
 
-def _read_files(path: Path) -> dict[str, bytes]:
+def _not_a_model(path: Path, exc: BaseException) -> InputError:
+    return InputError(f"model='{path}' is not a model file made by seg-export ({exc}); "
+                      "give a .segmodel file or folder, or run=<training run folder>")
+
+
+def _zip_members(path: Path, zf: zipfile.ZipFile) -> dict[str, int]:
+    """The archive's parts and their sizes, every member checked before any is read.
+
+    Only the three parts, once each, unencrypted and stored: a stored member's declared size
+    is the bytes it takes in the file, so together they cannot declare more than the file
+    holds (a compressed member may declare gigabytes from a few kB: a zip bomb).
+    """
+    sizes: dict[str, int] = {}
+    for info in zf.infolist():
+        name = info.filename
+        if name not in (*PARTS, SUMS):
+            raise InputError(f"model='{path}' holds {name!r}, which seg-export does not write "
+                             f"(only {CARD}, {WEIGHTS} and {SUMS}); get the model again "
+                             "from its source")
+        if name in sizes:
+            raise InputError(f"model='{path}' holds {name} twice: it was not made by "
+                             "seg-export; get the model again from its source")
+        if info.flag_bits & 0x1:
+            raise InputError(f"model='{path}': {name} is encrypted: it was not made by "
+                             "seg-export; get the model again from its source")
+        if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
+            raise InputError(f"model='{path}': {name} declares {info.file_size} bytes from "
+                             f"{info.compress_size} in the file (compression "
+                             f"{info.compress_type}); seg-export stores its parts "
+                             "uncompressed, so it is not read: get the model again from its "
+                             "source")
+        sizes[name] = info.file_size
+    total, held = sum(sizes.values()), path.stat().st_size
+    if total > held:
+        raise InputError(f"model='{path}': its parts declare {total} bytes but the file holds "
+                         f"{held} (truncated or damaged); get the model again from its source")
+    return sizes
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[tuple[dict[str, int], Callable[[str], IO[bytes]]]]:
+    """The parts' sizes (as stored; nothing read yet) and a way to open each part."""
     if path.is_dir():
-        return {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
+        sizes = {n: (path / n).stat().st_size for n in (*PARTS, SUMS) if (path / n).is_file()}
+        yield sizes, lambda name: open(path / name, "rb")
+        return
     try:
-        with zipfile.ZipFile(path) as zf:
-            return {name: zf.read(name) for name in zf.namelist()}
+        zf = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise InputError(f"model='{path}' is not a model file made by seg-export ({exc}); "
-                         "give a .segmodel file or folder, or run=<training run folder>") \
-            from None
+        raise _not_a_model(path, exc) from None
+    with zf:
+        yield _zip_members(path, zf), zf.open
 
 
-def _verified(path: Path) -> dict[str, bytes]:
-    """The parts of a model file, every checksum checked; a mismatch names the part."""
+def _read_part(path: Path, opener: Callable[[str], IO[bytes]], name: str, size: int, *,
+               keep: bool = True) -> tuple[str, bytes | None]:
+    """A part's SHA-256 and (``keep``) its bytes; read in chunks, never past ``size``."""
+    digest = hashlib.sha256()
+    try:
+        with opener(name) as f:
+            if keep:
+                data = f.read(size + 1)
+                digest.update(data)
+                got = len(data)
+            else:
+                data, got = None, 0
+                while got <= size and (chunk := f.read(_CHUNK)):
+                    got += len(chunk)
+                    digest.update(chunk)
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise _not_a_model(path, exc) from None
+    if got != size:
+        raise InputError(f"model='{path}': {name} holds {'more' if got > size else 'fewer'} "
+                         f"than the {size} bytes it declares (it changed while read, or is "
+                         "damaged); get the model again from its source")
+    return digest.hexdigest(), data
+
+
+def _verified(path: Path, *, weights: bool) -> dict[str, bytes]:
+    """The card (and, with ``weights``, the weights), every checksum and size checked first.
+
+    A mismatch names the part. The members' declared sizes are checked before any is read
+    (see :func:`_zip_members`); the weights' against the card's record of them before they
+    are read; parts are hashed in chunks.
+    """
     if not path.exists():
         raise InputError(f"model='{path}' does not exist; give a file or folder made by "
                          "seg-export")
-    files = _read_files(path)
-    missing = [p for p in (*PARTS, SUMS) if p not in files]
-    if missing:
-        raise InputError(f"model='{path}' lacks {missing[0]}: it is not a complete model made "
-                         "by seg-export; export it again")
-    sums: dict[str, str] = {}
-    for line in files[SUMS].decode(errors="replace").splitlines():
-        digest, _, name = line.partition("  ")
-        sums[name.strip()] = digest.strip()
-    for part in PARTS:
-        if sums.get(part) != _sha256(files[part]):
-            raise InputError(f"model='{path}': {part} does not match its checksum in {SUMS} "
-                             "(the file was changed or damaged in transit); get the model "
-                             "again from its source")
+    with _opened(path) as (sizes, opener):
+        missing = [p for p in (*PARTS, SUMS) if p not in sizes]
+        if missing:
+            raise InputError(f"model='{path}' lacks {missing[0]}: it is not a complete model "
+                             "made by seg-export; export it again")
+        for name, most in _MAX_BYTES.items():
+            if sizes[name] > most:
+                raise InputError(f"model='{path}': {name} declares {sizes[name]} bytes, more "
+                                 f"than the {most} it may hold; it was not made by seg-export: "
+                                 "get the model again from its source")
+        sums: dict[str, str] = {}
+        _, text = _read_part(path, opener, SUMS, sizes[SUMS])
+        for line in (text or b"").decode(errors="replace").splitlines():
+            digest, _, name = line.partition("  ")
+            sums[name.strip()] = digest.strip()
+
+        def check(part: str, digest: str) -> None:
+            if sums.get(part) != digest:
+                raise InputError(f"model='{path}': {part} does not match its checksum in "
+                                 f"{SUMS} (the file was changed or damaged in transit); get "
+                                 "the model again from its source")
+
+        digest, card = _read_part(path, opener, CARD, sizes[CARD])
+        check(CARD, digest)
+        files = {CARD: card or b""}
+        recorded = _recorded_weights_bytes(files[CARD])
+        if recorded is not None and recorded != sizes[WEIGHTS]:
+            raise InputError(f"model='{path}': {WEIGHTS} declares {sizes[WEIGHTS]} bytes but "
+                             f"{CARD} records weights.bytes={recorded}; get the model again "
+                             "from its source")
+        digest, data = _read_part(path, opener, WEIGHTS, sizes[WEIGHTS], keep=weights)
+        check(WEIGHTS, digest)
+        if data is not None:
+            files[WEIGHTS] = data
     return files
 
 
+def _recorded_weights_bytes(card: bytes) -> int | None:
+    """The weights' size the card records (cards written before it was recorded: None)."""
+    try:
+        record = json.loads(card).get("weights")
+    except (ValueError, AttributeError):
+        return None  # refused with its reason once the card is read
+    size = record.get("bytes") if isinstance(record, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
 def read_card(path: Path) -> dict[str, Any]:
-    """A model file's card, its checksums checked (the weights are not loaded)."""
-    card, _ = _card_and_files(path)
+    """A model file's card, its checksums and sizes checked (the weights are not loaded)."""
+    card, _ = _card_and_files(path, weights=False)
     return card
 
 
-def _card_and_files(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
-    files = _verified(path)
+def _card_and_files(path: Path, *, weights: bool = True
+                    ) -> tuple[dict[str, Any], dict[str, bytes]]:
+    files = _verified(path, weights=weights)
     try:
         card: dict[str, Any] = json.loads(files[CARD])
     except ValueError as exc:
@@ -144,26 +296,151 @@ def _card_and_files(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
         got = card.get("format") if isinstance(card, dict) else None
         raise InputError(f"model '{path}': {CARD} has format {got!r}, not "
                          f"{CARD_FORMAT!r}; export it again with this version")
+    _check_card(card, f"model '{path}'")
     return card, files
 
 
+def _edited(where: str, key: str, value: Any, rule: str) -> InputError:
+    return InputError(f"{where}: {CARD} has {key}={value!r}, {rule}; the card was edited or "
+                      "damaged: export the model again from its run")
+
+
+def _whole(where: str, key: str, value: Any, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise _edited(where, key, value, f"not a whole number in {low}..{high}")
+    return value
+
+
+def _section(where: str, card: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    node = card.get(key)
+    if not isinstance(node, Mapping):
+        raise _edited(where, key, node, "not a mapping of keys")
+    return node
+
+
+def _check_card(card: Mapping[str, Any], where: str) -> None:
+    """The card's footprint, bands, classes and architecture sizes, before anything is built."""
+    fp = _section(where, card, "footprint")
+    if set(fp) != {"halo", "align", "padding", "out_residue"}:
+        raise _edited(where, "footprint", dict(fp), "not the keys halo, align, padding, "
+                      "out_residue")
+    align = _whole(where, "footprint.align", fp["align"], 1, MAX_ALIGN)
+    _whole(where, "footprint.halo", fp["halo"], 0, MAX_HALO)
+    _whole(where, "footprint.out_residue", fp["out_residue"], 0, align - 1)
+    if fp["padding"] not in ("same", "valid"):
+        raise _edited(where, "footprint.padding", fp["padding"], "not 'same' or 'valid'")
+    if not isinstance(card.get("exact", True), bool):
+        raise _edited(where, "exact", card.get("exact"), "not true or false")
+    data = _section(where, card, "data")
+    _whole(where, "data.bands", data.get("bands"), 1, MAX_BANDS)
+    k = _whole(where, "data.num_classes", data.get("num_classes"), 1, MAX_CLASSES)
+    names = data.get("class_names")
+    if not isinstance(names, list) or len(names) != k:
+        raise _edited(where, "data.class_names", names, f"not a list of data.num_classes={k} "
+                      "names")
+    _check_sizes(_section(where, card, "model"), where, "model")
+
+
+def _check_sizes(node: Mapping[str, Any], where: str, prefix: str) -> None:
+    """Every whole number in the model's keys within :data:`MODEL_BOUNDS` (nested too)."""
+    for key, value in node.items():
+        name = f"{prefix}.{key}"
+        low, high = MODEL_BOUNDS.get(str(key), (-MAX_OTHER, MAX_OTHER))
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            at = name if i is None else f"{name}[{i}]"
+            if isinstance(item, Mapping):
+                _check_sizes(item, where, at)
+            elif isinstance(item, int) and not isinstance(item, bool):
+                _whole(where, at, item, low, high)
+
+
+def _fits_weights(node: dict[str, Any], state: Mapping[str, Any], where: str,
+                  trust: bool) -> None:
+    """The network the card describes, built on the ``meta`` device, must fit the weights.
+
+    Nothing is allocated, so a card describing a far larger network than its weights (every
+    size within bounds, their product not) is refused before the real one is built.
+    """
+    try:
+        with torch.device("meta"):
+            skeleton = build_model(node, where=where, trust=trust)
+    except SegAtScaleError:
+        raise
+    except Exception:  # noqa: BLE001 - a trusted network that cannot live on meta
+        return  # built for real next, and its weights checked there
+    mismatch = weights_mismatch(skeleton, state)
+    if mismatch:
+        raise InputError(f"{where}: the network {CARD} describes does not fit {WEIGHTS} "
+                         f"({mismatch}); the card was edited or belongs to other weights: "
+                         "export the model again from its run")
+
+
+def _network_footprint(model: nn.Module, exact: bool) -> Footprint:
+    """The footprint the network itself has: exact, or its approximate one."""
+    if exact:
+        return measured_footprint(model)
+    approximate = getattr(model, "approximate_footprint", None)
+    return approximate() if callable(approximate) else measured_footprint(model)  # type: ignore[no-any-return]
+
+
+def _check_network(card: Mapping[str, Any], model: nn.Module, where: str) -> None:
+    """What the network determines (bands, classes, footprint) must be what the card says.
+
+    A card's halo may exceed the network's (more context is still exact) for same padding;
+    a valid-padding network's halo is its shrink, which must match. With ``exact: false``
+    the halo is the run's choice, so only alignment, padding and size rule are compared.
+    """
+    def refuse(key: str, value: Any, net: Any, what: str) -> InputError:
+        return InputError(f"{where}: {CARD} has {key}={value!r} but the network has {net!r} "
+                          f"({what}); the card was edited: export the model again from its "
+                          "run")
+
+    data = card["data"]
+    for key, attr, what in (("data.bands", "in_channels", "its input bands, in_channels"),
+                            ("data.num_classes", "num_classes", "its classes, num_classes")):
+        net = getattr(model, attr, None)
+        if isinstance(net, int) and not isinstance(net, bool) and net != data[key[5:]]:
+            raise refuse(key, data[key[5:]], net, what)
+    exact = bool(card.get("exact", True))
+    fp, net_fp = card["footprint"], _network_footprint(model, exact)
+    for key, what in (("padding", "its padding"), ("align", "its downsampling factor"),
+                      ("out_residue", "its output sizes' residue")):
+        if fp[key] != getattr(net_fp, key):
+            raise refuse(f"footprint.{key}", fp[key], getattr(net_fp, key), what)
+    if exact and (fp["halo"] < net_fp.halo
+                  or (net_fp.padding == "valid" and fp["halo"] != net_fp.halo)):
+        raise refuse("footprint.halo", fp["halo"], net_fp.halo,
+                     "its halo; tiles with less context are not exact" if
+                     fp["halo"] < net_fp.halo else "its halo, the per-side shrink")
+
+
 def read_model(path: str | os.PathLike[str], *, trust: bool = False) -> TrainedModel:
-    """A model file's network and card; checksums, card and registry checked first.
+    """A model file's network and card; checksums, sizes, card and registry checked first.
+
+    The card's architecture sizes are bounded before anything is built; the network is
+    built on the ``meta`` device first and must fit the weights; once built, its footprint,
+    bands and classes must be the card's (see the module docstring).
 
     Raises:
-        InputError: missing parts, a checksum mismatch (naming the part), an unreadable
-            card or weights file, weights that do not fit the card's model.
+        InputError: missing or extra parts, a compressed or oversized part, a checksum
+            mismatch (naming the part), an unreadable card or weights file, a card key out
+            of bounds or contradicting the network (naming the key, the card's value and
+            the network's), weights that do not fit the card's model.
         ConfigError: a model family the registry does not know (unless ``trust``).
     """
     path = Path(path)
     card, files = _card_and_files(path)
     where = f"model '{path}'"
     node = without_weight_files({k: v for k, v in card["model"].items() if k != "family"})
-    model = build_model(node, where=where, trust=trust)
     try:
         state = load_tensors(files[WEIGHTS])
     except (SafetensorError, ValueError) as exc:
         raise InputError(f"{where}: {WEIGHTS} is not readable ({exc}); export it "
                          "again") from None
+    _fits_weights(node, state, where, trust)
+    model = build_model(node, where=where, trust=trust)
     load_weights(model, state, where)
-    return TrainedModel(model.eval(), card, where)
+    model.eval()
+    _check_network(card, model, where)
+    return TrainedModel(model, card, where)

@@ -38,7 +38,7 @@ from seg_at_scale.tiling.halo import footprint as measured_footprint
 
 __all__ = ["TrainedModel", "load_run", "load_trained", "footprint_with_halo",
            "pick_checkpoint", "card_of_config", "tiling_footprint", "load_weights",
-           "model_files", "peek_card", "normalizer_of_card",
+           "weights_mismatch", "model_files", "peek_card", "normalizer_of_card",
            "RUN_CONFIG", "CARD_FORMAT"]
 
 log = logging.getLogger(__name__)
@@ -182,25 +182,34 @@ def _miou_of(name: str) -> float:
         return -1.0
 
 
-def load_weights(model: nn.Module, state: dict[str, Tensor], where: str) -> None:
-    """Load ``state`` strictly; a mismatch is one line naming the first keys and shapes."""
+def weights_mismatch(model: nn.Module, state: Mapping[str, Tensor]) -> str | None:
+    """How ``state`` fails to fit ``model`` (first keys and shapes), or None when it fits.
+
+    Reads shapes only, so ``model`` may live on the ``meta`` device (nothing allocated).
+    """
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     shapes = [(k, tuple(state[k].shape), tuple(v.shape)) for k, v in own.items()
               if k in state and tuple(state[k].shape) != tuple(v.shape)]
-    if missing or unexpected or shapes:
-        parts = []
-        if shapes:
-            k, a, b = shapes[0]
-            parts.append(f"{len(shapes)} shapes differ (first {k}: {list(a)} in the weights, "
-                         f"{list(b)} in the model)")
-        if missing:
-            parts.append(f"{len(missing)} weights missing (first {missing[0]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected (first {unexpected[0]})")
+    parts = []
+    if shapes:
+        k, a, b = shapes[0]
+        parts.append(f"{len(shapes)} shapes differ (first {k}: {list(a)} in the weights, "
+                     f"{list(b)} in the model)")
+    if missing:
+        parts.append(f"{len(missing)} weights missing (first {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected (first {unexpected[0]})")
+    return "; ".join(parts) or None
+
+
+def load_weights(model: nn.Module, state: dict[str, Tensor], where: str) -> None:
+    """Load ``state`` strictly; a mismatch is one line naming the first keys and shapes."""
+    mismatch = weights_mismatch(model, state)
+    if mismatch:
         raise InputError(f"{where}: the weights do not fit the model its config describes: "
-                         f"{'; '.join(parts)}. The config was edited or belongs to another "
+                         f"{mismatch}. The config was edited or belongs to another "
                          "run: restore it")
     model.load_state_dict(state)
 
