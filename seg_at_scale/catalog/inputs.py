@@ -21,7 +21,12 @@ import pystac
 
 from seg_at_scale.errors import InputError
 
-__all__ = ["image_hrefs", "image_asset"]
+__all__ = ["image_hrefs", "image_asset", "MAX_DEPTH", "MAX_LINKED"]
+
+#: The walk of a Catalog stops here: catalogues nested deeper, or more catalogues and
+#: Items linked in all, are refused (a runaway catalogue, not an archive).
+MAX_DEPTH = 64
+MAX_LINKED = 1_000_000
 
 
 def image_hrefs(path_or_json: str | os.PathLike[str] | Mapping[str, Any], *,
@@ -96,14 +101,96 @@ def _items(source: str | os.PathLike[str] | Mapping[str, Any]
         if kind in ("Catalog", "Collection"):
             catalog = pystac.read_file(str(path)) if path else pystac.read_dict(doc)
             assert isinstance(catalog, pystac.Catalog)
-            # read every linked Item now: get_items is lazy, and a broken link raised later
-            return [(item, _folder(item, base)) for item in catalog.get_items(recursive=True)
+            # every linked Item read now (a broken link refused before any work), by a walk
+            # of our own: pystac's recursed without end on a catalogue whose links loop
+            return [(item, _folder(item, base)) for item in _walk(catalog, base, where)
                     ], where
+    except InputError:
+        raise
     except (pystac.STACError, OSError, KeyError, TypeError, ValueError) as exc:
         raise InputError(f"{where} is not a valid STAC {kind}: {exc}; fix the file or the "
                          "link it names") from exc
     raise InputError(f"{where} has type {kind!r}; expected a STAC ItemCollection "
                      "(FeatureCollection), Catalog, Collection or Item")
+
+
+def _walk(root: pystac.Catalog, base: Path, where: str) -> list[pystac.Item]:
+    """Every Item below ``root`` (its own first, then each child's, in link order).
+
+    Each catalogue is read once (one reached again by another path is not walked twice);
+    one that links back to a catalogue above it is refused, naming the loop, and the walk
+    is bounded by :data:`MAX_DEPTH` and :data:`MAX_LINKED`.
+
+    Raises:
+        InputError: a loop, a bound passed, or a link to something of the wrong type.
+    """
+    top = _key(root.get_self_href(), base)
+    seen = {top}
+    found: list[pystac.Item] = []
+    count = 1
+
+    def visit(catalog: pystac.Catalog, chain: tuple[str, ...]) -> None:
+        nonlocal count
+        children = []
+        for link in catalog.links:
+            if link.rel not in ("item", "child"):
+                continue
+            count += 1
+            if count > MAX_LINKED:
+                raise InputError(f"{where} links more than {MAX_LINKED} catalogues and items "
+                                 f"(MAX_LINKED, the bound of the walk); split it into "
+                                 "several catalogues and predict each")
+            href = _key(link.get_absolute_href() or link.href, base)
+            if link.rel == "item":
+                found.append(_read(href, pystac.Item, where, "item"))
+            elif href in chain:
+                loop = " -> ".join(_shown(h, top) for h in (*chain[chain.index(href):], href))
+                raise InputError(f"{where}: its catalogue links loop ({loop}); remove the "
+                                 f"'child' link of '{_shown(chain[-1], top)}' that points "
+                                 "back")
+            elif href not in seen:
+                seen.add(href)
+                children.append(href)
+        for href in children:
+            if len(chain) >= MAX_DEPTH:
+                raise InputError(f"{where}: catalogues nest more than {MAX_DEPTH} deep "
+                                 f"(MAX_DEPTH, the bound of the walk) at '{_shown(href, top)}'"
+                                 "; flatten the catalogue")
+            visit(_read(href, pystac.Catalog, where, "child"), (*chain, href))
+
+    visit(root, (top,))
+    return found
+
+
+def _read(href: str, kind: type[Any], where: str, rel: str) -> Any:
+    """The STAC object at ``href``, refused unless it is a ``kind``."""
+    obj = pystac.read_file(href)
+    if not isinstance(obj, kind):
+        raise InputError(f"{where}: the '{rel}' link '{href}' is a STAC "
+                         f"{type(obj).__name__}, not a{'n' if rel == 'item' else ''} "
+                         f"{kind.__name__}; fix the link")
+    return obj
+
+
+def _key(href: str | None, base: Path) -> str:
+    """A catalogue's identity: its resolved local path (links and ``..`` resolved)."""
+    if not href:
+        return "<the STAC document>"
+    scheme = urlparse(href).scheme
+    if scheme == "file":
+        href = urlparse(href).path
+    elif scheme and len(scheme) > 1:
+        return href
+    return os.path.realpath(href if Path(href).is_absolute() else base / href)
+
+
+def _shown(href: str, top: str) -> str:
+    """``href`` relative to the top catalogue's folder when it lies below it."""
+    folder = os.path.dirname(top)
+    if os.path.isabs(href) and os.path.isabs(top):
+        rel = os.path.relpath(href, folder)
+        return rel if not rel.startswith("..") else href
+    return href
 
 
 def _folder(item: pystac.Item, default: Path) -> Path:

@@ -1,7 +1,9 @@
 """``seg-predict images=... output_dir=...``: the archive side of the prediction command.
 
-:func:`archive_work` runs in the launching process, before any rank: it lists the scenes
-and checks every one of them (:func:`~seg_at_scale.prediction.archive.check_archive`).
+:func:`archive_work` runs in the launching process, before any rank: it lists the scenes,
+checks that no two of them write one path
+(:func:`~seg_at_scale.prediction.archive.check_output_names`) and checks every one of them
+(:func:`~seg_at_scale.prediction.archive.check_archive`).
 :func:`predict_archive_job` runs on every rank with the model loaded once; rank 0 then
 scores, writes the report and returns what the command prints.
 """
@@ -46,7 +48,7 @@ def archive_work(job: PredictJob, card: dict[str, Any], source: str,
     scenes = archive_scenes(job.images, output_dir,  # type: ignore[arg-type]
                             output_format=job.output_format,
                             masks=Path(job.masks) if job.masks else None, vector=job.vector,
-                            vector_merge=job.vector_merge)
+                            vector_merge=job.vector_merge, options=job.options)
     refused = check_archive(scenes, job.options, card=card, source=source, model_files=files,
                             cuda=cuda, on_error=job.on_error)
     return ArchiveWork(scenes, refused)

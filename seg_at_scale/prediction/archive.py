@@ -54,7 +54,8 @@ from seg_at_scale.tiling.passes import has_statistics
 from seg_at_scale.tiling.statistics import uses_image_pool
 
 __all__ = ["ArchiveScene", "find_images", "archive_scenes", "check_archive",
-           "predict_archive", "SceneRecord", "RASTER_SUFFIXES", "VECTOR_FORMATS"]
+           "predict_archive", "SceneRecord", "RASTER_SUFFIXES", "VECTOR_FORMATS",
+           "scene_writes", "check_output_names"]
 
 RASTER_SUFFIXES = (".tif", ".tiff")
 VECTOR_FORMATS = ("gpkg", "parquet", "fgb")
@@ -99,35 +100,47 @@ def find_images(images: str) -> list[tuple[str, Path]]:
 
     ``images`` is a folder (its ``.tif`` / ``.tiff`` files), a glob pattern, a ``.txt``
     list (one path per line, relative to the list's folder; ``#`` comments), or STAC JSON
-    (an ItemCollection, Catalog or Collection: its items' image assets).
+    (an ItemCollection, Catalog or Collection: its items' image assets). A scene's stem,
+    the name of its outputs, is the file's stem or the item's id, made one plain file
+    name by :func:`~seg_at_scale.catalog.names.output_stem` (``../x`` -> ``x``).
 
     Raises:
-        InputError: nothing found, or two scenes that would share an output name.
+        InputError: nothing found, a name that gives no stem, or two scenes that would
+            share an output name.
     """
+    from seg_at_scale.catalog.names import output_stem
+
     src = Path(images)
+    named: list[tuple[str, Path, str]]  # (name, image, what the name is)
     if src.suffix.lower() == ".json" and src.is_file():
         from seg_at_scale.catalog import image_hrefs
 
-        found = [(stem, Path(href)) for stem, href in image_hrefs(src)]
+        named = [(name, Path(href), f"images='{images}': item {name!r}")
+                 for name, href in image_hrefs(src)]
     elif src.suffix.lower() == ".txt" and src.is_file():
         lines = [ln.split("#", 1)[0].strip() for ln in src.read_text().splitlines()]
         paths = [src.parent / ln if not Path(ln).is_absolute() else Path(ln)
                  for ln in lines if ln]
-        found = [(p.stem, p) for p in paths]
+        named = [(p.stem, p, f"images='{images}': image '{p}'") for p in paths]
     elif src.is_dir():
-        found = [(p.stem, p) for p in sorted(src.iterdir())
+        named = [(p.stem, p, f"image '{p}'") for p in sorted(src.iterdir())
                  if p.suffix.lower() in RASTER_SUFFIXES and not p.name.startswith(".")]
     else:
-        found = [(Path(p).stem, Path(p)) for p in sorted(glob.glob(images))]
-    if not found:
+        named = [(Path(p).stem, Path(p), f"image '{p}'") for p in sorted(glob.glob(images))]
+    if not named:
         raise InputError(f"images='{images}' names no rasters; give a folder of .tif files, "
                          "a glob such as 'scenes/*.tif', a .txt list or a STAC JSON file")
-    seen: dict[str, Path] = {}
-    for stem, path in found:
+    found = [(output_stem(name, what=what), path) for name, path, what in named]
+    fix = "the items distinct ids" if src.suffix.lower() == ".json" else \
+        "scenes distinct names"
+    seen: dict[str, tuple[str, Path]] = {}
+    for (stem, path), (name, _, _) in zip(found, named, strict=True):
         if stem in seen:
-            raise InputError(f"images='{images}': '{seen[stem]}' and '{path}' would both be "
-                             f"written as '{stem}'; give scenes distinct names")
-        seen[stem] = path
+            first, before = seen[stem]
+            ids = f" (from {first!r} and {name!r})" if (first, name) != (stem, stem) else ""
+            raise InputError(f"images='{images}': '{before}' and '{path}' would both be "
+                             f"written as '{stem}'{ids}; give {fix}")
+        seen[stem] = (name, path)
     return found
 
 
@@ -142,12 +155,15 @@ def _mask_of(masks: Path | None, stem: str) -> Path | None:
 
 def archive_scenes(images: str, output_dir: Path, *, output_format: str = "tif",
                    masks: Path | None = None, vector: str | None = None,
-                   vector_merge: bool = False) -> list[ArchiveScene]:
+                   vector_merge: bool = False,
+                   options: PredictOptions | None = None) -> list[ArchiveScene]:
     """The archive's scenes with their outputs (``<output_dir>/<stem>.<format>``).
 
     Polygons go to ``<output_dir>/<stem>.<vector>``, or with ``vector_merge`` to
     ``<output_dir>/.vectors/`` (the pieces :func:`~.report.merge_vectors` joins into one
-    file; kept, so a rerun or an added scene merges again without recomputing).
+    file; kept, so a rerun or an added scene merges again without recomputing). Given the
+    prediction's ``options``, every path any scene writes is checked unique across the
+    archive (:func:`check_output_names`) before anything is written.
     """
     if vector is not None and vector not in VECTOR_FORMATS:
         raise ConfigError(f"vector={vector!r} with images=: give the format of one vector "
@@ -158,10 +174,70 @@ def archive_scenes(images: str, output_dir: Path, *, output_format: str = "tif",
     if vector_merge and vector is None:
         raise ConfigError("vector_merge=true needs vector=<gpkg | parquet | fgb>")
     pieces = output_dir / ".vectors" if vector_merge else output_dir
-    return [ArchiveScene(stem, image, output_dir / f"{stem}.{output_format}",
-                         _mask_of(masks, stem),
-                         pieces / f"{stem}.{vector}" if vector else None)
-            for stem, image in find_images(images)]
+    scenes = [ArchiveScene(stem, image, output_dir / f"{stem}.{output_format}",
+                           _mask_of(masks, stem),
+                           pieces / f"{stem}.{vector}" if vector else None)
+              for stem, image in find_images(images)]
+    if options is not None:
+        check_output_names(scenes, options)
+    return scenes
+
+
+def scene_writes(scene: ArchiveScene, options: PredictOptions) -> dict[str, Path]:
+    """Every path one scene of the archive writes, by the key users know it by.
+
+    :func:`~.checks.scene_outputs` (the one rule of a scene's outputs: labels, working
+    store, probabilities, preview, polygons, STAC Item), and the record beside the
+    polygons of the options they were made with. Every temporary or partial file is
+    ``.<name>.<tag>...`` beside one of these (``<tag>``: ``partial`` / ``plain`` / ``cog``
+    / ``ov<k>``, with the writer's pid and a random part): hidden, so it meets no scene's
+    name (a stem never starts with a dot), and distinct whenever these names are.
+    """
+    from seg_at_scale.prediction.checks import scene_outputs
+    from seg_at_scale.prediction.scene import vector_record
+
+    writes = dict(scene_outputs(scene.output, options, scene.vector))
+    if scene.vector is not None:
+        writes["polygons' options record"] = vector_record(scene.vector)
+    return writes
+
+
+def check_output_names(scenes: Sequence[ArchiveScene], options: PredictOptions) -> None:
+    """Refuse an archive in which two scenes write one path, or one writes another's input.
+
+    ``a.tif`` and ``a_probabilities.tif`` with ``probabilities=uint8``: the second scene's
+    labels replaced the first's probabilities, exit 0. Checked before any work, over
+    :func:`scene_writes` of every scene; paths compared after symlinks and ``..``.
+
+    Raises:
+        InputError: naming both scenes, the path and what each writes or reads there.
+    """
+    inputs: dict[str, tuple[ArchiveScene, str]] = {}
+    for s in scenes:
+        for key, path in (("image", s.image), ("mask", s.mask)):
+            if path is not None:
+                inputs.setdefault(os.path.realpath(path), (s, key))
+    writes: dict[str, tuple[ArchiveScene, str]] = {}
+    for s in scenes:
+        for key, path in scene_writes(s, options).items():
+            real = os.path.realpath(path)
+            other = writes.get(real) or inputs.get(real)
+            if other is not None and other[0] is not s:
+                t, what = other
+                raise InputError(
+                    f"scenes '{t.stem}' ('{t.image}') and '{s.stem}' ('{s.image}') both use "
+                    f"'{path}' (the {what} of '{t.stem}', the {key} of '{s.stem}'): one would "
+                    f"replace the other and nothing was written; rename one of the two "
+                    f"scenes{_option_fix(key, what)}")
+            writes[real] = (s, key)
+
+
+def _option_fix(*keys: str) -> str:
+    """The options that make the clashing companions, for the refusal's fix."""
+    made = {"probabilities": "probabilities=null", "preview": "preview=false",
+            "stac": "stac=false"}
+    drop = [made[k] for k in dict.fromkeys(keys) if k in made]
+    return f" or pass {' '.join(drop)}" if drop else ""
 
 
 def check_archive(scenes: Sequence[ArchiveScene], options: PredictOptions, *,
