@@ -3,6 +3,7 @@ the project's errors arrive as one line. Through the real ``seg-train`` command.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,9 +38,17 @@ def seg_train(tmp: Path, *overrides: str, env: dict[str, str] | None = None
                           timeout=300)
 
 
-def test_rerun_with_another_config_is_refused_and_changes_no_file(tmp_path: Path) -> None:
-    run_train(tmp_path, "run", *TINY, "predict_after_fit=false")
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A finished tiny run (its data folder, the run folder), trained once for the module;
+    the tests that share it refuse reruns into it, or copy it."""
+    tmp = tmp_path_factory.mktemp("finished")
+    run_train(tmp, "run", *TINY, "predict_after_fit=false")
+    return tmp, tmp / "run"
+
+
+def test_rerun_with_another_config_is_refused_and_changes_no_file(finished_run) -> None:
+    tmp_path, run = finished_run
     before = snapshot(run)
     assert ".hydra/config.yaml" in before and "run_config.yaml" in before
     out = seg_train_here(tmp_path, *TINY, "predict_after_fit=false", "model=unet_small",
@@ -52,6 +61,22 @@ def test_rerun_with_another_config_is_refused_and_changes_no_file(tmp_path: Path
     assert snapshot(run) == before  # bytes and mtimes: nothing rewritten, nothing added
     trained = load_run(run)  # seg-predict still loads the finished run
     assert trained.config.model.base_width == 8 and trained.model.num_classes == 5
+
+
+def test_a_refused_rerun_into_a_moved_run_changes_no_file(finished_run, tmp_path) -> None:
+    """Before: refused (good), but "the run was saved in ... and is now in ..." was first
+    appended to the moved run's train.log; now that line waits until a rerun is accepted."""
+    data, run = finished_run
+    moved = tmp_path / "moved"
+    shutil.copytree(run, moved)  # bytes and mtimes kept: a moved (or copied) run
+    before = snapshot(moved)
+    assert "train.log" in before
+    out = seg_train_here(data, *TINY, "predict_after_fit=false", "model=unet_small",
+                         f"hydra.run.dir={moved}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "holds a run with another config" in out.stderr
+    assert snapshot(moved) == before  # train.log too: nothing appended
+    assert "is now in" not in (moved / "train.log").read_text()
 
 
 def write_uint16_scenes(root: Path) -> None:

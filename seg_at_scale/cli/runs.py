@@ -86,7 +86,8 @@ def _moved(saved: dict[str, Any], path: Path) -> dict[str, Any]:
     """A moved or copied run's saved config with its own old paths read as the new folder.
 
     A run's config holds its folder (checkpoint and log dirs, the trainer's root): copied
-    elsewhere, those are its only differences, and they must not block the resume.
+    elsewhere, those are its only differences, and they must not block the resume. Nothing
+    is logged here: a refused rerun must not write into the run's ``train.log``.
     """
     old = _saved_dir(saved)
     new = str(path)
@@ -102,7 +103,6 @@ def _moved(saved: dict[str, Any], path: Path) -> dict[str, Any]:
             return new + v[len(old):]
         return v
 
-    log.info("the run was saved in %s and is now in %s: its own paths follow it", old, new)
     return swap(saved)  # type: ignore[no-any-return]
 
 
@@ -164,6 +164,7 @@ class RunFolder:
         self.path, self._saved, self._requested = path, saved, requested
         self.resuming = saved is not None
         self.filled: dict[str, Any] = dict((saved or {}).get("computed", {}).get("filled", {}))
+        self._notes: list[str] = []  # logged by announce()
 
     @classmethod
     def detached(cls) -> RunFolder:
@@ -185,6 +186,7 @@ class RunFolder:
             return cls(path, None, requested)
         saved = OmegaConf.to_container(OmegaConf.load(file))
         assert isinstance(saved, dict)
+        was = _saved_dir(saved)
         saved = _moved(saved, path)
         run = cls(path, saved, requested)
         candidate = copy.deepcopy(cfg)
@@ -195,8 +197,21 @@ class RunFolder:
         if diffs:
             raise run._refusal(diffs)
         run._apply_fills(cfg)
-        log.info("resuming the run in %s (same config)", path)
+        if was and was != str(path):
+            run._notes.append(f"the run was saved in {was} and is now in {path}: its own "
+                              "paths follow it")
+        run._notes.append(f"resuming the run in {path} (same config)")
         return run
+
+    def announce(self) -> None:
+        """Log what :meth:`open` found (a moved run, a resume), once the rerun is accepted.
+
+        Not in :meth:`open`: its lines would go into the run's ``train.log`` before a
+        refusal (another config, no checkpoint), and a refused rerun changes no file.
+        """
+        for note in self._notes:
+            log.info("%s", note)
+        self._notes.clear()
 
     def _apply_fills(self, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
         """Set the saved values of filled keys; differences in their requested values."""

@@ -43,7 +43,11 @@ from seg_at_scale.cli.data_setup import (
     run_preflight,
     synthesize,
 )
-from seg_at_scale.cli.pretrained import run_footprint, use_weights_normalization
+from seg_at_scale.cli.pretrained import (
+    check_hub_weights,
+    run_footprint,
+    use_weights_normalization,
+)
 from seg_at_scale.cli.runs import RunFolder, run_lock
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.data.datamodule import TileDataModule
@@ -158,6 +162,29 @@ def check_trainer(cfg: DictConfig) -> None:
     params = [k for k in inspect.signature(pl.Trainer.__init__).parameters if k != "self"]
     known_keys("trainer", plain, params)
     check_types("trainer", plain, typing.get_type_hints(pl.Trainer.__init__))
+
+
+def check_model_bands(cfg: DictConfig) -> None:
+    """The model reads the data's bands: ``model.in_channels`` (``model.planes``) is ``data.bands``.
+
+    ``model.in_channels=3`` on 4-band data passed every check and died in the first step
+    with torch's "expected input[8, 4, 256, 256] to have 3 channels"; refused here, before
+    any work, naming both values and the fixes (the band map, for 3-band weights).
+    """
+    bands = cfg.data.get("bands")
+    for key in ("in_channels", "planes"):
+        given = cfg.model.get(key) if key in cfg.model else None
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (bands, given)):
+            continue  # absent, or a bad value data.bands' own check names
+        if given != bands:
+            example = ",".join(str(i) if i < given else "null" for i in range(bands))
+            mapped = (f"; to start from {given}-band pretrained weights keep model.{key}="
+                      f"{bands} and map the bands onto their channels with model.band_map "
+                      f"(e.g. model.band_map=[{example}])" if "band_map" in cfg.model else "")
+            raise ConfigError(f"model.{key}={given} but data.bands={bands}: the network would "
+                              f"read {bands}-band tiles with a first layer for {given}; set "
+                              f"model.{key}={bands} (or leave it out: it follows data.bands)"
+                              f"{mapped}; or set data.bands to the images' bands")
 
 
 def check_memory(cfg: DictConfig, run: RunFolder | None = None) -> MemoryConfig:
@@ -302,6 +329,8 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
 @reports_errors("seg-train")
 def main(cfg: DictConfig) -> float | None:
     """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
+    check_model_bands(cfg)  # before any work: nothing written, nothing built
+    check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
     synthesize(cfg)  # the scenes first: data.class_weights may be read from their masks
     folder = Path(HydraConfig.get().runtime.output_dir)
     with run_lock(folder):  # one seg-train per run folder
@@ -311,6 +340,7 @@ def main(cfg: DictConfig) -> float | None:
 def _train(cfg: DictConfig, folder: Path) -> float | None:
     run = RunFolder.open(folder, cfg)  # before any write
     ckpt = resolve_ckpt(cfg, run)
+    run.announce()  # accepted: only now into the run's train.log
     model, fp, memory, dm, computed = prepare(cfg, run)
     trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed, ckpt)
     if not trainer.is_global_zero:  # sample parallelism: rank 0 predicts and reports

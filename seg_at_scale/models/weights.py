@@ -9,6 +9,14 @@ file's keys onto a module's: a common prefix of the file (``backbone.``, ``encod
 the one that matches most tensors; timm's feature-extractor names (``stem_0`` for
 ``stem.0``) and smp's ``model.`` wrapper of timm encoders are tried too, so one timm,
 torchvision or torchgeo state dict loads into ``resnet34`` and ``tu-resnet34`` alike.
+A file is refused when it leaves tensors of the module missing, holds tensors the module
+has no place for beyond the pretraining task's head (``fc.*``, ``head.*``, ...: another
+network, e.g. resnet34's file for resnet18), or holds NaN or infinite values.
+
+**Hub names** (``imagenet``, ``hf-hub:org/name``) are taken from the local Hugging Face
+cache, else downloaded; whether the machine is offline is decided once per process, in
+at most :data:`HUB_TIMEOUT_S` (:func:`is_offline`), and entry points ask it before any work
+(:func:`check_hub_name`).
 
 **The first convolution** (``band_map``): input band ``i`` of the model takes the file's
 input channel ``band_map[i]``; a band mapped to ``null`` starts at zero. Without a band
@@ -36,6 +44,7 @@ import logging
 import os
 import pickle
 import socket
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,13 +58,22 @@ from seg_at_scale.models.checkpoint import PICKLED_GLOBAL, UNREADABLE
 
 __all__ = ["read_weights", "match_weights", "WeightsMatch", "adapt_first_conv",
            "normalization_of", "is_offline", "resolve_weights", "WEIGHT_SUFFIXES",
-           "load_weights", "Loaded"]
+           "load_weights", "Loaded", "is_hub_name", "check_hub_name", "HEAD_NAMES",
+           "HUB_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
 _WRAPPERS = ("state_dict", "model", "module", "model_state_dict", "net")
 _TARGET_PREFIXES = ("", "model.")  # smp wraps a timm encoder as encoder.model
+# The pretraining task's head, which an encoder has no place for: classifiers (timm's fc,
+# head, classifier; torchvision's fc, classifier; pretrainedmodels' last_linear) and the
+# layers timm's features_only drops after the last stage (EfficientNet's conv_head, bn2).
+# A file's unused tensors outside these (a top-level name) are refused: another network.
+HEAD_NAMES = frozenset({"fc", "_fc", "head", "heads", "classifier", "last_linear", "logits",
+                        "conv_head", "bn2", "fc_norm", "pre_logits", "head_drop"})
+HUB_TIMEOUT_S = 2.0  # how long the hub may take to answer before the machine counts offline
+_HUB_PROBE: dict[str, bool] = {}  # the probe's answer, per endpoint: asked once per process
 # what torch.load raises on a file that is not one (text: KeyError, a bad zip, ...), as
 # seg_at_scale.models.checkpoint catches
 
@@ -320,20 +338,89 @@ def _checked_normalization(found: dict[str, Any], where: str) -> dict[str, Any]:
     return found
 
 
-def is_offline(timeout: float = 1.5) -> bool:
-    """True when the Hugging Face hub cannot be reached (``HF_HUB_OFFLINE=1``: at once)."""
+def is_offline(timeout: float = HUB_TIMEOUT_S) -> bool:
+    """True when the Hugging Face hub cannot be reached (``HF_HUB_OFFLINE=1``: at once).
+
+    Otherwise a TCP connection to the hub's host (``HF_ENDPOINT``, default huggingface.co)
+    is tried once per process, name lookup included, for at most ``timeout`` seconds in
+    all (a resolver that never answers would hold ``socket.create_connection`` for
+    minutes: the attempt runs in a daemon thread that is abandoned at the deadline).
+    """
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         if os.environ.get(var, "").lower() in ("1", "true", "yes", "on"):
             return True
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-    except OSError:
-        return True
-    return False
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if endpoint not in _HUB_PROBE:
+        _HUB_PROBE[endpoint] = not _reachable(endpoint, timeout)
+    return _HUB_PROBE[endpoint]
+
+
+def _reachable(endpoint: str, timeout: float) -> bool:
+    """Whether ``endpoint``'s host accepts a connection within ``timeout`` seconds."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(endpoint)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (80 if url.scheme == "http" else 443)
+    answered: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            answered.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, name="seg-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered)
+
+
+def is_hub_name(spec: str) -> bool:
+    """Whether a weights value names hub weights (``imagenet``, ``org/name``), not a file."""
+    p = Path(spec).expanduser()
+    return not (p.exists() or p.suffix in WEIGHT_SUFFIXES or spec.startswith(("/", ".", "~")))
+
+
+def _cached(spec: str, encoder: str) -> Path | None:
+    """The hub name's ``model.safetensors`` in the local Hugging Face cache, if there."""
+    repo = _hub_repo(spec, encoder)
+    if repo is None:
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, "model.safetensors")
+    return Path(found) if isinstance(found, str) and Path(found).is_file() else None
+
+
+def check_hub_name(spec: str, encoder: str, *, key: str) -> None:
+    """Refuse at once a hub name this machine cannot fetch (offline, not in the cache).
+
+    Entry points call it before any work: the offline decision is made here, once
+    (:func:`is_offline`, at most :data:`HUB_TIMEOUT_S`), not after data and model are built.
+
+    Raises:
+        ConfigError: a hub name on a machine without internet whose weights are not in
+            the local Hugging Face cache.
+    """
+    if is_hub_name(spec) and _cached(spec, encoder) is None and is_offline():
+        raise _offline(spec, encoder, key)
+
+
+def _offline(spec: str, encoder: str, key: str) -> ConfigError:
+    return ConfigError(f"{key}={spec!r} is a hub name, but this machine is offline "
+                       f"(HF_HUB_OFFLINE=1, or huggingface.co did not answer within "
+                       f"{HUB_TIMEOUT_S:g} s) and the weights are not in the local Hugging "
+                       "Face cache; download the weights where there is internet (e.g. `hf "
+                       f"download {_hub_repo(spec, encoder) or '<repo>'} model.safetensors "
+                       "config.json`) and pass the file: "
+                       f"{key}=/path/to/model.safetensors")
 
 
 def resolve_weights(spec: str, encoder: str, *, key: str) -> Path:
-    """The local file a weights value names: a path, or a hub name downloaded when online.
+    """The local file a weights value names: a path, a hub name already in the local
+    Hugging Face cache, or a hub name downloaded when online.
 
     Raises:
         InputError: a path that does not exist.
@@ -341,18 +428,16 @@ def resolve_weights(spec: str, encoder: str, *, key: str) -> Path:
             the path), or one the encoder does not offer.
     """
     p = Path(spec).expanduser()
-    if p.exists() or p.suffix in WEIGHT_SUFFIXES or spec.startswith(("/", ".", "~")):
+    if not is_hub_name(spec):
         if not p.is_file():
             raise InputError(f"{key}='{spec}' does not exist; give the path of a weights file "
                              f"({', '.join(WEIGHT_SUFFIXES)})")
         return p
+    cached = _cached(spec, encoder)
+    if cached is not None:
+        return cached
     if is_offline():
-        raise ConfigError(f"{key}={spec!r} is a hub name, but this machine is offline "
-                          "(HF_HUB_OFFLINE=1 or huggingface.co unreachable); download the "
-                          "weights where there is internet (e.g. `hf download "
-                          f"{_hub_repo(spec, encoder) or '<repo>'} model.safetensors "
-                          "config.json`) and pass the file: "
-                          f"{key}=/path/to/model.safetensors")
+        raise _offline(spec, encoder, key)
     repo = _hub_repo(spec, encoder)
     if repo is None:
         raise ConfigError(f"{key}={spec!r}: encoder {encoder!r} has no weights of that name; "
@@ -416,7 +501,9 @@ def load_weights(module: nn.Module, spec: str, *, key: str, encoder: str, in_cha
     (:func:`adapt_first_conv`); every other tensor must fit.
 
     Raises:
-        InputError: a file that does not fit (the first missing or mismatched key named).
+        InputError: a file that does not fit (the first missing or mismatched key named,
+            or tensors of another network beyond the pretraining head), or holding NaN or
+            infinite values.
         ConfigError: a bad band map, or a hub name offline.
     """
     path = resolve_weights(spec, encoder, key=key)
@@ -428,6 +515,8 @@ def load_weights(module: nn.Module, spec: str, *, key: str, encoder: str, in_cha
     file_channels = tensors[match.keys[first]].shape[1] if first in match.keys else None
     check_band_map(band_map, in_channels, file_channels)
     state = {k: tensors[f] for k, f in match.keys.items()}
+    check_finite(key, path, {match.keys[k]: tensors[match.keys[k]]  # the module's order
+                             for k in target if k in match.keys})
     if first in state:
         state[first] = adapt_first_conv(state[first], in_channels, band_map)
     module.load_state_dict(state, strict=False)
@@ -445,7 +534,12 @@ def first_conv_key(module: nn.Module, in_channels: int) -> str:
 
 def check_fit(key: str, path: Any, match: WeightsMatch, target: Mapping[str, Tensor],
               tensors: Mapping[str, Tensor], encoder: str) -> None:
-    """Refuse a file that does not fit the module, naming the first keys and shapes."""
+    """Refuse a file that does not fit the module, naming the first keys and shapes.
+
+    Tensors the module has no place for are refused too, but for the pretraining task's
+    head (:data:`HEAD_NAMES`): every key of resnet18 is in resnet34 at the same shape, so
+    only resnet34's 96 extra tensors tell its file from resnet18's.
+    """
     if match.ambiguous:
         raise InputError(f"{key}='{path}' holds several networks that fit encoder {encoder} "
                          f"equally, under prefixes {[match.prefix, *match.ambiguous]}; save "
@@ -463,3 +557,48 @@ def check_fit(key: str, path: Any, match: WeightsMatch, target: Mapping[str, Ten
                          f"{params[0]} {list(target[params[0]].shape)}); the file's "
                          f"first keys are {shown}; give weights of {encoder} (timm, "
                          "torchvision or torchgeo layout)")
+    extra = [k for k in match.unexpected if not _head(k[len(match.prefix):])]
+    if extra:
+        head = sorted({_top(k[len(match.prefix):]) for k in match.unexpected
+                       if _head(k[len(match.prefix):])})
+        besides = f" (besides its classifier head {', '.join(h + '.*' for h in head)})" \
+            if head else ""
+        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: {len(extra)} of its "
+                         f"tensors{besides} have no place in it (e.g. "
+                         f"{', '.join(_examples(extra))}): "
+                         f"the weights of another or a larger network; give weights of "
+                         f"{encoder}")
+
+
+def _examples(keys: Sequence[str], n: int = 3) -> list[str]:
+    """One key from each of the first ``n`` modules holding ``keys`` (sorted: the same for a
+    file's .pth and .safetensors layouts), a weight where the module has one."""
+    blocks: dict[str, list[str]] = {}
+    for k in sorted(keys):
+        blocks.setdefault(k.rsplit(".", 2)[0], []).append(k)
+    return [next((k for k in ks if k.endswith(".weight")), ks[0])
+            for ks in list(blocks.values())[:n]]
+
+
+def _top(name: str) -> str:
+    """A key's top-level module, through smp's ``model.`` wrapper of timm encoders."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "model" and len(parts) > 2 else parts[0]
+
+
+def _head(name: str) -> bool:
+    """Whether a file key belongs to the pretraining task's head (:data:`HEAD_NAMES`)."""
+    return _top(name) in HEAD_NAMES
+
+
+def check_finite(key: str, path: Any, tensors: Mapping[str, Tensor]) -> None:
+    """Refuse weights holding NaN or infinite values (they train to a loss of nan)."""
+    floats = {k: t for k, t in tensors.items() if t.is_floating_point()}
+    bad = [(k, t) for k, t in floats.items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        k, t = bad[0]
+        n = int((~torch.isfinite(t)).sum())
+        raise InputError(f"{key}='{path}' holds NaN or infinite values in {len(bad)} of the "
+                         f"{len(floats)} float tensors it loads (first {k}: {n} of "
+                         f"{t.numel()} values); training from them gives a loss of nan; give "
+                         "an intact file (save or download it again)")

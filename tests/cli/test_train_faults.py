@@ -3,7 +3,9 @@
 Before: a run whose last.ckpt was deleted trained again from scratch while logging
 "resuming"; a truncated last.ckpt gave a raw EOFError and added a .hydra/resume_k each
 try; two seg-train into one folder both ran (last-v1.ckpt, two CSV versions); a copied or
-moved run folder could never be resumed.
+moved run folder could never be resumed; a model for 3 bands on 4-band data died in its
+first step with torch's channel error; a hub name on a machine whose name lookups never
+answer took minutes to refuse.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -105,6 +108,8 @@ def test_a_moved_run_folder_resumes(tmp_path):
     out = _train(tmp_path, moved, "trainer.max_epochs=2")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"Restoring states from the checkpoint path at {moved}" in out.stdout + out.stderr
+    assert f"the run was saved in {tmp_path / 'run'} and is now in {moved}" in (
+        moved / "train.log").read_text()  # logged once the resume is accepted
     assert _step(moved / "checkpoints" / "last.ckpt") > steps  # trained on, in its new place
     assert not (tmp_path / "run").exists()  # nothing written where it was
 
@@ -160,3 +165,80 @@ def test_seg_synth_refusals_are_one_line(tmp_path):
                    "40", "--width", "40")
     assert again.returncode == 2 and "pass --overwrite" in again.stderr
     assert "overwrite=true" not in again.stderr
+
+
+NO_MODEL = [o for o in TINY if not o.startswith("model=")]
+
+
+@pytest.mark.parametrize("model,fix", [
+    ("unet_tiny", "set model.in_channels=4 (or leave it out: it follows data.bands); or set "
+                  "data.bands to the images' bands"),
+    ("smp", "to start from 3-band pretrained weights keep model.in_channels=4 and map the "
+            "bands onto their channels with model.band_map (e.g. "
+            "model.band_map=[0,1,2,null])"),
+])
+def test_a_model_for_other_bands_than_the_data_is_refused_before_any_work(tmp_path, model,
+                                                                          fix):
+    """Before: model.in_channels=3 on 4-band data passed the preflight and died in the
+    first step ("expected input[8, 4, 256, 256] to have 3 channels")."""
+    run = tmp_path / "run"
+    out = seg_train_here(tmp_path, f"hydra.run.dir={run}", *NO_MODEL, f"model={model}",
+                         "model.in_channels=3")
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("seg-train: error: model.in_channels=3 but data.bands=4: the "
+                           "network would read 4-band tiles with a first layer for 3; ")
+    assert fix in line
+    assert not (tmp_path / "data").exists()  # no scene written, no model built
+
+
+HANGING_RESOLVER = textwrap.dedent("""\
+    import socket, time
+
+    def _never_answers(*args, **kwargs):  # a name server that does not reply
+        time.sleep(600)
+        raise socket.gaierror("timed out")
+
+    socket.getaddrinfo = _never_answers
+""")
+
+
+def test_a_hub_name_offline_is_refused_in_seconds_before_any_work(tmp_path):
+    """Before: the offline decision waited on the hub (name lookup and connection, with no
+    bound on the lookup) after the scenes were written; a resolver that never answers held
+    it for minutes. Now it is made once, in at most 2 s, before anything is built."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(HANGING_RESOLVER)
+    env = {**_env(tmp_path), "PYTHONPATH": str(tmp_path / "site"),
+           "HF_HOME": str(tmp_path / "hf")}  # nothing cached
+    start = time.monotonic()
+    out = subprocess.run(_cmd(tmp_path / "run", "model=smp", "model.encoder_weights=imagenet"),
+                         capture_output=True, text=True, env=env, timeout=90)
+    seconds = time.monotonic() - start
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "seg-train: error: model.encoder_weights='imagenet' is a hub name, but this machine "
+        "is offline (HF_HUB_OFFLINE=1, or huggingface.co did not answer within 2 s) and the "
+        "weights are not in the local Hugging Face cache; download the weights where there "
+        "is internet (e.g. `hf download smp-hub/resnet34.imagenet model.safetensors "
+        "config.json`) and pass the file: model.encoder_weights=/path/to/model.safetensors")
+    assert not (tmp_path / "data").exists()  # refused before the scenes are written
+    print(f"offline refusal: {seconds:.1f} s")  # -s shows it; bounded by the timeout above
+    # (the whole command, imports included: ~8 s on an idle 2-core machine; the old code
+    # waited on the lookup for its 600 s)
+
+
+def test_hf_hub_offline_refuses_before_the_scenes_and_the_model(tmp_path, monkeypatch):
+    from seg_at_scale.cli import train
+
+    def never(*args, **kwargs):
+        pytest.fail("built before the offline refusal")
+
+    monkeypatch.setattr(train, "synthesize", never)
+    monkeypatch.setattr(train, "build_model", never)
+    out = seg_train_here(tmp_path, f"hydra.run.dir={tmp_path / 'run'}", *NO_MODEL,
+                         "model=unet_test_resnet", "model.encoder_weights=imagenet",
+                         env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "model.encoder_weights='imagenet' is a hub name, but this machine is offline" in (
+        out.stderr.strip().splitlines()[-1])

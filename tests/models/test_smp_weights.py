@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import threading
 
 import pytest
 import timm
@@ -138,6 +140,57 @@ def test_a_file_of_another_encoder_is_refused_naming_keys(tmp_path):
         unet("resnet18", encoder_weights=str(tmp_path / "test.pth"))
 
 
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+def test_weights_of_a_larger_network_are_refused_naming_the_unused_tensors(tmp_path, suffix):
+    """Every key of resnet18 is in resnet34 at its shape: resnet34's file loaded into
+    tu-resnet18, its 96 extra tensors named only in an INFO line. Now refused; the
+    pretraining task's head (fc.*) alone is still ignored."""
+    state = random_state(timm.create_model("resnet34"), 11)
+    path = tmp_path / f"resnet34{suffix}"
+    if suffix == ".pth":
+        torch.save(state, path)
+    else:
+        save_file(state, path)
+    with pytest.raises(InputError) as err:
+        unet("tu-resnet18", encoder_weights=str(path))
+    assert str(err.value) == (
+        f"model.encoder_weights='{path}' does not fit encoder tu-resnet18: 96 of its tensors "
+        "(besides its classifier head fc.*) have no place in it (e.g. layer1.2.bn1.weight, "
+        "layer2.2.bn1.weight, layer2.3.bn1.weight): the weights of another or a larger "
+        "network; give weights of tu-resnet18")
+
+
+@pytest.mark.parametrize("encoder,model,head", [
+    ("tu-test_efficientnet", "test_efficientnet", "8 unexpected"),  # conv_head, bn2, classifier
+    ("tu-test_convnext", "test_convnext", "4 unexpected"),  # head.norm, head.fc
+])
+def test_the_pretraining_head_is_the_only_tolerated_extra(tmp_path, encoder, model, head):
+    save_file(random_state(timm.create_model(model), 12), tmp_path / "w.safetensors")
+    net = unet(encoder, encoder_weights=str(tmp_path / "w.safetensors"))
+    assert f"0 missing, {head}" in net.weights_report["model.encoder_weights"]
+
+
+def test_non_finite_weights_are_refused_naming_the_file_and_a_key(tmp_path):
+    """An all-NaN file loaded and trained to val/loss = nan."""
+    nan = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+           for k, v in timm.create_model("resnet18").state_dict().items()}
+    save_file(nan, tmp_path / "nan.safetensors")
+    with pytest.raises(InputError) as err:
+        unet("tu-resnet18", encoder_weights=str(tmp_path / "nan.safetensors"))
+    assert str(err.value) == (
+        f"model.encoder_weights='{tmp_path / 'nan.safetensors'}' holds NaN or infinite values "
+        "in 100 of the 100 float tensors it loads (first conv1.weight: 9408 of 9408 values); "
+        "training from them gives a loss of nan; give an intact file (save or download it "
+        "again)")
+    state = random_state(timm.create_model("resnet18"), 13)
+    state["layer3.1.bn2.running_var"][5] = float("inf")
+    torch.save(state, tmp_path / "inf.pth")
+    with pytest.raises(InputError, match=r"inf\.pth' holds NaN or infinite values in 1 of the "
+                       r"100 float tensors it loads \(first layer3\.1\.bn2\.running_var: 1 of "
+                       r"256 values\)"):
+        unet("resnet18", encoder_weights=str(tmp_path / "inf.pth"))
+
+
 def test_files_that_would_run_code_or_do_not_exist_are_refused(tmp_path):
     torch.save({"state_dict": {"conv1.weight": torch.zeros(1)}, "cfg": torch.nn.ReLU()},
                tmp_path / "pickled.ckpt")
@@ -156,6 +209,45 @@ def test_hub_name_refused_offline_in_one_line(monkeypatch):
     assert "\n" not in msg
     assert "model.encoder_weights='imagenet' is a hub name, but this machine is offline" in msg
     assert "smp-hub/resnet18.imagenet" in msg and "model.encoder_weights=/path/to/" in msg
+
+
+def test_offline_is_decided_once_within_the_deadline(monkeypatch):
+    """A name server that never answers held the hub probe (socket.create_connection
+    bounds the connection, not the lookup) for as long as it hung, once per weights key."""
+    from seg_at_scale.models import weights
+
+    lookups, release = [], threading.Event()
+
+    def never_answers(*args, **kwargs):
+        lookups.append(args[0])
+        release.wait(5)
+        raise socket.gaierror("timed out")
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.invalid")
+    monkeypatch.setattr(weights, "_HUB_PROBE", {}, raising=False)
+    monkeypatch.setattr(socket, "getaddrinfo", never_answers)
+    try:
+        assert weights.is_offline(timeout=0.2) and weights.is_offline(timeout=0.2)
+    finally:
+        release.set()
+    assert lookups == ["hub.example.invalid"]  # asked once, abandoned at the deadline
+
+
+def test_a_cached_hub_name_needs_no_network(tmp_path, monkeypatch):
+    """Hub weights already in the local Hugging Face cache (its layout: snapshots named by
+    refs/main) load offline, where before any hub name was refused."""
+    state = random_state(timm.create_model("resnet18"), 14)
+    snap = tmp_path / "hub" / "models--smp-hub--resnet18.imagenet" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    save_file(state, snap / "model.safetensors")
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    net = unet("resnet18", encoder_weights="imagenet")
+    assert torch.equal(net.net.encoder.conv1.weight, state["conv1.weight"])
 
 
 def test_band_map_errors_name_the_key(tmp_path):
