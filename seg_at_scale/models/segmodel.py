@@ -67,6 +67,8 @@ MAX_CARD_BYTES = 4 << 20  # names and colours of 254 classes take a few kB
 MAX_SUMS_BYTES = 4 << 10  # two lines
 _MAX_BYTES = {CARD: MAX_CARD_BYTES, SUMS: MAX_SUMS_BYTES}
 _CHUNK = 1 << 20
+_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflated",
+            zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "lzma"}
 
 MAX_CLASSES = 254  # labels are uint8 and 255 marks no data (seg_at_scale.data.config)
 MAX_BANDS = 1024
@@ -77,6 +79,7 @@ MAX_KERNEL = 31
 MAX_OTHER = 4096  # any other whole number in the model's keys (rates, band indices)
 MAX_ALIGN = 1 << 12
 MAX_HALO = 1 << 16
+MAX_NESTING = 8  # mappings within the model's keys (smp's options)
 #: The inclusive range of each architecture key a card's ``model`` may hold (in a list, each
 #: item's); any other whole number is within +-MAX_OTHER. The network's own checks follow.
 MODEL_BOUNDS: dict[str, tuple[int, int]] = {
@@ -170,8 +173,9 @@ def _zip_members(path: Path, zf: zipfile.ZipFile) -> dict[str, int]:
                              "seg-export; get the model again from its source")
         if info.compress_type != zipfile.ZIP_STORED or info.file_size != info.compress_size:
             raise InputError(f"model='{path}': {name} declares {info.file_size} bytes from "
-                             f"{info.compress_size} in the file (compression "
-                             f"{info.compress_type}); seg-export stores its parts "
+                             f"{info.compress_size} in the file ("
+                             f"{_METHODS.get(info.compress_type, info.compress_type)}); "
+                             "seg-export stores its parts "
                              "uncompressed, so it is not read: get the model again from its "
                              "source")
         sizes[name] = info.file_size
@@ -272,7 +276,7 @@ def _recorded_weights_bytes(card: bytes) -> int | None:
     """The weights' size the card records (cards written before it was recorded: None)."""
     try:
         record = json.loads(card).get("weights")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None  # refused with its reason once the card is read
     size = record.get("bytes") if isinstance(record, dict) else None
     return size if isinstance(size, int) and not isinstance(size, bool) else None
@@ -289,7 +293,7 @@ def _card_and_files(path: Path, *, weights: bool = True
     files = _verified(path, weights=weights)
     try:
         card: dict[str, Any] = json.loads(files[CARD])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InputError(f"model '{path}': {CARD} is not JSON ({exc}); export it "
                          "again") from None
     if not isinstance(card, dict) or card.get("format") != CARD_FORMAT:
@@ -341,8 +345,10 @@ def _check_card(card: Mapping[str, Any], where: str) -> None:
     _check_sizes(_section(where, card, "model"), where, "model")
 
 
-def _check_sizes(node: Mapping[str, Any], where: str, prefix: str) -> None:
+def _check_sizes(node: Mapping[str, Any], where: str, prefix: str, depth: int = 0) -> None:
     """Every whole number in the model's keys within :data:`MODEL_BOUNDS` (nested too)."""
+    if depth > MAX_NESTING:
+        raise _edited(where, prefix, "{...}", f"nested more than {MAX_NESTING} deep")
     for key, value in node.items():
         name = f"{prefix}.{key}"
         low, high = MODEL_BOUNDS.get(str(key), (-MAX_OTHER, MAX_OTHER))
@@ -350,7 +356,7 @@ def _check_sizes(node: Mapping[str, Any], where: str, prefix: str) -> None:
         for i, item in items:
             at = name if i is None else f"{name}[{i}]"
             if isinstance(item, Mapping):
-                _check_sizes(item, where, at)
+                _check_sizes(item, where, at, depth + 1)
             elif isinstance(item, int) and not isinstance(item, bool):
                 _whole(where, at, item, low, high)
 
@@ -371,8 +377,8 @@ def _fits_weights(node: dict[str, Any], state: Mapping[str, Any], where: str,
         return  # built for real next, and its weights checked there
     mismatch = weights_mismatch(skeleton, state)
     if mismatch:
-        raise InputError(f"{where}: the network {CARD} describes does not fit {WEIGHTS} "
-                         f"({mismatch}); the card was edited or belongs to other weights: "
+        raise InputError(f"{where}: the network {CARD} describes does not fit {WEIGHTS}: "
+                         f"{mismatch}; the card was edited or belongs to other weights: "
                          "export the model again from its run")
 
 
