@@ -8,8 +8,9 @@ process and measures it from outside: wall time, the child's CPU time (user + sy
 ``getrusage(RUSAGE_CHILDREN)``), the 1-minute load average sampled every few seconds, and
 the wall time at which each epoch's validation row appears in the run's ``metrics.csv``.
 Then it scores the best checkpoint on the real CosmicTagger file's 5 events at the same
-downsampling when the file named by ``COSMIC_H5`` (default ``data/cosmic_tagging_light.h5``) exists (a smoke test, not a
-result) and prints and saves ``results/<--out>.json`` (default ``bench_uresnet_learn``).
+downsampling when the file named by ``COSMIC_H5`` (default
+``data/cosmic_tagging_light.h5``) exists (a smoke test, not a result) and prints and
+saves ``results/<--out>.json`` (default ``bench_uresnet_learn``).
 
 The synthetic events are generated once under ``--data-root`` (outside the repo); if they
 are not there yet, generating them is part of the child's wall time (reported apart as

@@ -1,42 +1,7 @@
-"""seg_at_scale: exact halo-tiled semantic segmentation of very large images."""
+"""seg_at_scale: exact halo-tiled semantic segmentation of very large images.
 
-import os
-from pathlib import Path
+Importing the package changes nothing outside it: the entry points (:mod:`seg_at_scale.cli`)
+set the process's environment and register the configs' resolvers.
+"""
 
 __version__ = "0.1.0"
-
-_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _enable_huge_pages() -> None:
-    """Back torch's CPU tensors of >= 2 MiB with transparent huge pages.
-
-    torch reads ``THP_MEM_ALLOC_ENABLE`` once, at its first allocation, so this runs before
-    anything here imports torch (a process that imported torch first keeps its own setting;
-    child processes - tile-size probes, data workers, DDP ranks - inherit it). Every large
-    tensor is otherwise page-faulted in 4 KiB at a time each time it is allocated. Measured on
-    the 2-core CPU machine: a small U-Net step on a 2432^2 tile 1.47 s/Mpix instead of
-    2.19-3.03 at the same peak, tile prediction 16-31 % faster, ``make demo`` 7 % faster
-    but with a 21 % higher peak RSS (1.33 GB: whole 2 MiB pages cost small processes most).
-    Set ``THP_MEM_ALLOC_ENABLE=0`` to opt out; nothing is set where the kernel offers no
-    huge pages.
-    """
-    try:
-        offered = "[never]" not in _THP.read_text()
-    except OSError:
-        offered = False
-    if offered:
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
-_enable_huge_pages()
-
-
-def _register_resolvers() -> None:
-    """``${seg.*}`` of the shipped configs, so ``compose`` + ``instantiate`` work anywhere."""
-    from seg_at_scale.cli.resolvers import register_resolvers
-
-    register_resolvers()
-
-
-_register_resolvers()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["SegAtScaleError", "InputError", "ConfigError", "OutputExistsError"]
+__all__ = ["SegAtScaleError", "InputError", "ConfigError", "OutputExistsError", "TRUST_HINT"]
+
+#: the fix every refusal of a model or checkpoint that could run code ends with
+TRUST_HINT = "pass trust_run=true only if you trust whoever made it (it may then run code)"
 
 
 class SegAtScaleError(Exception):

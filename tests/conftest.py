@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import seg_at_scale.cli  # noqa: F401  (registers the configs' resolvers, as the commands do)
 from seg_at_scale.io import example_geotags, write_raster
 
 

@@ -74,5 +74,6 @@ def test_report_renders_one_section_per_result(tmp_path: Path) -> None:
         '"machine": {"cpu": "CPU", "cores": 3}, "loadavg_at_save": [1.5, 1.0, 0.5], '
         '"speedup": 1.2345678}')
     page = report.render(tmp_path)
-    assert "| abc1234 | 2026-01-02 03:04 | CPU, 3 cores | loadavg_at_save: [1.5, 1.0, 0.5] |" in page
+    assert ("| abc1234 | 2026-01-02 03:04 | CPU, 3 cores | loadavg_at_save: [1.5, 1.0, 0.5] |"
+            in page)
     assert "| `speedup` | 1.235 |" in page

@@ -1,4 +1,5 @@
-"""Importing seg_at_scale before torch backs large CPU tensors with transparent huge pages."""
+"""The entry points (seg_at_scale.cli, imported before torch) back large CPU tensors with
+transparent huge pages; importing seg_at_scale alone changes nothing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 PROBE = """
-import resource, seg_at_scale, torch
+import resource, seg_at_scale.cli, torch
 import os
 for _ in range(2):  # the second allocation is the steady state
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -40,3 +41,16 @@ def test_large_tensors_take_huge_pages_unless_the_user_opts_out():
     assert value == "1" and faults < small_pages / 8, faults
     value, faults = faults_per_64_mib("0")
     assert value == "0" and faults > small_pages / 2, faults
+
+
+def test_importing_the_package_sets_no_variable_and_registers_no_resolver():
+    probe = ("import os, seg_at_scale, seg_at_scale.io, seg_at_scale.tiling\n"
+             "from omegaconf import OmegaConf\n"
+             "print(os.environ.get('THP_MEM_ALLOC_ENABLE'),"
+             " OmegaConf.has_resolver('seg.class_weights'))\n"
+             "import seg_at_scale.cli\n"
+             "print(OmegaConf.has_resolver('seg.class_weights'))")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["None", "False", "True"]

@@ -1,4 +1,4 @@
-"""OmegaConf resolvers the training configs use; registered by the entry point that reads them.
+"""OmegaConf resolvers the training configs use; registered when ``seg_at_scale.cli`` is imported.
 
 ``${seg.class_weights:<root>,<num_classes>,<ignore_index>,<power>}``: the class weights of
 the training masks under ``<root>/train`` raised to ``power``

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seg_at_scale.errors import InputError
-from seg_at_scale.models.registry import TRUST_HINT
+from seg_at_scale.errors import TRUST_HINT, InputError
 
 __all__ = ["load_checkpoint", "model_state", "checkpoint_problem", "UnsafeCheckpointError"]
 

@@ -35,14 +35,13 @@ from typing import Any
 from torch import nn
 
 from seg_at_scale.config_check import check_types, known_keys
-from seg_at_scale.errors import ConfigError
+from seg_at_scale.errors import TRUST_HINT, ConfigError
 
 __all__ = ["Family", "register", "families", "family_of", "check_model_config",
-           "build_model", "without_weight_files", "TRUST_HINT"]
+           "build_model", "without_weight_files"]
 
 log = logging.getLogger(__name__)
 
-TRUST_HINT = "pass trust_run=true only if you trust whoever made it (it may then run code)"
 
 
 @dataclass(frozen=True)

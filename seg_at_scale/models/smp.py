@@ -41,7 +41,6 @@ from torch import Tensor, nn
 from seg_at_scale.devices import module_device
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import weights as W
-from seg_at_scale.models.layout import prefer_layouts
 from seg_at_scale.models.smp_exact import (
     ASPPImagePool,
     make_exact,
@@ -51,6 +50,7 @@ from seg_at_scale.models.smp_exact import (
 )
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import WholeImageDependency, empirical_halo
+from seg_at_scale.tiling.layout import prefer_layouts
 from seg_at_scale.tiling.sites import site_levels, statistic_sites
 
 __all__ = ["SMPModel", "ARCHITECTURES"]

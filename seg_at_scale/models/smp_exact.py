@@ -32,7 +32,7 @@ from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPP, ASPPPoo
 from segmentation_models_pytorch.decoders.fpn.decoder import Conv3x3GNReLU
 from torch import Tensor, nn
 
-from seg_at_scale.models.layout import SharedNCHW
+from seg_at_scale.tiling.layout import SharedNCHW
 from seg_at_scale.tiling.sites import GroupNormSite, PooledMean
 
 __all__ = ["make_exact", "non_local_modules", "ASPPImagePool", "refusal", "skip_non_local",

@@ -4,8 +4,9 @@
   normalising with their running statistics (the pretrained ones in the encoder). This is
   the usual practice for small batches of tiles, and it is also what keeps tiled training
   exact: a train-mode BatchNorm normalises with the statistics of the tile it sees
-  (``docs/design.md``, "Where exactness does not hold"). ``all`` freezes every BatchNorm (exact), ``encoder`` only
-  the encoder's (the decoder's still see tile statistics: not exact), ``auto`` is ``all``
+  (``docs/design.md``, "Where exactness does not hold"). ``all`` freezes every BatchNorm
+  (exact), ``encoder`` only the encoder's (the decoder's still see tile statistics: not
+  exact), ``auto`` is ``all``
   for a model that loaded pretrained weights and ``none`` otherwise. Their affine weights
   still train.
 * **A frozen encoder for the first epochs** (``freeze_encoder_epochs``): its parameters get

@@ -21,7 +21,7 @@ each block computes what the blocks after it read, a window shrinking from the t
 its core, instead of every block's MLP on the whole halo.
 
 Layout: :func:`core_of` computes in its input's layout, also in a block that
-:func:`~seg_at_scale.models.layout.prefer_layouts` made compute in NCHW. What is slow
+:func:`~seg_at_scale.tiling.layout.prefer_layouts` made compute in NCHW. What is slow
 channels-last on CPU is oneDNN's *padded* dilated depthwise convolution (3.25 s for a rate-36
 tile of DeepLabV3+-ResNet50's 2048-channel map, torch 2.14.1, 2-core EPYC); the same
 convolution without padding takes 0.05 s channels-last, against 0.18 s in NCHW plus 0.34 s
@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seg_at_scale.models.layout import PER_CHANNEL, NCHWBlock, NCHWConv2d, leaves
+from seg_at_scale.tiling.layout import PER_CHANNEL, NCHWBlock, NCHWConv2d, leaves
 
 __all__ = ["Shrinking", "computes_core", "core_of", "shrinking", "shrinks"]
 
@@ -80,7 +80,7 @@ def computes_core(block: nn.Module) -> bool:
 def core_of(block: nn.Module, x: Tensor, rows: slice, cols: slice) -> Tensor:
     """``block(x)[..., rows, cols]``, computing only those outputs (:func:`computes_core`).
 
-    It computes in ``x``'s layout, in an :class:`~seg_at_scale.models.layout.NCHWBlock`
+    It computes in ``x``'s layout, in an :class:`~seg_at_scale.tiling.layout.NCHWBlock`
     too: without padding, the dilated depthwise convolution is fast channels-last.
     """
     parts = leaves(block)

@@ -30,7 +30,15 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from seg_at_scale.tiling.geometry import Footprint, Tile, Window, cover, inside
+from seg_at_scale.tiling.geometry import (
+    Footprint,
+    Tile,
+    Window,
+    cover,
+    fill_of,
+    inside,
+    source_indices,
+)
 
 __all__ = ["WindowSource", "TensorWindows", "Batch", "plan_batches", "D4", "TTA",
            "run_batches", "BatchOutput"]
@@ -58,6 +66,21 @@ class WindowSource(Protocol):
         ...
 
 
+def read_window(image: Tensor, window: Window, fp: Footprint) -> Tensor:
+    """Crop ``[..., H, W]`` to ``window`` (image coordinates), extending as ``fp`` says."""
+    h, w = image.shape[-2:]
+    if window.row >= 0 and window.col >= 0 and window.row_end <= h and window.col_end <= w:
+        return image[..., window.row : window.row_end, window.col : window.col_end]
+    rows = source_indices(window.row, window.height, h, fill_of(fp))
+    cols = source_indices(window.col, window.width, w, fill_of(fp))
+    r, c = torch.from_numpy(rows.clip(0)), torch.from_numpy(cols.clip(0))
+    out = image.index_select(-2, r.to(image.device)).index_select(-1, c.to(image.device))
+    if fp.padding == "same":
+        keep = torch.from_numpy((rows >= 0)[:, None] & (cols >= 0)[None, :]).to(image.device)
+        out = out * keep.to(out.dtype)
+    return out
+
+
 @dataclass
 class TensorWindows:
     """Windows of an in-memory, already normalised ``[B, C, H, W]`` tensor."""
@@ -66,8 +89,6 @@ class TensorWindows:
     fp: Footprint
 
     def load(self, window: Window) -> tuple[Tensor, None]:
-        from seg_at_scale.tiling.predict import read_window  # the tensor fill rule
-
         return read_window(self.image, window, self.fp), None
 
     def prepare(self, raws: list[Tensor], keeps: list[tuple[slice, slice]],

@@ -20,15 +20,12 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.tiling.engine import TTA, TensorWindows, plan_batches, run_batches
+from seg_at_scale.tiling.engine import TTA, TensorWindows, plan_batches, read_window, run_batches
 from seg_at_scale.tiling.geometry import (
     Footprint,
     Tile,
     TileGrid,
-    Window,
-    fill_of,
     make_grid,
-    source_indices,
 )
 from seg_at_scale.tiling.halo import footprint as model_footprint
 from seg_at_scale.tiling.sites import statistic_sites
@@ -44,21 +41,6 @@ __all__ = [
     "tiled_backward",
     "run_tile",
 ]
-
-
-def read_window(image: Tensor, window: Window, fp: Footprint) -> Tensor:
-    """Crop ``[..., H, W]`` to ``window`` (image coordinates), extending as ``fp`` says."""
-    h, w = image.shape[-2:]
-    if window.row >= 0 and window.col >= 0 and window.row_end <= h and window.col_end <= w:
-        return image[..., window.row : window.row_end, window.col : window.col_end]
-    rows = source_indices(window.row, window.height, h, fill_of(fp))
-    cols = source_indices(window.col, window.width, w, fill_of(fp))
-    r, c = torch.from_numpy(rows.clip(0)), torch.from_numpy(cols.clip(0))
-    out = image.index_select(-2, r.to(image.device)).index_select(-1, c.to(image.device))
-    if fp.padding == "same":
-        keep = torch.from_numpy((rows >= 0)[:, None] & (cols >= 0)[None, :]).to(image.device)
-        out = out * keep.to(out.dtype)
-    return out
 
 
 def extend(image: Tensor, fp: Footprint) -> Tensor:
@@ -181,8 +163,8 @@ def tiled_backward(model: nn.Module, image: Tensor, target: Tensor, loss: PixelL
 
     The whole-image loss is ``sum(pixel losses) / sum(pixel weights)`` over all pixels;
     each tile contributes its core's sum divided by the *whole image's* weight, so the
-    summed tile gradients equal the whole-image gradient (docs/design.md, "Exact training") while only
-    one tile's activations are alive at a time.
+    summed tile gradients equal the whole-image gradient (docs/design.md, "Exact training")
+    while only one tile's activations are alive at a time.
 
     Args:
         model: the network (train or eval mode; exact when it has no whole-tile statistics).

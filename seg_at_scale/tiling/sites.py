@@ -2,7 +2,8 @@
 
 A layer that averages over its whole input (DeepLab's ASPP image pooling, GroupNorm) is
 not halo-tileable as it is: a tile sees its own statistic, not the whole image's
-(``docs/design.md``, "Where exactness does not hold"). Such a layer is made a :class:`StatisticSite`: it can
+(``docs/design.md``, "Where exactness does not hold"). Such a layer is made a
+:class:`StatisticSite`: it can
 
 * **record**: hand its input to a recorder, which sums the pixels of the tile's *core*
   (at the layer's resolution) into float64 sums (:meth:`StatisticSite.sums`);

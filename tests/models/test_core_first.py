@@ -8,8 +8,8 @@ from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPPConv, ASP
 from smp_helpers import lively_norms
 from torch import nn
 
-from seg_at_scale.models.layout import NCHWBlock, prefer_layouts
 from seg_at_scale.tiling.core import computes_core, core_of
+from seg_at_scale.tiling.layout import NCHWBlock, prefer_layouts
 
 CROPS = [  # (rows, cols) of a 45 x 38 window: inside, at each edge, the whole of it
     (slice(12, 31), slice(12, 25)), (slice(0, 19), slice(7, 38)), (slice(26, 45), slice(0, 9)),

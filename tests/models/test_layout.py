@@ -12,7 +12,7 @@ from smp_helpers import preset_model
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from seg_at_scale.models.layout import NCHWBlock, NCHWConv2d, prefer_layouts
+from seg_at_scale.tiling.layout import NCHWBlock, NCHWConv2d, prefer_layouts
 
 
 def test_only_dilated_depthwise_convolutions_change_and_keep_their_state():

@@ -143,7 +143,7 @@ def test_tiled_gradients_equal_whole_image_gradients(preset):
 def test_channels_last_fp32_tiles_equal_the_contiguous_whole_image(preset):
     """The fast fp32 layout keeps exactness: NHWC tiles against the NCHW untiled forward
     (DeepLabV3+ at rates >= 8: its ASPP depthwise convolutions compute in NCHW)."""
-    from seg_at_scale.models.layout import NCHWBlock
+    from seg_at_scale.tiling.layout import NCHWBlock
 
     net = (preset_model("deeplabv3plus_test_resnet", "model.options.decoder_atrous_rates=[8,9,10]")
            if preset == "deeplab_rate_8" else preset_model(preset))
