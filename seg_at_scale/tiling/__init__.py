@@ -1,4 +1,10 @@
-"""Tile grids, halos and exact tiled inference/training."""
+"""Tile grids, halos and exact tiled inference/training.
+
+:func:`infer` is the one entry for predicting a tensor tiled: it picks the exact method the
+network allows (untiled, tiles, statistic passes, two passes) or refuses in one line. The
+other functions here are its parts, kept public for training (``tiled_backward*``), the
+file path and the tests.
+"""
 
 from seg_at_scale.tiling.blend import predict_blended
 from seg_at_scale.tiling.geometry import (
@@ -16,6 +22,7 @@ from seg_at_scale.tiling.geometry import (
     split_axis,
 )
 from seg_at_scale.tiling.halo import empirical_halo, footprint, halo_width
+from seg_at_scale.tiling.infer import infer
 from seg_at_scale.tiling.passes import (
     fixed_statistics,
     predict_tiled_exact,
@@ -40,6 +47,7 @@ from seg_at_scale.tiling.statistics import (
 )
 
 __all__ = [
+    "infer",
     "Footprint", "Tile", "TileGrid", "TilingError", "Window", "make_grid", "random_core",
     "split_axis", "empirical_halo", "footprint", "halo_width", "extend", "iter_tile_outputs",
     "predict_full", "predict_tiled", "read_window", "run_tile", "source_indices",

@@ -1,0 +1,165 @@
+"""The one public entry for predicting a tensor tiled: :func:`infer`.
+
+In the shape of MONAI's ``sliding_window_inference``: one call, the options as arguments.
+It picks how to compute from what the network can do, and never computes something
+inexact unless asked for by name:
+
+* no ``q`` / ``tile_size``: the network once over the whole (extended) image;
+* a network without whole-image statistics: halo tiles, cores kept (exact);
+* a network with statistic sites (GroupNorm, DeepLab's image pooling made exact by the
+  project): statistic passes over the tiles first, then the tiles (exact);
+* a network pooling over its whole input by the two-pass protocol (Gated-SCNN): the pooled
+  features over the tiles first, then the tiles (exact);
+* ``method="blended"``: Gaussian-weighted overlapping windows, as MONAI does: *not* exact,
+  for networks that cannot be tiled exactly; never chosen by ``auto``.
+
+What a network cannot do exactly is refused in one line naming the layer and the fix.
+
+>>> from seg_at_scale.models import UNet
+>>> net = UNet(in_channels=2, num_classes=3, levels=3, base_width=4, padding="same").eval()
+>>> x = torch.randn(1, 2, 75, 61)
+>>> torch.allclose(infer(net, x, q=2), infer(net, x), atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from seg_at_scale.errors import ConfigError
+from seg_at_scale.tiling.blend import predict_blended
+from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.halo import footprint as model_footprint
+from seg_at_scale.tiling.passes import has_statistics, predict_tiled_exact
+from seg_at_scale.tiling.predict import predict_full, predict_full_tta, predict_tiled
+from seg_at_scale.tiling.sites import StatisticSite
+from seg_at_scale.tiling.statistics import ImagePooled, predict_tiled_two_pass, uses_image_pool
+
+__all__ = ["infer", "Method", "METHODS", "choose_method", "refuse_inexact_layers"]
+
+Method = Literal["auto", "untiled", "tiled", "passes", "two_pass", "blended"]
+METHODS: tuple[str, ...] = ("auto", "untiled", "tiled", "passes", "two_pass", "blended")
+
+#: layers whose output depends on the whole input they see, with no exact tiled form here
+_WHOLE_INPUT = (nn.GroupNorm, nn.InstanceNorm2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
+
+
+def refuse_inexact_layers(model: nn.Module) -> None:
+    """Refuse a network that would see each tile's statistics instead of the image's.
+
+    Train-mode BatchNorm, and GroupNorm / InstanceNorm / LayerNorm / adaptive pooling that
+    the project has not made statistic sites, compute over the tile they are given: tiled,
+    they differ from the whole-image forward. (Statistic sites are subclasses of these layers
+    that the passes fix; they are allowed.)
+
+    Raises:
+        ConfigError: naming the first such layer and the fix.
+    """
+    sites = [n for n, m in model.named_modules() if isinstance(m, StatisticSite)]
+    for name, m in model.named_modules():
+        if any(name == s or name.startswith(s + ".") for s in sites):
+            continue  # a site and its parts: the passes fix its statistic
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            raise ConfigError(
+                f"infer: {name or 'the model'} ({type(m).__name__}) is in training mode, so it "
+                "normalises with each tile's statistics: call model.eval() first")
+        if isinstance(m, _WHOLE_INPUT):
+            raise ConfigError(
+                f"infer: {name or 'the model'} ({type(m).__name__}) computes over the whole "
+                "input it sees, so tiles would not equal the whole image; predict it untiled "
+                "(no q / tile_size), or method='blended' for an approximation")
+
+
+def choose_method(model: nn.Module, *, tiled: bool) -> str:
+    """The exact method ``auto`` takes for ``model`` (``tiled``: a grid was asked for)."""
+    if not tiled:
+        return "untiled"
+    if has_statistics(model):  # sites first: their passes also cover a pooling site
+        return "passes"
+    if uses_image_pool(model):
+        return "two_pass"
+    return "tiled"
+
+
+@torch.no_grad()
+def infer(model: nn.Module, image: Tensor, *, method: Method = "auto",
+          q: int | tuple[int, int] | None = None,
+          tile_size: int | tuple[int, int] | None = None, overlap: float = 0.25,
+          fp: Footprint | None = None, autocast: torch.dtype | None = None,
+          channels_last: bool = False, tta: str | None = None,
+          out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """Logits of ``model`` over ``image``, tiled as asked and exactly the untiled ones.
+
+    Args:
+        model: the network, in eval mode.
+        image: ``[B, C, H, W]`` (or ``[C, H, W]``), already normalised.
+        method: ``auto`` (the exact method the network allows; the default), or one by
+            name: ``untiled``, ``tiled``, ``passes``, ``two_pass``, ``blended`` (inexact).
+        q: tiles per side, or
+        tile_size: the largest input window of a tile (``blended``: the window).
+        overlap: ``blended`` only: the fraction of a window shared with its neighbour.
+        fp: the footprint; computed from the network when omitted.
+        autocast: run under ``torch.autocast`` with this dtype (the fast path; not bit-exact).
+        channels_last: tiles in NHWC (give the model channels-last weights too).
+        tta: ``flips`` or ``d4``: the mean softmax over those views instead of logits
+            (``untiled`` and ``tiled`` only).
+        out_dtype: the dtype of the result.
+
+    Returns:
+        ``[B, K, H, W]`` logits (TTA: probabilities); ``[K, H, W]`` for an unbatched input.
+
+    Raises:
+        ConfigError: an unknown method, a method the network cannot run exactly, or options
+            the method does not take; one line each.
+    """
+    if method not in METHODS:
+        raise ConfigError(f"infer: method={method!r} is not one of {', '.join(METHODS)}")
+    tiled = q is not None or tile_size is not None
+    chosen = choose_method(model, tiled=tiled) if method == "auto" else method
+    if chosen != "untiled" and not tiled:
+        raise ConfigError(f"infer: method={chosen!r} tiles the image: give q or tile_size")
+    if chosen == "blended":
+        if not isinstance(tile_size, int) or tta is not None:
+            raise ConfigError("infer: method='blended' takes one int tile_size (the window) "
+                              "and no tta")
+        if (fp or model_footprint(model)).padding != "same":
+            raise ConfigError("infer: method='blended' needs a same-padding network (a valid "
+                              "one's windows shrink); use method='auto'")
+        return predict_blended(model, image, window=tile_size, overlap=overlap,
+                               autocast=autocast, channels_last=channels_last,
+                               out_dtype=out_dtype)
+    if chosen in ("passes", "two_pass"):
+        if tta is not None:
+            raise ConfigError(f"infer: tta={tta!r} with method={chosen!r}: each view would need "
+                              "its own whole-image statistics; predict without tta")
+    if chosen == "untiled":
+        if tta is not None:
+            out = predict_full_tta(model, image if image.dim() == 4 else image[None], tta, fp)
+            return (out if image.dim() == 4 else out[0]).to(out_dtype)
+        x = image if image.dim() == 4 else image[None]
+        with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
+            out = predict_full(model, x, fp)
+        return (out if image.dim() == 4 else out[0]).to(out_dtype)
+    refuse_inexact_layers(model)  # the untiled forward is the reference, whatever its layers
+    if chosen == "tiled" and not has_statistics(model) and uses_image_pool(model):
+        raise ConfigError(f"infer: {type(model).__name__} pools over its whole input, so plain "
+                          "tiles would each pool their own window; use method='two_pass' "
+                          "(or 'auto')")
+    if chosen == "tiled":
+        return predict_tiled(model, image, q=q, tile_size=tile_size, fp=fp, autocast=autocast,
+                             out_dtype=out_dtype, tta=tta, channels_last=channels_last)
+    if chosen == "passes":
+        return predict_tiled_exact(model, image, q=q, tile_size=tile_size, fp=fp,
+                                   autocast=autocast, out_dtype=out_dtype,
+                                   channels_last=channels_last)
+    if not isinstance(model, ImagePooled) or not uses_image_pool(model):
+        raise ConfigError("infer: method='two_pass' needs a network that pools its whole "
+                          f"input by the two-pass protocol; {type(model).__name__} does not")
+    x = image if image.dim() == 4 else image[None]
+    out = predict_tiled_two_pass(model, x, q=q, tile_size=tile_size,
+                                 fp=fp or model_footprint(model), autocast=autocast,
+                                 out_dtype=out_dtype)
+    return out if image.dim() == 4 else out[0]
