@@ -57,6 +57,7 @@ from seg_at_scale.vectors.sources import (
     reader_path,
     row_bands,
 )
+from seg_at_scale.vectors.stitch import StitchError, _ranges, stitch
 
 __all__ = ["Region", "MergeStats", "SeamMerger", "polygonize", "check_options"]
 
@@ -126,6 +127,78 @@ def check_options(connectivity: int, classes: Iterable[int] | None,
     return kept
 
 
+class _Components:
+    """The connected components of one class in a strip, found on its runs.
+
+    A run is a row's longest stretch of one class; runs in adjacent rows join where they
+    overlap (4-connectivity) or also touch at a corner (8-connectivity): a graph of runs,
+    not of pixels, and one pass over the strip for all classes at once (no label image).
+
+    Attributes:
+        count: 4-connected components (ids ``0..count-1``).
+        classes, pixels, psum: ``[count]`` class, pixel count and probability sum.
+        region: ``[count]`` 8-connected component of each (8-connectivity), else None.
+        top, bottom: ``[W]`` component id + 1 on the first / last row (0: no data).
+    """
+
+    def __init__(self, labels: np.ndarray, probability: np.ndarray | None,
+                 connectivity: int) -> None:
+        h, w = labels.shape
+        flat = labels.ravel()
+        start = np.empty((h, w), bool)  # a run starts here
+        start[:, 0] = True
+        np.not_equal(labels[:, 1:], labels[:, :-1], out=start[:, 1:])
+        starts = np.flatnonzero(start)
+        run_class = flat[starts]
+        lengths = np.diff(starts, append=flat.size)
+        kept = run_class != NODATA
+        self._starts = starts[kept]
+        runs = self._starts.size
+        # runs of adjacent rows overlap from a column where one of them starts
+        either = start[:-1] | start[1:]
+        valid = labels[:-1] != NODATA
+        pairs = [np.flatnonzero(either & valid & (labels[:-1] == labels[1:]))]
+        a, b = self._run(pairs[0]), self._run(pairs[0] + w)
+        part = _connected(runs, [a], [b])
+        self.count = int(part.max(initial=-1)) + 1
+        self.classes = np.zeros(self.count, np.int64)
+        self.classes[part] = run_class[kept]
+        self.pixels = np.bincount(part, lengths[kept], self.count).astype(np.int64)
+        self.psum = (np.bincount(part, np.add.reduceat(probability.ravel(), starts)[kept],
+                                 self.count) if probability is not None and runs
+                     else np.zeros(self.count))
+        self.region: np.ndarray | None = None
+        if connectivity == 8:  # corners: (r, c-1)-(r+1, c) and (r, c)-(r+1, c-1)
+            ends = either[:, 1:]
+            src, dst = [a], [b]
+            for top, bottom, shift in ((np.s_[:-1, :-1], np.s_[1:, 1:], (0, 1)),
+                                       (np.s_[:-1, 1:], np.s_[1:, :-1], (1, 0))):
+                rc = np.nonzero(ends & (labels[top] != NODATA)
+                                & (labels[top] == labels[bottom]))
+                src.append(self._run(rc[0] * w + rc[1] + shift[0]))
+                dst.append(self._run((rc[0] + 1) * w + rc[1] + shift[1]))
+            joined = _connected(runs, src, dst)
+            self.region = np.zeros(self.count, np.int64)
+            self.region[part] = joined
+        self._part = part
+        self.top = self._row_ids(labels[0], 0)
+        self.bottom = self._row_ids(labels[-1], (h - 1) * w)
+
+    def _run(self, flat_index: np.ndarray) -> np.ndarray:
+        """The run holding each pixel (by flat index; pixels with data only)."""
+        return np.searchsorted(self._starts, flat_index, side="right") - 1
+
+    def at(self, flat_index: np.ndarray) -> np.ndarray:
+        """The component of each pixel (by flat index; pixels with data only)."""
+        return self._part[self._run(flat_index)]
+
+    def _row_ids(self, row: np.ndarray, offset: int) -> np.ndarray:
+        ids = np.zeros(row.size, np.int64)
+        valid = np.flatnonzero(row != NODATA)
+        ids[valid] = self.at(offset + valid) + 1
+        return ids
+
+
 class SeamMerger:
     """Turns strips of labels, top to bottom, into finished regions (see module docstring).
 
@@ -145,10 +218,6 @@ class SeamMerger:
                  classes: frozenset[int] | None = None, scale: float | None = None) -> None:
         self.width, self.connectivity, self.classes = width, connectivity, classes
         self.scale = scale
-        from scipy import ndimage  # here: scipy costs 0.3 s of every seg-predict's start
-
-        self._edges = ndimage.generate_binary_structure(2, 1)
-        self._corners = ndimage.generate_binary_structure(2, 2)
         self._reset()
         self.stats = MergeStats()
 
@@ -161,6 +230,7 @@ class SeamMerger:
         self._piece_geom = np.zeros(0, object)  # [p] polygon pieces of the open parts
         self._piece_part = np.zeros(0, np.int64)  # [p] whose
         self._sealed: dict[int, _Sealed] = {}  # open region -> its complete parts
+        self._seams: list[int] = []  # rows between the strips read
         self._seam_labels: np.ndarray | None = None  # [W] last row of the previous strip
         self._seam_keys = np.full(self.width, -1, np.int64)  # [W] open part there, -1: none
 
@@ -175,27 +245,22 @@ class SeamMerger:
                 units (summed exactly, scaled by ``scale`` once per region).
         """
         labels = self._kept(labels)
-        comp, comp_class, comp_region = self._components(labels)
-        n, m = len(comp_class), len(self._part_class)
-        geoms, first = self._pieces(labels, comp, n, row)
-        flat = comp.ravel()
-        pixels = np.bincount(flat, minlength=n + 1)[1:]
-        psum = (np.bincount(flat, weights=probability.ravel(), minlength=n + 1)[1:]
-                if probability is not None else np.zeros(n))
-        region_of = comp_region.ravel()[first] if comp_region is not None else None
+        comp = _Components(labels, probability, self.connectivity)
+        n, m = comp.count, len(self._part_class)
+        geoms = self._pieces(labels, comp, row)
         # nodes: the open parts, then this strip's components; each joins a part and a region
-        part, region = self._join(labels[0], comp[0], m, n, region_of)
+        part, region = self._join(labels[0], comp.top, m, n, comp.region)
         parts = int(part.max(initial=-1)) + 1
         part_class = np.zeros(parts, np.int64)
-        part_class[part] = np.concatenate([self._part_class, comp_class])
+        part_class[part] = np.concatenate([self._part_class, comp.classes])
         part_region = np.zeros(parts, np.int64)
         part_region[part] = region
-        part_pixels = np.bincount(part, np.concatenate([self._part_pixels, pixels]),
+        part_pixels = np.bincount(part, np.concatenate([self._part_pixels, comp.pixels]),
                                   parts).astype(np.int64)  # exact below 2**53
-        part_psum = np.bincount(part, np.concatenate([self._part_psum, psum]), parts)
+        part_psum = np.bincount(part, np.concatenate([self._part_psum, comp.psum]), parts)
         piece_geom = np.concatenate([self._piece_geom, geoms])
         piece_part = part[np.concatenate([self._piece_part, m + np.arange(n)])]
-        last = comp[-1]
+        last = comp.bottom
         seam_part = part[m + last[last > 0] - 1]
         on_seam = np.zeros(parts, bool)
         on_seam[seam_part] = True
@@ -222,6 +287,7 @@ class SeamMerger:
         self._piece_geom, self._piece_part = piece_geom[held], index[piece_part[held]]
         self._sealed = {int(region_index[r]): s for r, s in sealed.items()}
         self._seam_labels = labels[-1].copy()
+        self._seams.append(row + labels.shape[0])
         self._seam_keys = np.full(self.width, -1, np.int64)
         self._seam_keys[last > 0] = index[seam_part]
         self._count(done, strip=True)
@@ -248,7 +314,8 @@ class SeamMerger:
         (8-connectivity) it is sealed into ``sealed`` (updated), otherwise it goes out
         with its region and the region's sealed parts.
         """
-        geom = _part_geometries(piece_geom, piece_part, complete, part_pixels.size)
+        geom = _part_geometries(piece_geom, piece_part, complete, part_pixels.size,
+                                np.asarray(self._seams, np.float64))
         region = part_region[complete]
         living = alive[region]
         if living.any():  # 8-connectivity: a region lives on through another part
@@ -311,54 +378,22 @@ class SeamMerger:
             return labels
         return np.where(np.isin(labels, list(self.classes)), labels, NODATA).astype(np.uint8)
 
-    def _components(self, labels: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """4-connected component ids ``[h, W]`` int32 (0 = no data) and their class.
+    def _pieces(self, labels: np.ndarray, comp: _Components, row: int) -> np.ndarray:
+        """Each component's polygon, in raster pixel coordinates.
 
-        Ids are unique over classes; with 8-connectivity the 8-connected component ids
-        (``[h, W]``, unique over classes) come third, else None.
+        Returns an object array ``[n]`` indexed by component id.
         """
-        from scipy import ndimage
-
-        comp = np.zeros(labels.shape, np.int32)
-        joined = np.zeros(labels.shape, np.int32) if self.connectivity == 8 else None
-        classes: list[np.ndarray] = []
-        n = k8 = 0
-        present = np.flatnonzero(np.bincount(labels.ravel(), minlength=256)[:NODATA])
-        for c in present:
-            mask = labels == c
-            ids, k = ndimage.label(mask, self._edges, output=np.int32)
-            np.add(ids, n, out=ids, where=mask)
-            comp += ids
-            classes.append(np.full(k, c, np.int64))
-            n += k
-            if joined is not None:
-                ids, k = ndimage.label(mask, self._corners, output=np.int32)
-                np.add(ids, k8, out=ids, where=mask)
-                joined += ids
-                k8 += k
-        return comp, np.concatenate(classes) if classes else np.zeros(0, np.int64), joined
-
-    def _pieces(self, labels: np.ndarray, comp: np.ndarray, n: int, row: int
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """Each component's polygon and first pixel.
-
-        Returns the polygons (object array ``[n]``, by component id) in raster pixel
-        coordinates, and the flat index of each one's first pixel in the strip.
-        """
-        h, w = labels.shape
+        w = labels.shape[1]
         polygons, top_left = _polygons(labels, row)
         # a polygon's first pixel in row-major order has the smallest (y, x) corner
-        y, x = top_left // (w + 1) - row, top_left % (w + 1)
-        first_of = y * w + x
-        ids = comp.ravel()[first_of] - 1
-        if polygons.size != n or (n and np.bincount(ids, minlength=n).max() != 1):
-            raise AssertionError(f"GDAL gave {polygons.size} polygons for {n} components")
-        geoms = np.empty(n, object)
+        ids = comp.at((top_left // (w + 1) - row) * w + top_left % (w + 1))
+        if polygons.size != comp.count or (
+                comp.count and np.bincount(ids, minlength=comp.count).max() != 1):
+            raise AssertionError(f"GDAL gave {polygons.size} polygons for {comp.count} "
+                                 "components")
+        geoms = np.empty(comp.count, object)
         geoms[ids] = polygons
-        first = np.empty(n, np.int64)
-        first[ids] = first_of
-        return geoms, first
+        return geoms
 
     def _join(self, top_labels: np.ndarray, top_comp: np.ndarray, m: int, n: int,
               region_of: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -423,10 +458,11 @@ def _seal(sealed: dict[int, _Sealed], region: int, more: _Sealed) -> None:
 
 
 def _part_geometries(piece_geom: np.ndarray, piece_part: np.ndarray, parts: np.ndarray,
-                     count: int) -> np.ndarray:
+                     count: int, seams: np.ndarray) -> np.ndarray:
     """One polygon per part in ``parts`` (sorted ids, each with a piece).
 
-    That is its piece, or the union of its pieces, which meet along seam edges.
+    That is its piece, or the union of its pieces, which meet along the seam lines
+    (y in ``seams``): :func:`~seg_at_scale.vectors.stitch.stitch`.
     """
     wanted = np.zeros(count, bool)
     wanted[parts] = True
@@ -438,8 +474,15 @@ def _part_geometries(piece_geom: np.ndarray, piece_part: np.ndarray, parts: np.n
         np.zeros(0, np.int64)
     ends = np.r_[starts[1:], owner.size]
     out = geom[starts]
-    for i in np.flatnonzero(ends - starts > 1).tolist():
-        out[i] = shapely.union_all(geom[starts[i] : ends[i]])
+    several = np.flatnonzero(ends - starts > 1)
+    if several.size:
+        sel = _ranges(starts[several], ends[several] - starts[several])
+        try:
+            out[several] = stitch(geom[sel], np.repeat(np.arange(several.size),
+                                                       (ends - starts)[several]), seams)
+        except StitchError:  # not expected: the overlay gives the same polygons, slower
+            for i in several.tolist():
+                out[i] = shapely.union_all(geom[starts[i] : ends[i]])
     return out
 
 
