@@ -174,7 +174,8 @@ def check_model_bands(cfg: DictConfig) -> None:
     bands = cfg.data.get("bands")
     for key in ("in_channels", "planes"):
         given = cfg.model.get(key) if key in cfg.model else None
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (bands, given)):
+        if not (isinstance(bands, int) and isinstance(given, int)) or isinstance(
+                bands, bool) or isinstance(given, bool):
             continue  # absent, or a bad value data.bands' own check names
         if given != bands:
             example = ",".join(str(i) if i < given else "null" for i in range(bands))

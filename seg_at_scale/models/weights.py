@@ -419,8 +419,10 @@ def _offline(spec: str, encoder: str, key: str) -> ConfigError:
 
 
 def resolve_weights(spec: str, encoder: str, *, key: str) -> Path:
-    """The local file a weights value names: a path, a hub name already in the local
-    Hugging Face cache, or a hub name downloaded when online.
+    """The local file a weights value names: a path, or a hub name (cached or downloaded).
+
+    A hub name already in the local Hugging Face cache needs no network; otherwise it is
+    downloaded when the machine is online.
 
     Raises:
         InputError: a path that does not exist.
@@ -571,8 +573,10 @@ def check_fit(key: str, path: Any, match: WeightsMatch, target: Mapping[str, Ten
 
 
 def _examples(keys: Sequence[str], n: int = 3) -> list[str]:
-    """One key from each of the first ``n`` modules holding ``keys`` (sorted: the same for a
-    file's .pth and .safetensors layouts), a weight where the module has one."""
+    """One key from each of the first ``n`` modules holding ``keys``, a weight if any.
+
+    Sorted: the same examples for a file's .pth and .safetensors layouts.
+    """
     blocks: dict[str, list[str]] = {}
     for k in sorted(keys):
         blocks.setdefault(k.rsplit(".", 2)[0], []).append(k)
