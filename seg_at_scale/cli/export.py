@@ -22,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 from seg_at_scale.cli.common import reports_errors
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.models.loading import model_files
 from seg_at_scale.models.segmodel import write_model
-from seg_at_scale.models.trained import load_run, model_files
+from seg_at_scale.models.trained import load_run
 from seg_at_scale.prediction.checks import check_outputs
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf_predict")  # shipped in the wheel

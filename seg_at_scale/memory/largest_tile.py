@@ -29,6 +29,7 @@ from torch import nn
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.probe import StepMeasure, StepSpec, measure_step
 from seg_at_scale.memory.sides import legal_side, smallest_side
+from seg_at_scale.models.contract import SegmentationNetwork
 from seg_at_scale.tiling.halo import footprint
 
 __all__ = ["TileSearch", "find_largest_tile", "activation_bytes_per_pixel", "GIB"]
@@ -182,7 +183,10 @@ def activation_bytes_per_pixel(model: nn.Module, spec: StepSpec, side: int = 0) 
         seen[st.data_ptr()] = st.nbytes()
         return t
 
-    x = torch.randn(spec.batch, int(getattr(model, "in_channels", 4)), side, side)
+    if not isinstance(model, SegmentationNetwork):
+        raise ConfigError(f"the tile-size estimate needs a network of the model contract "
+                          f"(bands, classes, footprint); {type(model).__name__} is not one")
+    x = torch.randn(spec.batch, model.in_channels, side, side)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = model(x)
     del y

@@ -44,6 +44,7 @@ from seg_at_scale.memory.levels import Level, check_block_size, find_levels
 from seg_at_scale.memory.segments import GRANULARITIES, Segment, cut_segments, run_segments
 from seg_at_scale.memory.strips import DEFAULT_COLS, DEFAULT_ROWS, run_strips
 from seg_at_scale.memory.units import UNIT_GRANULARITIES, checkpointed, find_units
+from seg_at_scale.models.contract import Checkpointable, Pipelined, SegmentationNetwork
 
 __all__ = ["MODES", "MemoryConfig", "MemoryWrapped", "apply_memory_mode",
            "pipe_checkpoint_mode", "memory_mode_of"]
@@ -179,19 +180,21 @@ class MemoryWrapped(nn.Module):
         if cfg.checkpoints and _by_units(model):
             self._units = _units_of(model, cfg)
         elif cfg.checkpoints and cfg.granularity == "strips":
-            if not hasattr(model, "pipeline_layers"):
+            if not isinstance(model, Pipelined):
                 raise ConfigError(f"memory.granularity=strips needs the flat layer form, but "
                                   f"{type(model).__name__} has no pipeline_layers(); use "
                                   "memory=offload or memory=none for this model")
-            if getattr(model, "padding", "same") != "same":
+            padding = model.footprint().padding if isinstance(model, SegmentationNetwork) \
+                else "same"
+            if padding != "same":
                 raise ConfigError(f"memory.granularity=strips needs padding='same', not "
-                                  f"{model.padding!r}; use memory.granularity=level")
+                                  f"{padding!r}; use memory.granularity=level")
             self._levels = find_levels(model.pipeline_layers())
             if not self._levels:
                 raise ConfigError(f"memory.granularity=strips: {type(model).__name__} has no "
                                   "level with a skip to split; use memory.granularity=level")
         elif cfg.checkpoints:
-            if not hasattr(model, "pipeline_layers"):
+            if not isinstance(model, Pipelined):
                 raise ConfigError(
                     f"memory.mode={cfg.mode!r} needs the flat layer form, but "
                     f"{type(model).__name__} has no pipeline_layers(); use memory=offload or "
@@ -265,9 +268,9 @@ def _by_units(model: nn.Module) -> bool:
     It names its roots and has no flat layer form (smp networks; Gated-SCNN on a timm
     backbone).
     """
-    if not callable(getattr(model, "checkpoint_roots", None)):
+    if not isinstance(model, Checkpointable):
         return False
-    if not hasattr(model, "pipeline_layers"):
+    if not isinstance(model, Pipelined):
         return True
     try:
         model.pipeline_layers()

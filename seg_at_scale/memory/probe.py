@@ -26,9 +26,11 @@ import psutil
 import torch
 from torch import nn
 
+from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.modes import MemoryConfig, apply_memory_mode
 from seg_at_scale.memory.precision import normalize_precision
 from seg_at_scale.memory.sides import smallest_side
+from seg_at_scale.models.contract import SegmentationNetwork
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint
 
@@ -112,9 +114,8 @@ def _autocast(device: torch.device, precision: str) -> Any:
 
 
 def _one_step(net: nn.Module, opt: torch.optim.Optimizer, side: int, spec: StepSpec,
-              device: torch.device, classes: int) -> tuple[float, float]:
-    in_ch = int(getattr(net, "in_channels", 4))
-    x = torch.randn(spec.batch, in_ch, side, side, device=device)
+              device: torch.device, bands: int, classes: int) -> tuple[float, float]:
+    x = torch.randn(spec.batch, bands, side, side, device=device)
     if spec.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -156,15 +157,18 @@ def run_step(model: nn.Module, side: int, spec: StepSpec,
     if spec.threads:
         torch.set_num_threads(spec.threads)
     net = apply_memory_mode(model.to(dev), spec.memory).train()
-    classes = int(getattr(model, "num_classes", 2))
+    if not isinstance(model, SegmentationNetwork):
+        raise ConfigError(f"the memory probe needs a network of the model contract (bands, "
+                          f"classes, footprint); {type(model).__name__} is not one")
+    bands, classes = model.in_channels, model.num_classes
     opt = torch.optim.AdamW(net.parameters(), lr=1e-6)
-    _one_step(net, opt, min(warmup_side(footprint(model)), side), spec, dev, classes)
+    _one_step(net, opt, min(warmup_side(footprint(model)), side), spec, dev, bands, classes)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
     else:
         base = peak_rss_bytes()
-    times = [_one_step(net, opt, side, spec, dev, classes) for _ in range(1 + spec.repeats)]
+    times = [_one_step(net, opt, side, spec, dev, bands, classes) for _ in range(1 + spec.repeats)]
     peak = (torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
             else peak_rss_bytes())
     best = min(times[1:] or times)

@@ -36,6 +36,7 @@ from torch import nn
 
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import TRUST_HINT, ConfigError
+from seg_at_scale.models.contract import check_contract
 
 __all__ = ["Family", "register", "families", "family_of", "check_model_config",
            "build_model", "without_weight_files"]
@@ -151,9 +152,9 @@ def build_model(node: Mapping[str, Any], *, where: str, trust: bool = False) -> 
             from hydra.utils import instantiate
 
             return instantiate(dict(node), _convert_="all")  # type: ignore[no-any-return]
-        return fam.cls(**kwargs)
+        return check_contract(fam.cls(**kwargs))
     fam, kwargs = check_model_config(node, where=where)
-    return fam.cls(**kwargs)
+    return check_contract(fam.cls(**kwargs))
 
 
 def without_weight_files(node: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 
 from seg_at_scale.errors import InputError, OutputExistsError, SegAtScaleError
+from seg_at_scale.models.contract import ApproximateFootprint
 from seg_at_scale.models.registry import build_model, without_weight_files
 from seg_at_scale.models.trained import CARD_FORMAT, TrainedModel, load_weights, weights_mismatch
 from seg_at_scale.tiling.geometry import Footprint
@@ -386,8 +387,9 @@ def _network_footprint(model: nn.Module, exact: bool) -> Footprint:
     """The footprint the network itself has: exact, or its approximate one."""
     if exact:
         return measured_footprint(model)
-    approximate = getattr(model, "approximate_footprint", None)
-    return approximate() if callable(approximate) else measured_footprint(model)  # type: ignore[no-any-return]
+    if isinstance(model, ApproximateFootprint):
+        return model.approximate_footprint()
+    return measured_footprint(model)
 
 
 def _check_network(card: Mapping[str, Any], model: nn.Module, where: str) -> None:

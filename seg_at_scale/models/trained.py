@@ -32,14 +32,14 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io.preview import default_palette
 from seg_at_scale.models.checkpoint import load_checkpoint, model_state
+from seg_at_scale.models.contract import ApproximateFootprint
 from seg_at_scale.models.registry import build_model, family_of, without_weight_files
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as measured_footprint
 
-__all__ = ["TrainedModel", "load_run", "load_trained", "footprint_with_halo",
-           "pick_checkpoint", "card_of_config", "tiling_footprint", "load_weights",
-           "weights_mismatch", "model_files", "peek_card", "normalizer_of_card",
-           "RUN_CONFIG", "CARD_FORMAT"]
+__all__ = ["TrainedModel", "load_run", "footprint_with_halo", "pick_checkpoint",
+           "card_of_config", "tiling_footprint", "load_weights", "weights_mismatch",
+           "normalizer_of_card", "read_run_config", "RUN_CONFIG", "CARD_FORMAT"]
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +130,8 @@ def tiling_footprint(model: nn.Module, tiling: Mapping[str, Any]) -> Footprint:
     halo = tiling.get("halo", "auto")
     if tiling.get("exact", True):
         return footprint_with_halo(model, halo)
-    approximate = getattr(model, "approximate_footprint", None)
-    fp: Footprint = approximate() if callable(approximate) else footprint_with_halo(model,
-                                                                                    "auto")
+    fp = model.approximate_footprint() if isinstance(model, ApproximateFootprint) \
+        else footprint_with_halo(model, "auto")
     if halo not in (None, "auto"):
         fp = Footprint(int(halo), fp.align, fp.padding, fp.out_residue)
     log.warning("tiling.exact=false: tiles (halo %d, align %d) do NOT reproduce the "
@@ -140,7 +139,8 @@ def tiling_footprint(model: nn.Module, tiling: Mapping[str, Any]) -> Footprint:
     return fp
 
 
-def _read_run_config(run: Path) -> DictConfig:
+def read_run_config(run: Path) -> DictConfig:
+    """A run folder's ``run_config.yaml``, refused in one line when missing or unreadable."""
     path = run / RUN_CONFIG
     if not path.is_file():
         raise InputError(f"run='{run}' has no {RUN_CONFIG}; give the folder of a training "
@@ -288,7 +288,7 @@ def load_run(run: str | os.PathLike[str], ckpt: str = "best", *,
             know, an unreadable or unsafe checkpoint, weights that do not fit the config.
     """
     run = Path(run)
-    cfg = _read_run_config(run)
+    cfg = read_run_config(run)
     where = f"run '{run}'"
     node = OmegaConf.to_container(cfg.model, resolve=True)
     # every tensor comes from the checkpoint: the pretrained weights files need not exist
@@ -303,50 +303,3 @@ def load_run(run: str | os.PathLike[str], ckpt: str = "best", *,
     return TrainedModel(model, card, where, cfg, path)
 
 
-def load_trained(run: str | os.PathLike[str] | None = None,
-                 model: str | os.PathLike[str] | None = None, *, ckpt: str = "best",
-                 trust: bool = False) -> TrainedModel:
-    """The model ``run=`` (a training run folder) or ``model=`` (a seg-export file) names."""
-    if (run is None) == (model is None):
-        raise ConfigError("give the model to predict with as run=<training run folder> or "
-                          "model=<file made by seg-export>, one of them"
-                          + (" (both were given)" if run is not None else ""))
-    if run is not None:
-        return load_run(run, ckpt, trust=trust)
-    from seg_at_scale.models.segmodel import read_model
-
-    return read_model(model, trust=trust)  # type: ignore[arg-type]
-
-
-def model_files(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] | None,
-                ckpt: str = "best") -> dict[str, Path]:
-    """The files a model is read from (no output may replace them), by what users call them."""
-    if run is not None:
-        return {"run config": Path(run) / RUN_CONFIG,
-                "checkpoint": pick_checkpoint(Path(run), ckpt)}
-    return {"model": Path(model)} if model is not None else {}
-
-
-def peek_card(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] | None,
-              ckpt: str = "best") -> tuple[dict[str, Any], str]:
-    """A model's card and name without building the network or loading weights.
-
-    The launching process of a multi-process prediction checks every input with it before
-    forking its ranks: it must run no torch computation (OpenMP does not survive a fork).
-    A run's footprint is the one its training computed (``computed`` in its config); the
-    ranks compare it with the network's own.
-    """
-    if (run is None) == (model is None):
-        load_trained(run, model)  # the same refusal
-    if model is not None:
-        from seg_at_scale.models.segmodel import read_card
-
-        return read_card(Path(model)), f"model '{model}'"
-    cfg = _read_run_config(Path(run))  # type: ignore[arg-type]
-    pick_checkpoint(Path(run), ckpt)  # type: ignore[arg-type]
-    c = cfg.get("computed") or {}
-    if not all(k in c for k in ("halo", "align", "padding", "out_residue")):
-        raise InputError(f"'{Path(run) / RUN_CONFIG}' has no computed footprint (halo, align, "
-                         "padding); predict with processes=1, or export the run with seg-export")
-    fp = Footprint(int(c.halo), int(c.align), str(c.padding), int(c.out_residue))
-    return card_of_config(cfg, fp), f"run '{run}'"

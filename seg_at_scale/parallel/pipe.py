@@ -27,6 +27,7 @@ from fairscale.nn.pipe.worker import join_workers
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.models.contract import Pipelined
 from seg_at_scale.models.layers import Skip, check_layers
 
 __all__ = ["PipelineConfig", "build_pipe", "pipe_sequential", "check_devices", "close_pipe",
@@ -213,7 +214,7 @@ def build_pipe(model: nn.Module, cfg: PipelineConfig, batch_size: int | None = N
     The model's parameters move to their stages' devices; afterwards move data, not the
     model (Pipe refuses ``.to()``).
     """
-    if not hasattr(model, "pipeline_layers"):
+    if not isinstance(model, Pipelined):
         raise ConfigError(f"{type(model).__name__} has no pipeline_layers(); it cannot run "
                           "as a pipeline (pipeline=none)")
     layers = model.pipeline_layers()

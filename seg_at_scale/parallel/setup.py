@@ -19,6 +19,7 @@ from torch import nn
 
 from seg_at_scale.config_check import known_keys
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.models.contract import Pipelined
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, check_devices
 from seg_at_scale.parallel.planner import balance_by, plan
 from seg_at_scale.parallel.profile import profile_layers
@@ -96,7 +97,7 @@ def resolve_pipeline(p: Mapping[str, Any] | PipelineGroup, model: nn.Module,
     mode = g.mode
     if mode == "none":
         return None
-    if not hasattr(model, "pipeline_layers"):
+    if not isinstance(model, Pipelined):
         raise ConfigError(f"pipeline={mode}: {type(model).__name__} has no flat layer form "
                           "(pipeline_layers); use pipeline=none")
     n_layers = len(model.pipeline_layers())

@@ -1,6 +1,6 @@
 """One scene predicted with a trained model: checks, tiles, score, preview.
 
->>> from seg_at_scale.models.trained import load_trained  # doctest: +SKIP
+>>> from seg_at_scale.models.loading import load_trained  # doctest: +SKIP
 >>> trained = load_trained(run="runs/same_unet_small/2026-11-25_10-00-00")  # doctest: +SKIP
 >>> predict_scene(trained, Path("scene.tif"), Path("scene_mask.tif"),
 ...               PredictOptions(fast=True))["prediction"]  # doctest: +SKIP
@@ -9,8 +9,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,18 +21,33 @@ import numpy as np
 import torch
 
 from seg_at_scale.catalog.items import item_path, stac_item, write_item
+from seg_at_scale.errors import OutputExistsError
 from seg_at_scale.io import RasterReader, read_overview, write_preview_png
+from seg_at_scale.io.writer import temporary_path, write_atomic
 from seg_at_scale.io.zarr_raster import open_raster
 from seg_at_scale.metrics import confusion_from_rasters, iou_from_confusion
 from seg_at_scale.models.trained import TrainedModel
 from seg_at_scale.parallel.launch import rank_world
-from seg_at_scale.prediction.checks import check_scene, preview_path, probabilities_path
-from seg_at_scale.prediction.finished import finished
+from seg_at_scale.prediction.checks import (
+    check_scene,
+    companion_is_ours,
+    not_ours,
+    preview_path,
+    probabilities_path,
+)
+from seg_at_scale.prediction.finished import (
+    file_sha256,
+    finished,
+    mark_item,
+    mark_png,
+    vector_record,
+)
+from seg_at_scale.prediction.lock import scene_lock
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.raster import PredictionStats, predict_raster
 from seg_at_scale.vectors import write_vectors
 
-__all__ = ["predict_scene"]
+__all__ = ["predict_scene", "companions", "vector_record"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +58,9 @@ def predict_scene(trained: TrainedModel, image: Path, output: Path, options: Pre
     """Predict one image file whole; optionally score it against ``mask``; draw a preview.
 
     Every check runs before the model does (:func:`~seg_at_scale.prediction.checks.check_scene`)
-    unless ``checked`` says the caller ran it (the launcher of a multi-process run).
+    unless ``checked`` says the caller ran it (the launcher of a multi-process run). Rank 0
+    holds the output's lock (:func:`~seg_at_scale.prediction.lock.scene_lock`) from before
+    the first tile until the last companion is written.
 
     Args:
         trained: the model (its ``model`` already on the device to run on).
@@ -57,6 +76,16 @@ def predict_scene(trained: TrainedModel, image: Path, output: Path, options: Pre
         The result as plain data (what ``seg-predict`` prints).
     """
     model = trained.model.eval()
+    lock = scene_lock(output) if rank_world()[0] == 0 else contextlib.nullcontext()
+    with lock:
+        return _predict_scene(trained, model, image, output, options, mask=mask,
+                              model_files=model_files, checked=checked, vector=vector)
+
+
+def _predict_scene(trained: TrainedModel, model: torch.nn.Module, image: Path, output: Path,
+                   options: PredictOptions, *, mask: Path | None,
+                   model_files: Mapping[str, Path] | None, checked: bool,
+                   vector: Path | None) -> dict[str, Any]:
     if not checked:
         cuda = next(model.parameters()).device.type == "cuda"
         ranks = rank_world()[1]
@@ -97,29 +126,43 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
     the polygons if missing or made with other vector options (:func:`_vector_stale`), and
     the STAC Item if missing, if its assets are not this run's companions, or if the
     polygons were written again. Existing ones were checked before any work
-    (:func:`check_scene`).
+    (:func:`check_scene`), and are again before each is written: only a file this same
+    prediction wrote (its record: :func:`~.finished.written_by`) is replaced without
+    ``overwrite``. Each written file records the prediction and its content hash.
     """
     made: dict[str, str] = {}
     png = preview_path(output)
+    done = finished_digest(output)
     if options.preview:
         if not (stats.reused and png.exists()):
+            _may_write("preview", png, output, options)
             with RasterReader(image) as img, open_raster(output) as pred:
-                write_preview_png(png, read_overview(img, 1024), read_overview(pred, 1024)[0],
-                                  trained.num_classes, overwrite=True)
+                tmp = temporary_path(png, "preview")
+                try:
+                    write_preview_png(tmp, read_overview(img, 1024),
+                                      read_overview(pred, 1024)[0], trained.num_classes,
+                                      overwrite=True)
+                    marked = mark_png(tmp.read_bytes(), done)
+                    write_atomic(png, lambda path: path.write_bytes(marked))
+                finally:
+                    tmp.unlink(missing_ok=True)
         made["preview"] = str(png)
     probs = _probabilities_source(output, options)
     rewritten = not stats.reused
     if vector is not None:
         made_with = _vector_options(output, options, probs)
         if not stats.reused or _vector_stale(vector, made_with):
+            _may_write("vector", vector, output, options)
             vector.parent.mkdir(parents=True, exist_ok=True)
-            vector_record(vector).unlink(missing_ok=True)  # never beside another's polygons
+            record = vector_record(vector)  # first: the file about to be written is ours
+            record.write_text(json.dumps({**made_with, "pending": True}))
             write_vectors(output, vector, class_names=trained.class_names,
                           connectivity=options.vector_connectivity,
                           min_area=options.vector_min_area, simplify=options.vector_simplify,
                           classes=options.vector_classes, probabilities=probs,
                           overwrite=True, key="vector")
-            vector_record(vector).write_text(json.dumps(made_with))
+            written = {**made_with, "sha256": file_sha256(vector)}
+            write_atomic(record, lambda path: path.write_text(json.dumps(written)))
             rewritten = True  # new polygons: the Item's checksum of them changes
         made["vector"] = str(vector)
     if options.stac:
@@ -128,13 +171,31 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
         assets = {"labels", *(["probabilities"] if tif_probs else []),
                   *(["vectors"] if vector is not None else [])}
         if rewritten or _assets(item) != assets:
+            _may_write("stac", item, output, options)
             model = {"source": trained.source, "family": trained.card["model"].get("family"),
-                     "fingerprint": finished_digest(output)}
-            write_item(stac_item(output, source_image=image, class_names=trained.class_names,
-                                 colours=trained.card["data"].get("colours"), model=model,
-                                 probabilities=tif_probs, vectors=vector), output)
+                     "fingerprint": done}
+            doc = stac_item(output, source_image=image, class_names=trained.class_names,
+                            colours=trained.card["data"].get("colours"), model=model,
+                            probabilities=tif_probs, vectors=vector)
+            tmp = temporary_path(output, "item")  # its Item: beside it, renamed when marked
+            try:
+                marked = write_item(doc, tmp)
+                mark_item(marked, done)
+                os.replace(marked, item)
+            finally:
+                item_path(tmp).unlink(missing_ok=True)
         made["stac"] = str(item)
     return made
+
+
+def _may_write(key: str, path: Path, output: Path, options: PredictOptions) -> None:
+    """Refuse to replace a companion this prediction did not write, unless ``overwrite``.
+
+    Checked before any work too (:func:`~.checks.check_outputs`); here again, just before
+    the write, for a file that appeared since.
+    """
+    if not options.overwrite and not companion_is_ours(key, path, output):
+        raise OutputExistsError(not_ours(key, path, output))
 
 
 def _assets(item: Path) -> set[str] | None:
@@ -143,11 +204,6 @@ def _assets(item: Path) -> set[str] | None:
         return set(json.loads(item.read_text())["assets"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def vector_record(vector: Path) -> Path:
-    """Beside a vector file, the options it was made with (``.NAME.json``)."""
-    return vector.with_name(f".{vector.name}.json")
 
 
 def _vector_options(output: Path, options: PredictOptions,
@@ -162,10 +218,12 @@ def _vector_options(output: Path, options: PredictOptions,
 def _vector_stale(vector: Path, made_with: dict[str, Any]) -> bool:
     """Whether a reused output's vector file is missing or was made with other options."""
     try:
-        return json.loads(vector_record(vector).read_text()) != made_with or \
-            not vector.exists()
+        record = json.loads(vector_record(vector).read_text())
     except (OSError, ValueError):
         return True
+    if not isinstance(record, dict) or record.get("pending") or not vector.exists():
+        return True
+    return {k: v for k, v in record.items() if k != "sha256"} != made_with
 
 
 def _probabilities_source(output: Path, options: PredictOptions) -> Path | None:

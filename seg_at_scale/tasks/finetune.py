@@ -29,6 +29,7 @@ from typing import Any
 from torch import nn
 
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.models.contract import FineTunable
 
 __all__ = ["FREEZE_BN", "freeze_batch_norm", "resolve_freeze_bn", "encoder_parameters",
            "set_encoder_trainable", "optimizer_groups", "check_finetune"]
@@ -47,7 +48,7 @@ def resolve_freeze_bn(model: nn.Module, freeze_bn: str) -> str:
                           "(all keeps tiled training exact)")
     if freeze_bn != "auto":
         return freeze_bn
-    return "all" if getattr(model, "weights_report", None) else "none"
+    return "all" if isinstance(model, FineTunable) and model.weights_report else "none"
 
 
 def freeze_batch_norm(model: nn.Module, which: str) -> int:
@@ -69,8 +70,7 @@ def freeze_batch_norm(model: nn.Module, which: str) -> int:
 
 def encoder_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The encoder's parameters (``model.encoder_parameters()``), or [] for other models."""
-    fn = getattr(model, "encoder_parameters", None)
-    return list(fn()) if callable(fn) else []
+    return list(model.encoder_parameters()) if isinstance(model, FineTunable) else []
 
 
 def set_encoder_trainable(model: nn.Module, trainable: bool) -> int:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.modes import MemoryWrapped
+from seg_at_scale.models.contract import DualOutput
 from seg_at_scale.models.gscnn import unpack
 from seg_at_scale.tasks.segmentation import SegmentationTask
 from seg_at_scale.tiling.statistics import uses_image_pool
@@ -206,7 +207,7 @@ class GSCNNTask(SegmentationTask):
 
     def __init__(self, model: nn.Module, num_classes: int, *, loss: GSCNNLoss | None = None,
                  boundary_tolerance: int = 3, **kwargs: Any) -> None:
-        if not hasattr(getattr(model, "inner", model), "forward_dual"):
+        if not isinstance(getattr(model, "inner", model), DualOutput):
             raise ConfigError(f"task=gscnn needs a Gated-SCNN model (with forward_dual), got "
                               f"{type(model).__name__}; use model=gscnn_<size>")
         ignore = int(kwargs.get("ignore_index", 255))

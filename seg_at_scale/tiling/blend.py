@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.tiling.halo import alignment
 
 __all__ = ["gaussian_weights", "window_starts", "predict_blended", "label_deviation"]
 
@@ -94,7 +95,7 @@ def predict_blended(model: nn.Module, image: Tensor, *, window: int, overlap: fl
         channels_last: run the windows in NHWC layout.
         out_dtype: dtype of the result.
     """
-    a = int(align or getattr(model, "downsampling_factor", 1))
+    a = int(align or alignment(model))
     win = _checked(window, overlap, a)
     h, w = image.shape[-2:]
     eh, ew = math.ceil(h / a) * a, math.ceil(w / a) * a

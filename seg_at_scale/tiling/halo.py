@@ -28,18 +28,50 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from seg_at_scale.tiling.geometry import Footprint
 
-__all__ = ["halo_width", "empirical_halo", "footprint", "WholeImageDependency", "structural_copy",
+__all__ = ["Footprinted", "Aligned", "HeldForProbe", "alignment", "halo_width",
+           "empirical_halo", "footprint", "WholeImageDependency", "structural_copy",
            "GLOBAL_SIZE"]
 
 _ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.PReLU,
                 nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Mish, nn.Softplus)
+
+
+@runtime_checkable
+class Footprinted(Protocol):
+    """A network that states its footprint (every family of the model contract does)."""
+
+    def footprint(self) -> Footprint: ...
+
+
+@runtime_checkable
+class Aligned(Protocol):
+    """A network that states its alignment: the total downsampling factor."""
+
+    @property
+    def downsampling_factor(self) -> int: ...
+
+
+@runtime_checkable
+class HeldForProbe(Protocol):
+    """A layer with a whole-image statistic that the halo probe holds constant.
+
+    The project's statistic sites and Gated-SCNN's image pooling: tiled, their statistic
+    comes from extra passes, so the probe measures the local receptive field around it.
+    """
+
+    def hold_for_probe(self) -> None: ...
+
+
+def alignment(model: nn.Module) -> int:
+    """``model.downsampling_factor`` where the network states it, else 1 (no pooling grid)."""
+    return int(model.downsampling_factor) if isinstance(model, Aligned) else 1
 
 
 def footprint(model: nn.Module, *, align: int | None = None) -> Footprint:
@@ -52,9 +84,9 @@ def footprint(model: nn.Module, *, align: int | None = None) -> Footprint:
         model: any 2-D segmentation network ``[B, C, H, W] -> [B, K, H', W']``.
         align: downsampling factor; defaults to ``model.downsampling_factor`` or 1.
     """
-    if hasattr(model, "footprint"):
-        return model.footprint()  # type: ignore[no-any-return]
-    a = align or int(getattr(model, "downsampling_factor", 1))
+    if isinstance(model, Footprinted):
+        return model.footprint()
+    a = align or alignment(model)
     halo, shrink, out_size = _measure(model, a)
     if shrink == 0:
         return Footprint(halo, a, "same", 0)
@@ -69,11 +101,14 @@ def halo_width(model: nn.Module, method: str = "auto") -> int:
         method: ``"analytic"`` (needs ``model.footprint()``), ``"empirical"``, or
             ``"auto"`` (analytic when the model provides it).
     """
-    if method == "empirical" or (method == "auto" and not hasattr(model, "footprint")):
+    if method == "empirical" or (method == "auto" and not isinstance(model, Footprinted)):
         return empirical_halo(model)
     if method not in ("auto", "analytic"):
         raise ValueError(f"method={method!r}: use 'auto', 'analytic' or 'empirical'")
-    return model.footprint().halo  # type: ignore[operator,no-any-return]
+    if not isinstance(model, Footprinted):
+        raise ValueError(f"method='analytic' needs a network with footprint(); "
+                         f"{type(model).__name__} has none: use method='empirical'")
+    return model.footprint().halo
 
 
 def empirical_halo(model: nn.Module, *, align: int | None = None) -> int:
@@ -81,7 +116,7 @@ def empirical_halo(model: nn.Module, *, align: int | None = None) -> int:
 
     For ``valid`` padding, output pixel ``i`` is centred on input pixel ``i + shrink``.
     """
-    a = align or int(getattr(model, "downsampling_factor", 1))
+    a = align or alignment(model)
     return _measure(model, a)[0]
 
 
@@ -121,9 +156,8 @@ def structural_copy(model: nn.Module) -> nn.Module:
             elif buf_name.endswith("running_var"):
                 buf.fill_(1.0)
     for m in net.modules():  # whole-image statistics held constant (tiled in extra passes)
-        hold = getattr(m, "hold_for_probe", None)
-        if callable(hold):
-            hold()
+        if isinstance(m, HeldForProbe):
+            m.hold_for_probe()
     return net
 
 

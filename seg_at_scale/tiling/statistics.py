@@ -88,8 +88,7 @@ def whole_image_batch_norm(model: nn.Module, images: Sequence[Tensor], *,
     hooks = [m.register_forward_pre_hook(lambda m, _: order.append(m) if m not in order else None)
              for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     model.eval()
-    model(torch.zeros(1, int(getattr(model, "in_channels", 1)), fp.align, fp.align,
-                      device=module_device(model)))
+    model(torch.zeros(1, images[0].shape[-3], fp.align, fp.align, device=module_device(model)))
     for h in hooks:
         h.remove()
     for bn in order:

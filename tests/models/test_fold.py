@@ -127,7 +127,7 @@ def test_prediction_runs_the_folded_network_and_records_it(tmp_path, monkeypatch
 def test_archive_queue_runs_the_folded_network(tmp_path, monkeypatch):
     from test_smp_predict import smp_run
 
-    from seg_at_scale.models.trained import load_trained
+    from seg_at_scale.models.loading import load_trained
     from seg_at_scale.prediction.archive import archive_scenes, predict_archive
 
     net = preset_model("unet_test_resnet")  # no whole-image statistic: the global queue
