@@ -15,16 +15,28 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
 from seg_at_scale.errors import ConfigError, SegAtScaleError
-from seg_at_scale.models.trained import RUN_CONFIG
 
-__all__ = ["disk_full", "format_iou", "save_run_config", "RUN_CONFIG", "reports_errors",
-           "class_names_of", "USER_ERROR_EXIT"]
+__all__ = ["disk_full", "format_iou", "save_run_config", "reports_errors", "class_names_of",
+           "USER_ERROR_EXIT"]  # and RUN_CONFIG, read on first use (__getattr__)
 
 log = logging.getLogger(__name__)
 
 USER_ERROR_EXIT = 2  # exit status of a refused input or config (as argparse's usage errors)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def __getattr__(name: str) -> object:
+    """``RUN_CONFIG``, imported on first use.
+
+    :mod:`seg_at_scale.models` imports torch, and every command's start (the override
+    precheck, ``seg-predict``'s output lock) imports this module before torch is needed.
+    """
+    if name == "RUN_CONFIG":
+        from seg_at_scale.models.trained import RUN_CONFIG
+
+        return RUN_CONFIG
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _own_error(exc: BaseException) -> SegAtScaleError | None:
@@ -121,6 +133,8 @@ def format_iou(result: dict[str, Any], class_names: list[str]) -> str:
 
 def save_run_config(cfg: DictConfig, out_dir: Path, computed: dict[str, Any]) -> Path:
     """Write the resolved config with the computed values (halo, E, ...) into the run."""
+    from seg_at_scale.models.trained import RUN_CONFIG
+
     doc = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(doc, dict)
     doc["computed"] = computed

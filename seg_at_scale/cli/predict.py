@@ -19,10 +19,16 @@ NCCL on GPUs); under SLURM ``nodes`` x ``processes`` ranks come from the cluster
 Every key is checked, and every input against the model, before any rank starts
 (:mod:`seg_at_scale.prediction.checks`); the model is built from the registry and its
 checkpoint read as plain data (``trust_run=true`` lifts both, for a sender you trust).
+The output's lock (an archive's own) is the first work, before torch is even imported: of
+two commands writing one output the first started wins, and the other is refused at once.
+A rank killed by a signal (the OOM killer) ends the run within seconds, in one line naming
+the rank and the signal; the same command resumes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import logging
 import multiprocessing
@@ -31,31 +37,40 @@ import signal
 import sys
 import typing
 import warnings
-from dataclasses import dataclass, fields
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from seg_at_scale.cli.archive import archive_work, predict_archive_job
 from seg_at_scale.cli.common import USER_ERROR_EXIT, disk_full, format_iou, reports_errors
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError, SegAtScaleError
-from seg_at_scale.models.trained import load_trained, model_files, peek_card
-from seg_at_scale.parallel.launch import rank_world
-from seg_at_scale.parallel.lifetime import die_with_parent
-from seg_at_scale.prediction.checks import check_scene
-from seg_at_scale.prediction.options import PredictOptions
-from seg_at_scale.prediction.scene import predict_scene
+from seg_at_scale.parallel.lifetime import RankWatch, die_with_parent
+
+if TYPE_CHECKING:  # the network stack is imported after the output lock (_claim_output)
+    import torch
+
+    from seg_at_scale.prediction.options import PredictOptions
 
 log = logging.getLogger("seg_at_scale.predict")
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf_predict")  # shipped in the wheel
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # ranks that never meet fail, they do not hang
 _LAUNCHER: list[int] = []  # pid of the process that forks the ranks
 _REPORTED: list[Any] = []  # shared with the forked ranks: whether one printed the error
+_WATCH: list[RankWatch] = []  # shared with the forked ranks: their pids and own ends
+# set by a rank (or the process that starts the ranks) alone; "0" (or unset) in rank 0
+_RANK_VARIABLES = ("RANK", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK", "SLURM_PROCID")
+
+
+def _default_options() -> PredictOptions:
+    from seg_at_scale.prediction.options import PredictOptions
+
+    return PredictOptions()
 
 
 @dataclass(frozen=True)
@@ -79,38 +94,58 @@ class PredictJob:
     device: str = "auto"
     processes: int = 1
     nodes: int = 1
-    options: PredictOptions = PredictOptions()
+    options: PredictOptions = field(default_factory=_default_options)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> PredictJob:
         """Every key checked (unknown, missing, type, range) before any work."""
-        values = OmegaConf.to_container(cfg, resolve=True)
-        assert isinstance(values, dict)
+        from seg_at_scale.prediction.options import PredictOptions
+
+        values = _values(cfg)
         own = [f.name for f in fields(cls) if f.name != "options"]
         known_keys("", values, [*own, *PredictOptions.names()])
-        _check_mode(values)
-        job = {k: values[k] for k in own if k in values}
-        check_types("", job, typing.get_type_hints(cls))
+        job = cls.own_keys(values)
         opts = PredictOptions.from_mapping({k: v for k, v in values.items() if k not in own})
+        return cls(options=opts, **job)
+
+    @classmethod
+    def own_keys(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """The command's own keys (not the options), checked: the mode, types, ranges.
+
+        No torch needed: run before the output lock is taken (:func:`_claim_output`).
+        """
+        _check_mode(values)
+        own = [f.name for f in fields(cls) if f.name != "options"]
+        job = {k: values[k] for k in own if k in values}
+        hints = typing.get_type_hints(cls, localns={"PredictOptions": object})
+        check_types("", job, {k: v for k, v in hints.items() if k != "options"})
         for key in ("processes", "nodes"):
             if job.get(key, 1) < 1:
                 raise ConfigError(f"{key}={job[key]}: give a whole number >= 1 (e.g. {key}=2)")
         device = str(job.get("device", "auto"))
         if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
             raise ConfigError(f"device={device!r}: use auto, cpu, cuda or cuda:<index>")
-        return cls(options=opts, **job)
+        return job
 
     @property
     def archive(self) -> bool:
         return self.images is not None
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={self.device!r} but CUDA is not available; use "
                               "device=cpu")
         return torch.device(self.device)
+
+
+def _values(cfg: DictConfig) -> dict[str, Any]:
+    values = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(values, dict)
+    return values  # type: ignore[return-value]
 
 
 def _check_mode(values: dict[str, Any]) -> None:
@@ -137,6 +172,10 @@ def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:
     which has run no torch computation yet; a caller that has already run torch code keeps
     the default, since OpenMP does not survive a fork.
     """
+    from seg_at_scale.cli.archive import archive_work
+    from seg_at_scale.models.loading import model_files, peek_card
+    from seg_at_scale.prediction.checks import check_scene
+
     job = PredictJob.from_config(cfg)
     device = job.torch_device()
     ranks = job.processes * job.nodes
@@ -180,6 +219,12 @@ def _in_cluster() -> bool:
 
 def _predict(job: PredictJob, device: torch.device, work: Any = None) -> dict[str, Any]:
     """This rank's share of the prediction (everything, with one process)."""
+    import torch
+
+    from seg_at_scale.cli.archive import predict_archive_job
+    from seg_at_scale.models.loading import load_trained
+    from seg_at_scale.prediction.scene import predict_scene
+
     trained = load_trained(job.run, job.model, ckpt=job.ckpt, trust=job.trust_run)
     trained.model.to(device)
     if work is not None:
@@ -217,19 +262,64 @@ def _launch(job: PredictJob, device: torch.device, fork: bool, work: Any) -> dic
                     devices=job.processes, num_nodes=job.nodes, strategy=strategy)
     if not forked:
         return fabric.launch(_rank_main, job, False, work)  # type: ignore[no-any-return]
+    import torch
+
     _LAUNCHER[:] = [os.getpid()]  # the forked ranks' parent
     _REPORTED[:] = [multiprocessing.Value("b", 0)]  # inherited by every forked rank
+    watch = RankWatch(job.processes)
+    _WATCH[:] = [watch]
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    quiet = _QuietStops()
+    spawn_log.addFilter(quiet)
+    watch.watch()
     try:
         return fabric.launch(_rank_main, job, True, work)  # type: ignore[no-any-return]
     except torch.multiprocessing.ProcessExitedException as exc:
         if exc.exit_code in (130, 143):
             raise (Stopped(signal.SIGTERM) if exc.exit_code == 143 else KeyboardInterrupt()
                    ) from None
-        raise SystemExit(exc.exit_code if exc.exit_code > 0 else 128 - exc.exit_code) from None
+        if exc.exit_code < 0:
+            raise RankKilled(exc.error_index, job.processes, exc.error_pid,
+                             -exc.exit_code) from None
+        raise SystemExit(exc.exit_code) from None
     except KeyboardInterrupt:  # this process was signalled: stop the ranks too
         for child in multiprocessing.active_children():
             child.terminate()
         raise
+    finally:
+        watch.stop()
+        spawn_log.removeFilter(quiet)
+
+
+class _QuietStops(logging.Filter):
+    """Drop torch's "Terminating process N via signal SIGTERM" lines.
+
+    The launcher says which rank ended the run, and why, in one line of its own.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Terminating process", "Unable to shutdown"))
+
+
+class RankKilled(Exception):
+    """A forked rank was killed by a signal (the OOM killer, ``kill -9``): the run ended."""
+
+    def __init__(self, rank: int, ranks: int, pid: int, signum: int) -> None:
+        self.rank, self.ranks, self.pid, self.signum = rank, ranks, pid, signum
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        oom = (" (what the out-of-memory killer sends: fewer processes or a smaller "
+               "tile_size need less memory)" if signum == signal.SIGKILL else "")
+        super().__init__(f"rank {rank} of {ranks} (pid {pid}) was killed by {name}{oom}, and "
+                         "the other ranks were stopped; run the same command again to resume: "
+                         "the completed tiles are kept")
+
+    @property
+    def exit_status(self) -> int:
+        """The shell's status of a process killed by that signal (137 for SIGKILL)."""
+        return 128 + self.signum
 
 
 def _rank_main(fabric: Any, job: PredictJob, forked: bool, work: Any) -> dict[str, Any]:
@@ -239,17 +329,26 @@ def _rank_main(fabric: Any, job: PredictJob, forked: bool, work: Any) -> dict[st
     SIGKILL, and its output lock goes with it), and ends a refused input or a stop by its
     exit status; the launcher turns that into its own. The message is printed by the first
     rank that raises one, whichever it is (an archive's failing scene may be rank 1's
-    alone), and only by that rank (a refusal every rank raises prints once).
+    alone), and only by that rank (a refusal every rank raises prints once). A forked rank
+    tells the launcher's :class:`~seg_at_scale.parallel.lifetime.RankWatch` its pid and
+    its own end, so that a rank killed by a signal is told from one that ended itself.
     """
-    if forked:
-        die_with_parent(_LAUNCHER[0] if _LAUNCHER else None)
-    if fabric.device.type == "cpu":  # OMP_NUM_THREADS, or this process's share of the cores
-        threads = int(os.environ.get("OMP_NUM_THREADS") or 0)
-        torch.set_num_threads(threads or max(1, _cores() // job.processes))
+    import torch
+
     if not forked:
+        _set_threads(fabric, job, torch)
         return _predict(job, fabric.device, work)
+    die_with_parent(_LAUNCHER[0] if _LAUNCHER else None)
+    watch = _WATCH[0] if _WATCH else None
+    rank = fabric.global_rank
+    if watch is not None:
+        watch.started(rank)
+    status = 1  # an error of its own, raised on to torch's launcher
     try:
-        return _predict(job, fabric.device, work)
+        _set_threads(fabric, job, torch)
+        res = _predict(job, fabric.device, work)
+        status = 0
+        return res
     except (SegAtScaleError, OSError) as exc:
         own = exc if isinstance(exc, SegAtScaleError) else disk_full(exc)
         if own is None:
@@ -258,8 +357,17 @@ def _rank_main(fabric: Any, job: PredictJob, forked: bool, work: Any) -> dict[st
         status = USER_ERROR_EXIT
     except KeyboardInterrupt as exc:
         status = 143 if isinstance(exc, Stopped) else 130
+    finally:
+        if watch is not None:
+            watch.ending(rank, status)
     sys.stderr.flush()
     os._exit(status)  # every rank the same way; the launcher stops the others
+
+
+def _set_threads(fabric: Any, job: PredictJob, torch: ModuleType) -> None:
+    if fabric.device.type == "cpu":  # OMP_NUM_THREADS, or this process's share of the cores
+        threads = int(os.environ.get("OMP_NUM_THREADS") or 0)
+        torch.set_num_threads(threads or max(1, _cores() // job.processes))
 
 
 def _report_once(line: str) -> None:
@@ -290,17 +398,90 @@ def _terminate(signum: int, _: Any) -> None:
     raise Stopped(signum)
 
 
+def _first_rank() -> bool:
+    """Whether this process is rank 0 or the one that starts the ranks.
+
+    Told by the environment alone (before torch): a rank started by Lightning, SLURM or
+    torchrun has its rank (or its node's) in one of :data:`_RANK_VARIABLES`.
+    """
+    return all(os.environ.get(k, "0").strip() in ("", "0") for k in _RANK_VARIABLES)
+
+
+def _lock_module() -> ModuleType:
+    """:mod:`seg_at_scale.prediction.lock`, without running its package's ``__init__``.
+
+    That ``__init__`` imports torch (through the raster engine). The module is entered in
+    ``sys.modules`` under its own name, so the package's modules that import it later get
+    this very module: the locks it records as held are theirs too. (A package ``__init__``
+    that imported the engine on first use, PEP 562, would make this a plain import.)
+    """
+    name = "seg_at_scale.prediction.lock"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parents[1] / "prediction" / "lock.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+@contextlib.contextmanager
+def _claim_output(cfg: DictConfig) -> Iterator[None]:
+    """The command's output lock, held for the whole run, taken before torch is imported.
+
+    The cheap checks run first (:meth:`PredictJob.own_keys`: the mode, types, ranges);
+    then rank 0 (or the process that starts the ranks) takes the output's lock, or for an
+    archive its own lock (``<output_dir>/archive``), through
+    :func:`~seg_at_scale.prediction.lock.scene_lock`. Of two commands writing one output,
+    the first to start wins, and the other is refused in a fraction of a second, not after
+    the seconds that importing torch and Lightning and loading the model take; the lock the
+    scene and archive code take later in this process, or in a rank it forks, is this one.
+    Folders made for the lock are removed again if the run leaves them empty (a refusal).
+    """
+    values = _values(cfg)
+    job = PredictJob.own_keys(values)
+    if not _first_rank():
+        yield
+        return
+    if job.get("images") not in (None, ""):
+        folder = Path(job["output_dir"])
+        target, what = folder / "archive", f"output_dir '{folder}'"
+    else:
+        target, what = Path(job["output"]), None
+    made = [f for f in (target.parent, *target.parent.parents) if not f.exists()]
+    try:
+        with _lock_module().scene_lock(target, what):
+            yield
+    finally:
+        for folder in made:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:
+                break  # holds the outputs
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="predict")
 @reports_errors("seg-predict")
 def _main(cfg: DictConfig) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        res = run_prediction(cfg, fork=True)
+        with _claim_output(cfg):
+            res = run_prediction(cfg, fork=True)
     except KeyboardInterrupt as exc:
         what = "SIGTERM" if isinstance(exc, Stopped) else "Ctrl-C"
         print(f"seg-predict: stopped by {what}; the finished tiles are kept in the store: run "
               "the same command again to resume", file=sys.stderr, flush=True)
         raise SystemExit(143 if isinstance(exc, Stopped) else 130) from None
+    except RankKilled as exc:
+        print(f"seg-predict: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(exc.exit_status) from None
+    from seg_at_scale.parallel.launch import rank_world
+
     if rank_world()[0] == 0:
         print(json.dumps(res, indent=2))
 
