@@ -133,17 +133,20 @@ def _claimed(output: Path) -> Path | None:
 
 
 @contextlib.contextmanager
-def scene_lock(output: Path) -> Iterator[Path]:
+def scene_lock(output: Path, what: str | None = None) -> Iterator[Path]:
     """Hold the lock of a scene's ``output`` for a one-scene run (module docstring).
 
     Nested in this process (the one-scene path locks again inside; an archive's scene
-    predicted by the one-scene path), the outer one holds it.
+    predicted by the one-scene path), the outer one holds it. ``seg-predict`` takes it
+    first thing, before torch is imported, so that of two commands the first started wins:
+    for its output, or for an archive's own lock ``<output_dir>/archive`` (``what`` names
+    output_dir in the refusal); the ranks it forks hold it with it.
     """
     key = _key(output)
     if key in _HELD:
         yield lock_path(output)
         return
-    with output_lock(output) as path:
+    with output_lock(output, what) as path:
         _HELD.add(key)
         try:
             yield path
