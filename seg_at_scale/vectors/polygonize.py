@@ -38,12 +38,10 @@ joined only at corners (8-connectivity), a MultiPolygon.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import rasterio.features
 import shapely
 
 from seg_at_scale.errors import ConfigError, InputError
@@ -58,6 +56,7 @@ from seg_at_scale.vectors.sources import (
     row_bands,
 )
 from seg_at_scale.vectors.stitch import StitchError, _ranges, stitch
+from seg_at_scale.vectors.trace import trace
 
 __all__ = ["Region", "MergeStats", "SeamMerger", "polygonize", "check_options"]
 
@@ -181,6 +180,9 @@ class _Components:
             self.region = np.zeros(self.count, np.int64)
             self.region[part] = joined
         self._part = part
+        self.run_starts = starts  # every run, no data too
+        self.run_part = np.full(starts.size, -1, np.int64)
+        self.run_part[kept] = part
         self.top = self._row_ids(labels[0], 0)
         self.bottom = self._row_ids(labels[-1], (h - 1) * w)
 
@@ -247,7 +249,7 @@ class SeamMerger:
         labels = self._kept(labels)
         comp = _Components(labels, probability, self.connectivity)
         n, m = comp.count, len(self._part_class)
-        geoms = self._pieces(labels, comp, row)
+        geoms = trace(comp.run_starts, comp.run_part, *labels.shape, n, row)
         # nodes: the open parts, then this strip's components; each joins a part and a region
         part, region = self._join(labels[0], comp.top, m, n, comp.region)
         parts = int(part.max(initial=-1)) + 1
@@ -343,8 +345,10 @@ class SeamMerger:
         geom = np.concatenate([geom, *(c for s in extra for c in s.chunks)])
         region = np.concatenate([region, *(np.full(len(c), r, np.int64)
                                           for r, s in zip(finished, extra) for c in s.chunks)])
-        polygons, which = shapely.get_parts(geom, return_index=True)  # Polygons already
-        region = region[which]
+        polygons = geom
+        if (shapely.get_type_id(geom) != shapely.GeometryType.POLYGON).any():  # not expected
+            polygons, which = shapely.get_parts(geom, return_index=True)
+            region = region[which]
         order = np.argsort(region, kind="stable")
         polygons, region = polygons[order], region[order]
         starts = np.flatnonzero(np.r_[True, region[1:] != region[:-1]]) if region.size else \
@@ -377,23 +381,6 @@ class SeamMerger:
         if self.classes is None:
             return labels
         return np.where(np.isin(labels, list(self.classes)), labels, NODATA).astype(np.uint8)
-
-    def _pieces(self, labels: np.ndarray, comp: _Components, row: int) -> np.ndarray:
-        """Each component's polygon, in raster pixel coordinates.
-
-        Returns an object array ``[n]`` indexed by component id.
-        """
-        w = labels.shape[1]
-        polygons, top_left = _polygons(labels, row)
-        # a polygon's first pixel in row-major order has the smallest (y, x) corner
-        ids = comp.at((top_left // (w + 1) - row) * w + top_left % (w + 1))
-        if polygons.size != comp.count or (
-                comp.count and np.bincount(ids, minlength=comp.count).max() != 1):
-            raise AssertionError(f"GDAL gave {polygons.size} polygons for {comp.count} "
-                                 "components")
-        geoms = np.empty(comp.count, object)
-        geoms[ids] = polygons
-        return geoms
 
     def _join(self, top_labels: np.ndarray, top_comp: np.ndarray, m: int, n: int,
               region_of: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -485,42 +472,6 @@ def _part_geometries(piece_geom: np.ndarray, piece_part: np.ndarray, parts: np.n
                 out[i] = shapely.union_all(geom[starts[i] : ends[i]])
     return out
 
-
-def _polygons(labels: np.ndarray, row: int) -> tuple[np.ndarray, np.ndarray]:
-    """GDAL's polygons of the 4-connected regions of one class, and their first corners.
-
-    Returns the polygons (no data left out) shifted down ``row`` rows, and each one's
-    smallest shell corner (row-major) as ``y * (W + 1) + x``.
-
-    The GeoJSON-like rings that ``rasterio.features.shapes`` yields are flattened into one
-    coordinate array and built at once (``shapely.from_ragged_array``): building each with
-    ``shapely.geometry.shape`` took twice as long as GDAL.
-    """
-    ring_sizes: list[int] = []
-    ring_counts: list[int] = []
-    rings: list[list] = []
-    for geojson, _ in rasterio.features.shapes(labels, mask=labels != NODATA,
-                                               connectivity=4):
-        coordinates = geojson["coordinates"]
-        ring_counts.append(len(coordinates))
-        for ring in coordinates:
-            ring_sizes.append(len(ring))
-            rings.append(ring)
-    chain = itertools.chain.from_iterable
-    xy = np.fromiter(chain(chain(rings)), np.float64, 2 * sum(ring_sizes)).reshape(-1, 2)
-    ring_offsets = np.zeros(len(ring_sizes) + 1, np.int64)
-    np.cumsum(ring_sizes, out=ring_offsets[1:])
-    polygon_offsets = np.zeros(len(ring_counts) + 1, np.int64)
-    np.cumsum(ring_counts, out=polygon_offsets[1:])
-    if not ring_counts:
-        return np.zeros(0, object), np.zeros(0, np.int64)
-    w = labels.shape[1]
-    xy[:, 1] += row
-    key = xy[:, 1].astype(np.int64) * (w + 1) + xy[:, 0].astype(np.int64)
-    top_left = np.minimum.reduceat(key, ring_offsets[:-1])[polygon_offsets[:-1]]
-    polygons = shapely.from_ragged_array(shapely.GeometryType.POLYGON, xy,
-                                         (ring_offsets, polygon_offsets))
-    return polygons, top_left
 
 def polygonize(labels: Source, *, connectivity: int = 4, classes: Iterable[int] | None = None,
                probabilities: Source | None = None, strip_rows: int | None = None,

@@ -33,6 +33,9 @@ import shapely
 
 __all__ = ["StitchError", "stitch"]
 
+#: About one element in this many starts a walk when ordering cycles (:func:`_cycles`).
+SPACING = 16
+
 
 class StitchError(ValueError):
     """The pieces are not what :func:`stitch` expects (lattice polygons meeting on seams)."""
@@ -49,26 +52,67 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 def _cycles(nxt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The cycles of the permutation ``nxt``.
 
-    Returns its elements cycle by cycle, each cycle in order from its smallest element,
+    Returns its elements cycle by cycle, each cycle in its order (from some element),
     and the cycle (``0..c-1``) of each position.
+
+    The cycles are labelled as the connected components of a graph
+    (``scipy.sparse.csgraph``); then every cycle's first element and about one element in
+    ``SPACING`` (spread as at random) are *rulers*: all walk forward at once to the next ruler,
+    which numbers the elements between them, and the rulers' own positions come from
+    pointer jumping over the rulers only (log2 of the longest cycle's ruler count).
     """
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import connected_components
+
     n = nxt.size
-    rep, jump = np.arange(n), nxt.copy()
-    for _ in range(max(1, int(n).bit_length())):  # rep: smallest element of the cycle
-        np.minimum(rep, rep[jump], out=rep)
-        jump = jump[jump]
-    # steps from each element forward to its cycle's smallest (list ranking)
-    own = rep == np.arange(n)
-    dist = (~own).astype(np.int64)
-    jump = np.where(own, rep, nxt)  # the smallest ends the list: distance 0, to itself
-    for _ in range(max(1, int(n).bit_length())):
-        dist += dist[jump]
-        jump = jump[jump]
-    # from the smallest, the cycle runs through decreasing distances (after itself)
-    key = np.where(dist == 0, n + 1, dist)
-    order = np.lexsort((-key, rep))
-    _, cycle = np.unique(rep[order], return_inverse=True)
-    return order, cycle
+    if not n:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    index = np.arange(n)
+    graph = csr_matrix((np.ones(n, np.int8), (index, nxt)), shape=(n, n))
+    count, label = connected_components(graph, directed=True, connection="weak")
+    first = np.empty(count, np.int64)
+    first[label] = index  # some element of each cycle
+    ruler = (index * 0x9E3779B1 >> 11) % SPACING == 0  # spread like random, repeatable
+    ruler[first] = True
+    rulers = np.flatnonzero(ruler)
+    which = np.full(n, -1, np.int64)  # the ruler each element follows, and how far
+    which[rulers] = np.arange(rulers.size)
+    steps = np.zeros(n, np.int64)
+    walker = np.arange(rulers.size)
+    at = nxt[rulers]
+    gone = 1
+    while walker.size:
+        off = ~ruler[at]
+        walker, at = walker[off], at[off]
+        which[at] = walker
+        steps[at] = gone
+        at = nxt[at]
+        gone += 1
+    # the next ruler of each ruler and the steps to it
+    tail = np.flatnonzero(~ruler & ruler[nxt])  # last element before a ruler
+    gap = np.ones(rulers.size, np.int64)
+    nxt_ruler = which[nxt[rulers]]  # rulers right after a ruler
+    gap[which[tail]] = steps[tail] + 1
+    nxt_ruler[which[tail]] = which[nxt[tail]]
+    # each ruler's distance forward to its cycle's first (list ranking over the rulers)
+    head = rulers == first[label[rulers]]
+    dist = np.where(head, 0, gap)
+    jump = np.where(head, np.arange(rulers.size), nxt_ruler)
+    live = np.flatnonzero(~head[jump])
+    while live.size:
+        j = jump[live]
+        add, jump_j = dist[j], jump[j]
+        dist[live] += add
+        jump[live] = jump_j
+        live = live[~head[jump_j]]
+    size = np.bincount(label, minlength=count)
+    ruler_cycle = label[rulers]
+    ruler_pos = np.where(head, 0, size[ruler_cycle] - dist)
+    off = np.cumsum(size) - size
+    position = off[label] + ruler_pos[which] + steps
+    order = np.empty(n, np.int64)
+    order[position] = index
+    return order, np.repeat(np.arange(count), size)
 
 
 def stitch(pieces: np.ndarray, owner: np.ndarray, seams: np.ndarray) -> np.ndarray:
