@@ -120,3 +120,51 @@ def write_store(path: Path, labels: np.ndarray, probs: np.ndarray | None = None,
 def write_tiff(path: Path, array: np.ndarray) -> Path:
     """A tiled GeoTIFF (``example_geotags()``: EPSG:32633, 1 m pixels) in the project's way."""
     return write_raster(path, array, tile=(64, 64), geotags=example_geotags())
+
+
+def checkerboard_labels(height: int, width: int, nodata: bool = False) -> np.ndarray:
+    """``[H, W]`` a pixel checkerboard: class 0 on one colour, classes 1..3 in blocks on
+    the other (with 8-connectivity class 0 is one region of squares joined only at
+    corners, and each block of class 1..3 a smaller one)."""
+    r, c = np.indices((height, width))
+    lab = np.where((r + c) % 2, 1 + (r // 3 + c // 4) % 3, 0).astype(np.uint8)
+    if nodata:
+        lab[(r * 7 + c * 3) % 29 == 0] = 255
+    return lab
+
+
+def noise_labels(height: int, width: int, seed: int = 0, fraction: float = 0.5,
+                 nodata: bool = False) -> np.ndarray:
+    """``[H, W]`` blocks of classes 0..4 with ``fraction`` of the pixels a random class."""
+    rng = np.random.default_rng(seed)
+    r, c = np.indices((height, width))
+    lab = ((r // 9 + c // 13) % 5).astype(np.uint8)
+    hit = rng.random((height, width)) < fraction
+    choices = np.array([0, 1, 2, 3, 4, 255] if nodata else [0, 1, 2, 3, 4], np.uint8)
+    lab[hit] = rng.choice(choices, int(hit.sum()))
+    return lab
+
+
+def assert_equal_polygons(expected: list[tuple[int, shapely.Geometry]],
+                          got: list[tuple[int, shapely.Geometry]], exact: bool = False
+                          ) -> None:
+    """Same count per class, and the polygons of each class paired one to one with
+    ``shapely.equals`` (the same point set); ``exact``: the same rings and vertices too
+    (``normalize`` + ``equals_exact``: the same geometry up to where each ring starts)."""
+    count = lambda rs: np.bincount([c for c, _ in rs], minlength=256)  # noqa: E731
+    assert (count(expected) == count(got)).all(), "different number of regions per class"
+    for cls in {c for c, _ in expected}:
+        want = np.array([g for c, g in expected if c == cls], dtype=object)
+        have = np.array([g for c, g in got if c == cls], dtype=object)
+        assert shapely.is_valid(have).all()
+        if exact:
+            norm = lambda gs: sorted(shapely.to_wkb(shapely.normalize(gs)).tolist())  # noqa: E731
+            assert norm(want) == norm(have), f"class {cls}: other rings or vertices"
+            continue
+        i, j = shapely.STRtree(have).query(shapely.point_on_surface(want),
+                                          predicate="intersects")
+        equal = shapely.equals(want[i], have[j])
+        matched = np.bincount(i[equal], minlength=len(want))
+        assert (matched == 1).all(), (
+            f"class {cls}: {int((matched != 1).sum())} of {len(want)} polygons unmatched")
+        assert len(set(j[equal].tolist())) == len(want)  # one-to-one
