@@ -112,17 +112,24 @@ def trace(starts: np.ndarray, run_part: np.ndarray, height: int, width: int, par
     tx = np.concatenate([lx, rx, bx1, tx0])
     ty_ = np.concatenate([ly1, ry0, by, ty])
     dx, dy = np.sign(tx - fx), np.sign(ty_ - fy)
-    stride = (h + 1) * (w + 1)
-    leave = part * stride + fy * (w + 1) + fx
-    arrive = part * stride + ty_ * (w + 1) + tx
     # one sort of both ends: at each corner the sides leaving it, then those arriving
     n = part.size
-    ends = np.concatenate([2 * leave, 2 * arrive + 1])
-    by_key = np.argsort(ends)
-    new = np.r_[True, ends[by_key][1:] >> 1 != ends[by_key][:-1] >> 1]
+    corner = np.concatenate([fy * (w + 1) + fx, ty_ * (w + 1) + tx])
+    owner = np.concatenate([part, part])
+    arrives = np.r_[np.zeros(n, np.int64), np.ones(n, np.int64)]
+    stride = (h + 1) * (w + 1)
+    if 2 * (parts + 1) * stride < 2**62:  # one int64 key
+        ends = (owner * stride + corner) * 2 + arrives
+        by_key = np.argsort(ends)
+        key = ends[by_key] >> 1
+        new = np.r_[True, key[1:] != key[:-1]]
+    else:  # a strip of billions of pixels: sort on the columns
+        by_key = np.lexsort((arrives, corner, owner))
+        o, k = owner[by_key], corner[by_key]
+        new = np.r_[True, (o[1:] != o[:-1]) | (k[1:] != k[:-1])]
     group = np.cumsum(new) - 1
     start = np.flatnonzero(new)
-    size = np.diff(np.r_[start, ends.size])
+    size = np.diff(np.r_[start, 2 * n])
     at = np.flatnonzero(by_key >= n)  # where the arriving ends lie
     g = group[at]
     if ((size != 2) & (size != 4)).any():
