@@ -100,11 +100,17 @@ class _Sealed:
     chunks: list[np.ndarray]  # object arrays of Polygons
     pixels: int = 0
     probability_sum: float = 0.0
+    polygons: int = -1  # in all chunks (counted when -1)
+
+    def __post_init__(self) -> None:
+        if self.polygons < 0:
+            self.polygons = sum(len(c) for c in self.chunks)
 
     def absorb(self, other: _Sealed) -> None:
         self.chunks.extend(other.chunks)
         self.pixels += other.pixels
         self.probability_sum += other.probability_sum
+        self.polygons += other.polygons
 
 
 def check_options(connectivity: int, classes: Iterable[int] | None,
@@ -380,7 +386,7 @@ class SeamMerger:
         open_regions = int(self._part_region.max(initial=-1)) + 1
         s.peak_open_regions = max(s.peak_open_regions, open_regions)
         s.peak_open_pieces = max(s.peak_open_pieces, len(self._piece_geom)
-                                 + sum(len(c) for v in self._sealed.values() for c in v.chunks))
+                                 + sum(v.polygons for v in self._sealed.values()))
 
     def _kept(self, labels: np.ndarray) -> np.ndarray:
         """The labels with the classes not asked for set to no data."""
