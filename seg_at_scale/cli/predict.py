@@ -28,7 +28,6 @@ the rank and the signal; the same command resumes it.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
 import multiprocessing
@@ -51,6 +50,7 @@ from seg_at_scale.cli.common import USER_ERROR_EXIT, disk_full, format_iou, repo
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError, SegAtScaleError
 from seg_at_scale.parallel.lifetime import RankWatch, die_with_parent
+from seg_at_scale.prediction.lock import scene_lock
 
 if TYPE_CHECKING:  # the network stack is imported after the output lock (_claim_output)
     import torch
@@ -407,29 +407,6 @@ def _first_rank() -> bool:
     return all(os.environ.get(k, "0").strip() in ("", "0") for k in _RANK_VARIABLES)
 
 
-def _lock_module() -> ModuleType:
-    """:mod:`seg_at_scale.prediction.lock`, without running its package's ``__init__``.
-
-    That ``__init__`` imports torch (through the raster engine). The module is entered in
-    ``sys.modules`` under its own name, so the package's modules that import it later get
-    this very module: the locks it records as held are theirs too. (A package ``__init__``
-    that imported the engine on first use, PEP 562, would make this a plain import.)
-    """
-    name = "seg_at_scale.prediction.lock"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).resolve().parents[1] / "prediction" / "lock.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
-
-
 @contextlib.contextmanager
 def _claim_output(cfg: DictConfig) -> Iterator[None]:
     """The command's output lock, held for the whole run, taken before torch is imported.
@@ -455,7 +432,7 @@ def _claim_output(cfg: DictConfig) -> Iterator[None]:
         target, what = Path(job["output"]), None
     made = [f for f in (target.parent, *target.parent.parents) if not f.exists()]
     try:
-        with _lock_module().scene_lock(target, what):
+        with scene_lock(target, what):
             yield
     finally:
         for folder in made:  # deepest first
