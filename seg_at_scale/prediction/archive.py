@@ -20,6 +20,7 @@ scene after scene, every rank on each scene's tiles.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import time
@@ -39,6 +40,7 @@ from seg_at_scale.prediction.finalize import finalize
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.plan import (
     RasterPlan,
+    input_id,
     model_digest,
     open_store,
     plan_raster,
@@ -46,7 +48,12 @@ from seg_at_scale.prediction.plan import (
     reusable,
 )
 from seg_at_scale.prediction.progress import progress_bar
-from seg_at_scale.prediction.raster import PredictionStats, predict_batches, raised_everywhere
+from seg_at_scale.prediction.raster import (
+    PredictionStats,
+    agreed,
+    predict_batches,
+    raised_everywhere,
+)
 from seg_at_scale.prediction.scene import companions, predict_scene
 from seg_at_scale.prediction.store import PredictionStore
 from seg_at_scale.tiling.geometry import fill_of
@@ -287,11 +294,41 @@ def predict_archive(trained: TrainedModel, scenes: Sequence[ArchiveScene],
     """
     skipped = {r.stem for r in checked}
     todo = [s for s in scenes if s.stem not in skipped]
-    if uses_image_pool(trained.model) or has_statistics(trained.model):
-        records = _scene_by_scene(trained, todo, options, on_error)
-    else:
-        records = _queue(trained, todo, options, on_error)
-    return [*checked, *records]
+    with contextlib.ExitStack() as held:
+        busy = _lock_scenes(todo, held, on_error)
+        todo = [s for s in todo if s.stem not in busy]
+        if uses_image_pool(trained.model) or has_statistics(trained.model):
+            records = _scene_by_scene(trained, todo, options, on_error)
+        else:
+            records = _queue(trained, todo, options, on_error)
+    return [*checked, *busy.values(), *records]
+
+
+def _lock_scenes(scenes: Sequence[ArchiveScene], held: contextlib.ExitStack,
+                 on_error: str) -> dict[str, SceneRecord]:
+    """Rank 0 claims every scene's output for the whole run; the busy ones are refused.
+
+    A scene a one-scene run is writing is refused on every rank (``on_error=skip``: as a
+    ``skipped`` record), and a one-scene run of a claimed scene is refused at its lock
+    (:func:`~.lock.archive_claim`): the two never write one scene at once (was: both wrote
+    the scene's store, and one found tiles missing).
+    """
+    from seg_at_scale.prediction.lock import archive_claim
+
+    refused: dict[int, str] = {}
+    if rank_world()[0] == 0:
+        try:
+            refused = dict(held.enter_context(archive_claim([s.output for s in scenes])))
+        except SegAtScaleError as exc:  # another archive claims the folder
+            refused = {-1: str(exc)}
+    refused = _everyone(refused)
+    if -1 in refused:
+        raise agreed(OutputExistsError(refused[-1]))
+    if refused and on_error == "stop":
+        raise agreed(OutputExistsError(refused[min(refused)]))
+    return {scenes[i].stem: SceneRecord(scenes[i].stem, str(scenes[i].image),
+                                        str(scenes[i].output), "skipped", reason)
+            for i, reason in sorted(refused.items())}
 
 
 def _scene_by_scene(trained: TrainedModel, scenes: Sequence[ArchiveScene],
@@ -327,12 +364,14 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     device = next(model.parameters()).device
     weights = model_digest(model)
+    hashes = _input_hashes(scenes)
     plans = []
-    for s in scenes:
+    for i, s in enumerate(scenes):
         plans.append(plan_raster(s.image, s.output, options, fp=trained.footprint,
                                  normalizer=trained.normalizer, names=trained.class_names,
                                  weights=weights, device=device,
-                                 exact=bool(trained.card.get("exact", True))))
+                                 exact=bool(trained.card.get("exact", True)),
+                                 input_hash=hashes.get(i)))
         plans[-1].reader.close()  # reopened by the rank that reads it: one file open at once
     if plans:
         model = prediction_network(model, options, plans[0].reader.bands, trained.footprint)
@@ -358,6 +397,23 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
                        records[i], bar, on_error)
     barrier()
     return _gather(records, plans, stores, scenes, trained, options, on_error)
+
+
+def _input_hashes(scenes: Sequence[ArchiveScene]) -> dict[int, str]:
+    """Every scene's :func:`~.plan.input_id`, each hashed by one rank and shared (a collective).
+
+    A scene that cannot be read is left out: :func:`~.plan.plan_raster` reports it on
+    every rank.
+    """
+    rank, world = rank_world()
+    mine: dict[int, str] = {}
+    for i, s in enumerate(scenes):
+        if i % world == rank:
+            try:
+                mine[i] = input_id(s.image)
+            except OSError:
+                pass
+    return _everyone(mine)
 
 
 def _in_order(units: list[tuple[int, Any]]) -> list[int]:

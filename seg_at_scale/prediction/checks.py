@@ -38,7 +38,8 @@ from seg_at_scale.tiling.engine import plan_batches
 
 __all__ = ["SceneCheck", "check_scene", "check_outputs", "same_path", "scene_outputs",
            "preview_path", "probabilities_path", "store_path", "check_dtype",
-           "check_nodata_fits", "DTYPE_HIGH_RATIO", "rewritten_by_resume"]
+           "check_nodata_fits", "DTYPE_HIGH_RATIO", "rewritten_by_resume", "not_ours",
+           "companion_is_ours"]
 
 DTYPE_HIGH_RATIO = 4.0  # a float image whose typical high is 4x off the training data's
 
@@ -103,6 +104,29 @@ def rewritten_by_resume(key: str, output: Path) -> bool:
         (store_path(output) / "zarr.json").is_file()
 
 
+def not_ours(key: str, path: Path, output: Path) -> str:
+    """Why an existing companion is refused: the prediction at ``output`` did not write it.
+
+    A file of the user's, or one changed since it was written.
+    """
+    return (f"{key} '{path}' already exists and was not written by the prediction of "
+            f"'{output}'; pass overwrite=true to replace it (or choose another path)")
+
+
+def companion_is_ours(key: str, path: Path, output: Path) -> bool:
+    """Whether companion ``key`` at ``path`` may be kept or rewritten without ``overwrite``.
+
+    True when it is missing, or was written by the prediction finished at ``output`` and is
+    unchanged since.
+    """
+    from seg_at_scale.prediction.finished import finished, written_by
+
+    if not path.exists():
+        return True
+    done = finished(output)
+    return done is not None and written_by(key, path) == done[0]
+
+
 def same_path(a: Path, b: Path) -> bool:
     """Whether two paths name one file: after ``./``, ``..`` and symlinks, or hard links."""
     if Path(os.path.realpath(a)) == Path(os.path.realpath(b)):
@@ -121,11 +145,13 @@ def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
                   overwrite: bool) -> None:
     """Refuse outputs that are inputs, folders where files go, or exist (see module doc).
 
-    An output that is a finished seg_at_scale prediction may exist, and so may its
-    companions: the rank that opens it reuses it if this very prediction made it, and
-    refuses it otherwise (:mod:`seg_at_scale.prediction.finished`).
+    An output that is a finished seg_at_scale prediction may exist: the rank that opens it
+    reuses it if this very prediction made it, and refuses it otherwise
+    (:mod:`seg_at_scale.prediction.finished`). Its companions may exist only if the
+    prediction finished there wrote them, unchanged since (:func:`companion_is_ours`): a
+    rerun keeps or rewrites those, and would replace anything else.
     """
-    from seg_at_scale.prediction.finished import finished
+    from seg_at_scale.prediction.finished import finished, written_by
 
     for okey, out in outputs.items():
         for ikey, inp in inputs.items():
@@ -140,12 +166,17 @@ def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
         if not zarr and out.is_dir():
             raise ConfigError(f"{okey} '{out}' is a folder; a file is written there, and "
                               "folders are never replaced: remove it or choose another path")
-    if overwrite or "output" not in outputs or finished(outputs["output"]) is not None:
+    if overwrite or "output" not in outputs:
         return
+    done = finished(outputs["output"])
     for key in ("output", *COMPANIONS):
         path = outputs.get(key)
         if path is None or not path.exists():
             continue
+        if done is not None:  # the output: reused, or refused as another prediction's
+            if key in ("output", "probabilities") or written_by(key, path) == done[0]:
+                continue  # made with the output (never rewritten on reuse), or ours
+            raise OutputExistsError(not_ours(key, path, outputs["output"]))
         if key == "output" and path.suffix.lower() == ".zarr":
             continue  # an interrupted store: resumed, or refused by its fingerprint
         if rewritten_by_resume(key, outputs["output"]):

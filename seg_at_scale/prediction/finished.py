@@ -7,6 +7,12 @@ finished output (or an archive whose scenes are partly finished) skips what is d
 completes what is missing (a preview, vectors, a STAC Item killed before being written),
 and refuses an output another prediction made unless ``overwrite=true``.
 
+What a prediction writes beside its output records which prediction wrote it, and a
+content hash of what it wrote (:func:`written_by`): the preview in a ``tEXt`` chunk of the
+PNG, the STAC Item in a property, the polygons in the record beside them
+(:func:`vector_record`). A rerun keeps or completes only those; a file of the user's at a
+companion's path (or one edited since) is refused unless ``overwrite=true``.
+
 >>> digest({"model": "ab", "grid": [1, 2]}) == digest({"grid": [1, 2], "model": "ab"})
 True
 """
@@ -15,15 +21,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["digest", "finished", "FINGERPRINT_TAG", "CLASS_PIXELS_TAG", "TILING_TAG"]
+__all__ = ["digest", "finished", "FINGERPRINT_TAG", "CLASS_PIXELS_TAG", "TILING_TAG",
+           "file_sha256", "written_by", "mark_png", "mark_item", "vector_record",
+           "WRITTEN_KEY"]
 
 FINGERPRINT_TAG = "SEG_AT_SCALE_FINGERPRINT"
 CLASS_PIXELS_TAG = "SEG_AT_SCALE_CLASS_PIXELS"
 TILING_TAG = "SEG_AT_SCALE_TILING"  # exact, or approximate (tiling.exact=false)
+WRITTEN_KEY = "seg_at_scale:written"  # a companion's record: {"prediction", "sha256"}
+_PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def digest(fingerprint: dict[str, Any]) -> str:
@@ -67,3 +79,93 @@ def _finished_store(path: Path) -> tuple[str, list[int]] | None:
     if not attrs.get("complete") or "fingerprint" not in attrs:
         return None
     return digest(attrs["fingerprint"]), list(attrs.get("class_pixels") or [])
+
+
+def file_sha256(path: Path) -> str:
+    """``sha256:<hex>`` of a file's bytes, streamed (about 1 GB/s with SHA extensions)."""
+    with open(path, "rb") as f:
+        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def vector_record(vector: Path) -> Path:
+    """Beside a vector file, what it was made with and its hash (``.NAME.json``)."""
+    return vector.with_name(f".{vector.name}.json")
+
+
+def written_by(key: str, path: Path) -> str | None:
+    """The fingerprint digest of the prediction that wrote companion ``key`` at ``path``.
+
+    None when nothing records one: a file of the user's, or one changed since it was
+    written (its content no longer hashes to the recorded value). ``key`` is
+    ``preview``, ``stac`` or ``vector``; other keys are never recorded.
+    """
+    try:
+        if key == "preview":
+            body, mark = _png_mark(path.read_bytes())
+            return _checked(mark, lambda: _sha256(body))
+        if key == "stac":
+            doc = json.loads(path.read_text())
+            mark = doc.get("properties", {}).pop(WRITTEN_KEY, None)
+            return _checked(mark, lambda: _sha256(_canonical(doc)))
+        if key == "vector":
+            record = json.loads(vector_record(path).read_text())
+            if record.get("pending"):  # killed between writing the file and its record
+                return record.get("output")
+            return _checked({"prediction": record.get("output"), "sha256": record.get("sha256")},
+                            lambda: file_sha256(path))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return None
+
+
+def _checked(mark: Any, content: Any) -> str | None:
+    if not isinstance(mark, dict) or not mark.get("prediction") or not mark.get("sha256"):
+        return None
+    return str(mark["prediction"]) if content() == mark["sha256"] else None
+
+
+def _canonical(doc: Any) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def mark_item(path: Path, prediction: str | None) -> None:
+    """Record in the STAC Item at ``path`` that ``prediction`` wrote it (atomically)."""
+    from seg_at_scale.io.writer import write_atomic
+
+    doc = json.loads(path.read_text())
+    doc["properties"].pop(WRITTEN_KEY, None)
+    mark = {"prediction": prediction, "sha256": _sha256(_canonical(doc))}
+    doc["properties"][WRITTEN_KEY] = mark
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
+
+
+def mark_png(png: bytes, prediction: str | None) -> bytes:
+    """``png`` with a ``tEXt`` chunk recording that ``prediction`` wrote it (before IEND)."""
+    body, _ = _png_mark(png)
+    text = json.dumps({"prediction": prediction, "sha256": _sha256(body)})
+    data = WRITTEN_KEY.encode() + b"\0" + text.encode("latin-1")
+    chunk = struct.pack(">I", len(data)) + b"tEXt" + data + \
+        struct.pack(">I", zlib.crc32(b"tEXt" + data))
+    end = body.rindex(b"IEND") - 4
+    return body[:end] + chunk + body[end:]
+
+
+def _png_mark(png: bytes) -> tuple[bytes, dict[str, Any] | None]:
+    """The PNG without its record chunk, and the record (None: not a PNG, or no record)."""
+    if not png.startswith(_PNG):
+        raise ValueError("not a PNG")
+    out, mark, at = [png[:8]], None, 8
+    key = WRITTEN_KEY.encode() + b"\0"
+    while at + 8 <= len(png):
+        n, kind = struct.unpack(">I4s", png[at:at + 8])
+        end = at + 12 + n
+        if kind == b"tEXt" and png[at + 8:at + 8 + len(key)] == key:
+            mark = json.loads(png[at + 8 + len(key):at + 8 + n].decode("latin-1"))
+        else:
+            out.append(png[at:end])
+        at = end
+    return b"".join(out), mark

@@ -155,7 +155,8 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
             _may_write("vector", vector, output, options)
             vector.parent.mkdir(parents=True, exist_ok=True)
             record = vector_record(vector)  # first: the file about to be written is ours
-            record.write_text(json.dumps({**made_with, "pending": True}))
+            pending = json.dumps({**made_with, "pending": True})
+            write_atomic(record, lambda path: path.write_text(pending))
             write_vectors(output, vector, class_names=trained.class_names,
                           connectivity=options.vector_connectivity,
                           min_area=options.vector_min_area, simplify=options.vector_simplify,
@@ -179,9 +180,9 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
                             probabilities=tif_probs, vectors=vector)
             tmp = temporary_path(output, "item")  # its Item: beside it, renamed when marked
             try:
-                marked = write_item(doc, tmp)
-                mark_item(marked, done)
-                os.replace(marked, item)
+                unmarked = write_item(doc, tmp)
+                mark_item(unmarked, done)
+                os.replace(unmarked, item)
             finally:
                 item_path(tmp).unlink(missing_ok=True)
         made["stac"] = str(item)

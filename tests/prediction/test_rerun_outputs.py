@@ -1,0 +1,251 @@
+"""Reruns over finished outputs (issue #39): a user's file at a companion's path is never
+replaced without overwrite=true; a one-scene run and an archive never write one scene at
+once; an image replaced by other pixels (same size, mtime set back) is never reused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import geopandas as gpd
+import numpy as np
+import pytest
+import shapely
+from prediction_helpers import (
+    NORM,
+    chunks_written,
+    env,
+    make_image,
+    make_model,
+    make_run,
+    predict_cmd,
+    seg_predict_here,
+)
+
+from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.errors import OutputExistsError
+from seg_at_scale.io import example_geotags, read_raster, write_raster
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.raster import predict_raster
+
+OPTS = ("ckpt=last", "tile_size=96")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("rerun") / "run",
+                    make_model("same", levels=3, width=8))
+
+
+def _ok(res: subprocess.CompletedProcess) -> dict:
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout[res.stdout.index("{"):])
+
+
+def _refused(res: subprocess.CompletedProcess, *parts: str) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    for part in parts:
+        assert part in lines[0], lines[0]
+    return lines[0]
+
+
+def _users_gpkg(path: Path) -> bytes:
+    gpd.GeoDataFrame({"name": ["my field"]}, geometry=[shapely.box(0, 0, 1, 1)],
+                     crs="EPSG:32633").to_file(path)
+    return path.read_bytes()
+
+
+# -- 1. companions a rerun would write over -----------------------------------------------
+
+def test_a_rerun_refuses_a_users_file_at_each_companions_path(run, tmp_path):
+    """Before: the output finished, the check returned early and the polygons, the STAC
+    Item and the preview were written over the user's files (1 -> N features), exit 0."""
+    image = make_image(tmp_path / "scene.tif", 131, 97)
+    out = tmp_path / "o" / "a.tif"
+    args = (f"run={run}", f"image={image}", f"output={out}", *OPTS)
+    _ok(seg_predict_here(*args))  # the labels, a preview and a STAC Item
+    mine = _users_gpkg(tmp_path / "o" / "mine.gpkg")
+    res = seg_predict_here(*args, f"vector={tmp_path / 'o' / 'mine.gpkg'}")
+    _refused(res, f"vector '{tmp_path / 'o' / 'mine.gpkg'}' already exists",
+             "not written by the prediction", "overwrite=true")
+    assert (tmp_path / "o" / "mine.gpkg").read_bytes() == mine
+
+    for name, body in (("a.stac.json", b'{"my": "catalog"}\n'),
+                       ("a_preview.png", b"my picture")):
+        ours = (out.parent / name).read_bytes()
+        (out.parent / name).write_bytes(body)  # a user's file where the prediction wrote its own
+        key = "stac" if name.endswith(".json") else "preview"
+        _refused(seg_predict_here(*args), f"{key} '{out.parent / name}' already exists",
+                 "overwrite=true")
+        assert (out.parent / name).read_bytes() == body
+        (out.parent / name).write_bytes(ours)  # the prediction's own again: kept, exit 0
+        assert _ok(seg_predict_here(*args))["tiles_computed"] == 0
+        assert (out.parent / name).read_bytes() == ours
+
+    item = json.loads((out.parent / "a.stac.json").read_text())
+    item["properties"]["title"] = "edited by hand"  # the prediction's Item, changed since
+    (out.parent / "a.stac.json").write_text(json.dumps(item))
+    _refused(seg_predict_here(*args, f"vector={out.with_name('a.gpkg')}"),
+             f"stac '{out.parent / 'a.stac.json'}' already exists")
+    assert not out.with_name("a.gpkg").exists()  # refused before anything was written
+
+    done = _ok(seg_predict_here(*args, f"vector={tmp_path / 'o' / 'mine.gpkg'}",
+                                "overwrite=true"))
+    assert done["tiles_computed"] > 0 and len(gpd.read_file(tmp_path / "o" / "mine.gpkg")) > 1
+    again = _ok(seg_predict_here(*args, f"vector={tmp_path / 'o' / 'mine.gpkg'}"))
+    assert again["tiles_computed"] == 0  # now the prediction's own: a rerun keeps them
+
+
+def test_an_archive_rerun_refuses_a_users_file_at_a_scenes_companion(run, tmp_path):
+    scenes, out = tmp_path / "scenes", tmp_path / "out"
+    scenes.mkdir()
+    for k, stem in enumerate(("a", "b")):
+        make_image(scenes / f"{stem}.tif", 70 + 9 * k, 60, seed=k)
+    args = (f"run={run}", *OPTS, f"images={scenes}", f"output_dir={out}", "vector=gpkg")
+    assert _ok(seg_predict_here(*args))["done"] == 2
+    mine = b'{"type": "Feature", "id": "mine"}\n'
+    (out / "b.stac.json").write_bytes(mine)
+    gpkg = _users_gpkg(out / "a.gpkg")
+    _refused(seg_predict_here(*args), "2 of 2 scenes cannot be predicted",
+             f"vector '{out / 'a.gpkg'}' already exists",
+             f"stac '{out / 'b.stac.json'}' already exists")
+    skip = _ok(seg_predict_here(*args, "on_error=skip"))
+    assert (skip["skipped"], skip["reused"]) == (2, 0)
+    assert (out / "b.stac.json").read_bytes() == mine and (out / "a.gpkg").read_bytes() == gpkg
+
+
+# -- 2. one writer per scene, archive or not ----------------------------------------------
+
+def _archive_cmd(run: Path, scenes: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "seg_at_scale.cli.predict", f"run={run}", "progress=false",
+            "ckpt=last", "tile_size=64", "preview=false", "stac=false", f"images={scenes}",
+            f"output_dir={out}"]
+
+
+def _stopped_mid_scene(cmd: list[str], store: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    while chunks_written(store) < 1 and proc.poll() is None:
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    os.kill(proc.pid, signal.SIGSTOP)  # held mid-scene, its lock held
+    return proc
+
+
+def _resumed(proc: subprocess.Popen) -> dict:
+    os.kill(proc.pid, signal.SIGCONT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    return json.loads(stdout[stdout.index("{"):])
+
+
+@pytest.mark.parametrize("first", ["archive", "single"])
+def test_an_archive_and_a_one_scene_run_never_write_one_scene_at_once(run, tmp_path, first):
+    """Before: the archive held only its folder's lock; the one-scene run wrote the same
+    store meanwhile (and reported tiles missing), or the archive wrote the one-scene run's."""
+    scenes, out = tmp_path / "scenes", tmp_path / "out"
+    scenes.mkdir()
+    image = make_image(scenes / "s.tif")  # 517 x 743: many tiles of 64
+    output = out / "s.tif"
+    single = predict_cmd(run, image, output, "ckpt=last", "tile_size=64", "preview=false",
+                         "stac=false")
+    archive = _archive_cmd(run, scenes, out)
+    proc = _stopped_mid_scene(archive if first == "archive" else single, out / ".s.tif.zarr")
+    try:
+        second = subprocess.run(single if first == "archive" else archive,
+                                capture_output=True, text=True, env=env(), timeout=300)
+        held = out / (".archive.scenes.lock" if first == "archive" else ".s.tif.lock")
+        by = "an archive" if first == "archive" else "another run"
+        _refused(second, f"output '{output}' is being written by {by} (its lock '{held}' is "
+                 "held); wait for it to finish")
+    finally:
+        res = _resumed(proc)
+    assert res["tiles_computed"] > 0 and read_raster(output).shape == (1, 517, 743)
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # no lock left
+
+
+# -- 3. the input known by its content ----------------------------------------------------
+
+def _same_size_image(path: Path, seed: int) -> Path:
+    """Smooth fields + noise, uncompressed: every seed gives a file of the same size."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:150, 0:190] + rng.integers(0, 100, (2, 1, 1))
+    img = np.stack([np.sin(yy / (17 + 5 * b)) * np.cos(xx / (23 + 3 * b)) for b in range(4)])
+    img = (img * 90 + 128 + rng.normal(0, 20, img.shape)).clip(0, 255).astype(np.uint8)
+    return write_raster(path, img, tile=(64, 64), compression=None, overwrite=True,
+                        geotags=example_geotags(origin=(500000.0, 4500000.0), pixel_size=10.0))
+
+
+def _replace_keeping_mtime(image: Path, seed: int) -> None:
+    before = image.stat()
+    _same_size_image(image, seed)
+    os.utime(image, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = image.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+@pytest.fixture(scope="module")
+def net():
+    return make_model("same", levels=3, width=8)
+
+
+def _predict(net, image: Path, out: Path, **options) -> np.ndarray:
+    predict_raster(net, image, out, PredictOptions(tile_size=64, progress=False, **options),
+                   normalizer=Normalizer(NORM["scale"], NORM["mean"], NORM["std"]))
+    if out.suffix == ".zarr":
+        import zarr
+
+        return zarr.open_group(out, mode="r")["labels"][:]
+    return read_raster(out)
+
+
+def test_a_finished_output_of_replaced_pixels_is_not_reused(net, tmp_path):
+    """Before: same path, size and mtime, so the old image's labels were 'reused'."""
+    image, out = _same_size_image(tmp_path / "scene.tif", 1), tmp_path / "a.tif"
+    old = _predict(net, image, out)
+    _replace_keeping_mtime(image, 2)
+    fresh = _predict(net, image, tmp_path / "fresh.tif")
+    assert (fresh != old).mean() > 0.05  # other labels: a stale reuse shows
+    with pytest.raises(OutputExistsError, match="was made by another prediction"):
+        _predict(net, image, out)  # the same command: not the old labels
+    np.testing.assert_array_equal(_predict(net, image, out, overwrite=True), fresh)
+
+
+def test_a_store_of_replaced_pixels_is_not_resumed(net, tmp_path):
+    """Before: a killed run's store resumed, the old image's tiles kept (mixed labels)."""
+    image, out = _same_size_image(tmp_path / "scene.tif", 1), tmp_path / "a.zarr"
+    _predict(net, image, out)
+    import zarr
+
+    group = zarr.open_group(out, mode="r+")  # what a run killed mid-way leaves
+    group.attrs["complete"] = False
+    chunks = sorted(p for p in (out / "labels" / "c").rglob("*") if p.is_file())
+    for p in chunks[: len(chunks) // 3]:
+        p.unlink()
+    _replace_keeping_mtime(image, 2)
+    fresh = _predict(net, image, tmp_path / "fresh.zarr")
+    with pytest.raises(OutputExistsError, match=r"differs in: input"):
+        _predict(net, image, out)
+    np.testing.assert_array_equal(_predict(net, image, out, resume=False), fresh)
+
+
+def test_an_archive_rerun_over_a_replaced_scene_does_not_reuse_it(run, tmp_path):
+    scenes, out = tmp_path / "scenes", tmp_path / "out"
+    scenes.mkdir()
+    image = _same_size_image(scenes / "s.tif", 1)
+    args = (f"run={run}", *OPTS, "preview=false", "stac=false", f"images={scenes}",
+            f"output_dir={out}")
+    _ok(seg_predict_here(*args))
+    _replace_keeping_mtime(image, 2)
+    _refused(seg_predict_here(*args), f"output '{out / 's.tif'}' was made by another prediction")
+    assert _ok(seg_predict_here(*args, "overwrite=true"))["done"] == 1
+    alone = tmp_path / "alone.tif"
+    _ok(seg_predict_here(f"run={run}", f"image={image}", f"output={alone}", *OPTS,
+                         "preview=false", "stac=false"))
+    assert (out / "s.tif").read_bytes() == alone.read_bytes()
