@@ -1,17 +1,19 @@
 """The union of polygon pieces that meet along horizontal seams, without an overlay.
 
 The polygonizer reads a raster in strips; a region that crosses a seam comes in pieces,
-one polygon per strip (GDAL's, on the pixel lattice), which share stretches of the seam
-lines and nothing else. Their union is found here on the rings themselves, vectorised over
-every region closing at once, in time linear in their vertices (``shapely.union_all`` is
-an overlay: on the large smooth regions of a real scene it cost more than GDAL itself):
+polygons on the pixel lattice oriented as GDAL's (:mod:`~seg_at_scale.vectors.trace`),
+which share stretches of the seam lines and, within a strip, at most corner points.
+Their union is found here on the rings themselves, vectorised over every region closing
+at once, in time about linear in their vertices (``shapely.union_all`` is an overlay: on
+the large smooth regions of a real scene it cost more than polygonizing them):
 
 1. every ring edge that lies on a seam line is cut at the seam-line vertices of the same
    region (both sides), and the stretches that both sides hold cancel (they run in
    opposite directions: the region lies on one side of each ring);
 2. what is left of the rings that touched a seam is a set of *links*: the runs of edges
-   between seam-line vertices (in GDAL's order) and the seam stretches that did not cancel;
-3. links are joined end to start at their seam-line vertices. Where two links arrive at
+   between seam-line vertices and corners where two pieces of one strip meet (kept in
+   order), and the seam stretches that did not cancel;
+3. links are joined end to start at those vertices. Where two links arrive at
    one vertex (the region's pixels meet only at that corner, diagonally) the *wide* join
    is taken, the one that turns away from those two pixels: the pieces make one
    4-connected region, so the two free corners lie in different holes (or one outside),
@@ -23,7 +25,7 @@ an overlay: on the large smooth regions of a real scene it cost more than GDAL i
 
 Collinear vertices left where links meet are dropped, so the rings hold only corners, as
 GDAL's do: the result equals GDAL's polygon of the whole region, vertex for vertex up to
-where each ring starts (``tests/vectors/test_vectors_stitch.py``).
+where each ring starts (``tests/vectors/test_vectors_fragmented.py``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ The same polygons as GDAL's polygonizer (``rasterio.features.shapes`` with
 4-connectivity), ring for ring and vertex for vertex up to where each ring starts, and
 oriented like GDAL's (a shell's signed area negative in raw coordinates, a hole's
 positive), but built without a Python object per vertex: ``rasterio.features.shapes``
-hands back GeoJSON-like dicts of coordinate tuples, which on fragmented labels cost far
-more than GDAL's polygonizing itself, and this module is vectorised throughout.
+hands back GeoJSON-like dicts of coordinate tuples (on fragmented labels that alone took
+longer than all of this module, which is vectorised throughout).
 
 A *run* is a row's longest stretch of one class. Its region's boundary is made of
 
