@@ -14,7 +14,7 @@ from data_helpers import tiff_module
 from hydra import compose, initialize_config_dir
 from memory_helpers import CONF, assert_close, grads, tiny
 
-from seg_at_scale.cli.train import check_memory, resolve_auto_tile
+from seg_at_scale.cli.training import check_memory, resolve_auto_tile
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory import (
     GIB,

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from memory_helpers import CONF, tiny
 
-from seg_at_scale.cli.train import check_memory
+from seg_at_scale.cli.training import check_memory
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory import (
     MemoryConfig,

@@ -1,7 +1,6 @@
 """Training with pretrained encoders: which footprint, and whose normalisation.
 
-Entry-point code (it reads the ``DictConfig``): :func:`check_hub_weights` refuses, before
-any work, a hub name this machine cannot fetch; :func:`run_footprint` honours
+Entry-point code (it reads the ``DictConfig``): :func:`run_footprint` honours
 ``tiling.exact``; :func:`use_weights_normalization` gives the data the normalisation the
 weights were trained with (``finetune.normalization=weights``), or reports the difference.
 """
@@ -17,31 +16,11 @@ from torch import nn
 from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.trained import tiling_footprint
-from seg_at_scale.models.weights import check_hub_name
 from seg_at_scale.tiling import Footprint
 
-__all__ = ["run_footprint", "use_weights_normalization", "check_hub_weights", "WEIGHT_KEYS"]
+__all__ = ["run_footprint", "use_weights_normalization"]
 
 log = logging.getLogger(__name__)
-
-WEIGHT_KEYS = ("encoder_weights", "weights", "backbone_weights")  # model keys naming weights
-
-
-def check_hub_weights(model: DictConfig) -> None:
-    """Refuse a weights hub name this machine cannot fetch, before any work.
-
-    Offline (``HF_HUB_OFFLINE=1``, or the hub silent for
-    :data:`~seg_at_scale.models.weights.HUB_TIMEOUT_S`) with the weights not in the local
-    Hugging Face cache: one line naming the key and the download to do, in seconds, not
-    after the scenes are written and the model built (the decision is made once, here).
-    """
-    encoder = model.get("encoder") or (f"tu-{model.backbone}" if model.get("backbone")
-                                       else "")
-    for key in WEIGHT_KEYS:
-        spec = model.get(key)
-        if isinstance(spec, str):
-            check_hub_name(spec, str(encoder), key=f"model.{key}")
-
 
 def run_footprint(model: nn.Module, tiling: DictConfig) -> Footprint:
     """The exact footprint, or with ``tiling.exact=false`` the model's approximate one."""

@@ -12,156 +12,27 @@ An interrupted run resumes from its last checkpoint: rerun the same command with
 ``hydra.run.dir=<the run's folder>``. SIGTERM and Ctrl+C stop training with a checkpoint
 saved; a run folder is never rewritten with another config (:mod:`seg_at_scale.cli.runs`);
 every split's files are checked before the first step (:mod:`seg_at_scale.data.preflight`).
+
+This module is the entry point alone: the checks that need no data and no network (the
+model's bands against the data's, a weights hub name on an offline machine) run before
+Lightning is imported, so their refusals come in seconds; the run itself is
+:mod:`seg_at_scale.cli.training`.
 """
 
 from __future__ import annotations
 
-import inspect
-import json
-import logging
-import signal
-import typing
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import hydra
-import psutil
-import pytorch_lightning as pl
-import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-from pytorch_lightning.utilities import rank_zero_only
+from omegaconf import DictConfig
 
-from seg_at_scale.cli.common import class_names_of, format_iou, reports_errors
-from seg_at_scale.cli.data_setup import (
-    check_grids,
-    checked_groups,
-    record_training_data,
-    resolve_normalization,
-    run_preflight,
-    synthesize,
-)
-from seg_at_scale.cli.pretrained import (
-    check_hub_weights,
-    run_footprint,
-    use_weights_normalization,
-)
-from seg_at_scale.cli.runs import RunFolder, run_lock
-from seg_at_scale.config_check import check_types, known_keys
-from seg_at_scale.data.datamodule import TileDataModule
+from seg_at_scale.cli.common import reports_errors
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.io import RasterReader
-from seg_at_scale.memory import (
-    MemoryConfig,
-    MemoryReport,
-    apply_memory_mode,
-    auto_tile,
-    check_precision,
-    covering_side,
-    memory_config,
-    pipe_checkpoint_mode,
-)
-from seg_at_scale.models.checkpoint import load_checkpoint
-from seg_at_scale.models.registry import build_model
-from seg_at_scale.models.trained import (
-    RUN_CONFIG,
-    TrainedModel,
-    card_of_config,
-)
-from seg_at_scale.parallel.pipe import PipelineConfig, close_live_pipes
-from seg_at_scale.parallel.setup import (
-    pipeline_group,
-    pipeline_strategy,
-    resolve_pipeline,
-    setup_pipeline,
-)
-from seg_at_scale.prediction.options import PredictOptions
-from seg_at_scale.prediction.scene import predict_scene
-from seg_at_scale.tasks.interrupt import (
-    SaveOnStop,
-    SIGTERMException,
-    newest_checkpoint,
-    slurm_plugins,
-)
-from seg_at_scale.tiling import make_grid
 
-log = logging.getLogger("seg_at_scale.train")
+__all__ = ["main", "check_model_bands", "check_hub_weights", "CONFIG_DIR"]
+
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
-
-
-def computed_values(dm: TileDataModule, fp: Any, cfg: DictConfig) -> dict[str, Any]:
-    """Halo, alignment and efficiency E of the validation grid: saved with the run."""
-    scene = dm.scenes_of("val")[0]
-    with RasterReader(scene.image) as r:
-        grid = make_grid(r.height, r.width, fp, q=cfg.tiling.q, tile_size=cfg.tiling.tile_size)
-        size = [r.height, r.width]
-    return {"halo": fp.halo, "context": fp.context, "align": fp.align, "padding": fp.padding,
-            "out_residue": fp.out_residue, "grid": list(grid.shape), "scene_size": size,
-            "efficiency": round(grid.efficiency, 4)}
-
-
-def resolve_ckpt(cfg: DictConfig, run: RunFolder) -> str | None:
-    """Checkpoint to resume from, checked before anything is written.
-
-    ``auto``: the run folder's newest checkpoint that loads (last.ckpt, the best ones,
-    hpc_ckpt); none for a new run. A folder that holds a run but no usable checkpoint is
-    refused, naming what is missing (training it again from scratch while logging
-    "resuming" would replace its checkpoints). A path is loaded to check it.
-    """
-    trust = bool(cfg.get("trust_run", False))
-    if cfg.ckpt_path in (None, "none"):
-        return None
-    if cfg.ckpt_path != "auto":
-        load_checkpoint(Path(cfg.ckpt_path), trust=trust)
-        return str(cfg.ckpt_path)
-    newest = newest_checkpoint(run.path, trust=trust)
-    # DDP ranks other than 0 start after rank 0 saved the run's config: a "resume" to them
-    if newest is None and run.resuming and rank_zero_only.rank == 0:
-        raise ConfigError(
-            f"hydra.run.dir='{run.path}' holds a run ({RUN_CONFIG}) but no checkpoint to "
-            f"resume from ({run.path / 'checkpoints'} has no .ckpt: deleted, or the run was "
-            "stopped before its first one); to train it again from the start in this folder "
-            "pass ckpt_path=none, or start a new run (leave out hydra.run.dir)")
-    return str(newest) if newest else None
-
-
-def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_dir: Path,
-                 loggers: list[Any]) -> list[dict[str, Any]]:
-    """Predict each test scene whole (streaming, tiled) and score it against its mask."""
-    results = []
-    trained = TrainedModel(task.model, card_of_config(cfg, fp), f"run '{out_dir}'", cfg)
-    nodata = cfg.data.nodata
-    options = PredictOptions(tile_size=cfg.predict.tile_size, fast=cfg.predict.fast,
-                             overwrite=True, preview=cfg.predict.preview, progress=False,
-                             nodata=None if nodata is None else float(nodata))
-    for scene in dm.scenes_of("test"):
-        res = predict_scene(trained, scene.image,
-                            out_dir / "predictions" / f"{scene.name}_pred.tif", options,
-                            mask=scene.mask)
-        results.append(res)
-        for lg in loggers:
-            if hasattr(lg, "log_image") and "preview" in res:
-                lg.log_image(key=f"test/{scene.name}", images=[res["preview"]])
-            lg.log_metrics({"test/miou": res["miou"]})
-        log.info("test scene %s:\n%s", scene.name, format_iou(res, class_names_of(cfg.data)))
-    return results
-
-
-def check_trainer(cfg: DictConfig) -> None:
-    """The ``trainer`` group's plain keys against ``pl.Trainer``'s parameters and types.
-
-    ``trainer.max_epochs=abc`` failed deep in the scheduler's step count with a
-    ``ValueError``; it is refused here naming the key and the type.
-    """
-    values = OmegaConf.to_container(cfg.trainer, resolve=True)
-    assert isinstance(values, dict)
-    plain = {k: v for k, v in values.items()
-             if not str(k).startswith("_") and not (isinstance(v, dict) and "_target_" in v)}
-    params = [k for k in inspect.signature(pl.Trainer.__init__).parameters if k != "self"]
-    known_keys("trainer", plain, params)
-    check_types("trainer", plain, typing.get_type_hints(pl.Trainer.__init__))
+WEIGHT_KEYS = ("encoder_weights", "weights", "backbone_weights")  # model keys naming weights
 
 
 def check_model_bands(cfg: DictConfig) -> None:
@@ -188,142 +59,24 @@ def check_model_bands(cfg: DictConfig) -> None:
                               f"{mapped}; or set data.bands to the images' bands")
 
 
-def check_memory(cfg: DictConfig, run: RunFolder | None = None) -> MemoryConfig:
-    """The memory mode of ``cfg.memory``; refuses a precision this machine cannot run."""
-    (run or RunFolder.detached()).fill(cfg, "trainer.precision", lambda: check_precision(
-        cfg.trainer.precision, cfg.trainer.get("accelerator", "auto")))
-    group = cfg.get("memory")
-    return memory_config(OmegaConf.to_container(group, resolve=True)  # type: ignore[arg-type]
-                         if group is not None else None)
+def check_hub_weights(model: DictConfig) -> None:
+    """Refuse a weights hub name this machine cannot fetch, before any work.
 
-
-def resolve_auto_tile(cfg: DictConfig, model: Any, fp: Any, dm: TileDataModule,
-                      memory: MemoryConfig, run: RunFolder | None = None) -> None:
-    """``tiling.tile_size=auto``: measure the largest tile within ``memory.budget_gb``.
-
-    Sets ``tiling.tile_size`` (and the random mode's ``core_size``) in ``cfg`` and ``dm``;
-    the saved run config holds the measured value (a resumed run takes it from there).
+    Offline (``HF_HUB_OFFLINE=1``, or the hub silent for
+    :data:`~seg_at_scale.models.weights.HUB_TIMEOUT_S`) with the weights not in the local
+    Hugging Face cache: one line naming the key and the download to do, in seconds, not
+    after the scenes are written and the model built (the decision is made once, here).
     """
-    t, m = cfg.tiling, cfg.memory
-    if t.tile_size != "auto":
-        return
-    if t.mode == "grid" and t.q is not None:
-        raise ConfigError(f"tiling.tile_size=auto with tiling.q={t.q}: give one of them; "
-                          "use tiling.q=null to let the memory budget choose the tile")
-    sizes = []
-    for scene in dm.scenes_of("train"):
-        with RasterReader(scene.image) as r:
-            sizes.append(covering_side(fp, r.height, r.width))
-    acc = str(cfg.trainer.get("accelerator", "auto"))
-    cuda = acc in ("gpu", "cuda") or (acc == "auto" and torch.cuda.is_available())
-    search, keys = auto_tile(
-        model, fp, memory, budget_gb=m.get("budget_gb"),
-        batch=t.batch_size if t.mode == "random" else 1, precision=cfg.trainer.precision,
-        channels_last=bool(cfg.task.get("channels_last", False)), max_side=max(sizes),
-        device="cuda" if cuda else "cpu", rel_tol=m.get("rel_tol", 0.05),
-        max_probes=m.get("max_probes", 8),
-        host_rss=None if cuda else psutil.Process().memory_info().rss)
-    run = run or RunFolder.detached()
-    run.fill(cfg, "tiling.tile_size", lambda: keys["tile_size"])
-    if t.mode == "random":
-        run.fill(cfg, "tiling.core_size", lambda: keys["core_size"])
-    dm.tiling = replace(dm.tiling, tile_size=keys["tile_size"],
-                        core_size=cfg.tiling.core_size or dm.tiling.core_size)
-    log.info("tiling.tile_size=auto: %s", search.summary())
+    specs = {key: model.get(key) for key in WEIGHT_KEYS}
+    if not any(isinstance(spec, str) for spec in specs.values()):
+        return  # nothing to look up: no torch import for the common case
+    from seg_at_scale.models.weights import check_hub_name
 
-
-def train_batch_size(cfg: DictConfig) -> int:
-    """Samples per training step: the random tiles' batch, or 1 grid tile."""
-    return int(cfg.tiling.batch_size) if cfg.tiling.mode == "random" else 1
-
-
-def resolve_run_pipeline(cfg: DictConfig, model: Any, dm: TileDataModule,
-                         memory: MemoryConfig) -> PipelineConfig | None:
-    """The ``pipeline`` group resolved (balance profiled for ``auto``), or None.
-
-    In a pipeline, ``memory=checkpoint`` becomes Pipe's own recomputation
-    (``except_last``, or ``always`` with ``memory.checkpoint_last``); offloading is not
-    available inside Pipe's worker threads.
-    """
-    group = cfg.get("pipeline")
-    if group is None:
-        return None
-    g = pipeline_group(OmegaConf.to_container(group, resolve=True))  # type: ignore[arg-type]
-    if g.mode == "none":
-        return None
-    if memory.mode in ("offload", "checkpoint_offload"):
-        raise ConfigError(f"memory={memory.mode} with pipeline={g.mode}: saved tensors "
-                          "cannot be offloaded inside Pipe's stage threads; use "
-                          "memory=checkpoint (Pipe recomputation) or pipeline=none")
-    if memory.mode == "checkpoint":
-        g = replace(g, checkpoint=pipe_checkpoint_mode(memory))
-    ds = dm.train_dataloader().dataset
-    tile_shape = tuple(ds[0]["image"].shape)
-    return resolve_pipeline(g, model, tile_shape, train_batch_size(cfg))
-
-
-def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
-                                                   TileDataModule, dict[str, Any]]:
-    """Everything before the first training step; every check runs here.
-
-    Returns:
-        ``(model, footprint, memory mode, DataModule, computed values)``.
-    """
-    data, tiling = checked_groups(cfg)  # data / tiling keys: type, range, unknown keys
-    check_trainer(cfg)
-    pl.seed_everything(cfg.seed, workers=True)
-    run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
-    model = build_model(OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
-                        where="the model group", trust=bool(cfg.get("trust_run", False)))
-    fp = run_footprint(model, cfg.tiling)  # tiling.exact=false: the approximate one
-    computed: dict[str, Any] = {}
-    use_weights_normalization(cfg, model, run, computed)  # finetune.normalization
-    memory = check_memory(cfg, run)  # memory mode + precision
-    report = run_preflight(data, run, bool(cfg.predict_after_fit))  # every split's files
-    resolve_normalization(cfg, run, report, computed)  # data.scale/mean/std=auto
-    record_training_data(cfg, report, computed)  # dtype, range, fingerprint: for seg-predict
-    # the data group's _target_ is the DataModule (its keys plain values, the rest objects)
-    dm: TileDataModule = instantiate(cfg.data, _partial_=True, _convert_="all")(
-        tiling=tiling, footprint=fp, seed=cfg.seed, scenes=report.scenes)
-    resolve_auto_tile(cfg, model, fp, dm, memory, run)  # tiling.tile_size=auto
-    check_grids(cfg, fp, report)
-    computed.update(computed_values(dm, fp, cfg))
-    computed["preflight_s"] = round(report.seconds, 3)
-    return model, fp, memory, dm, computed
-
-
-def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConfig,
-        dm: TileDataModule, computed: dict[str, Any], ckpt: str | None
-        ) -> tuple[pl.Trainer, Any, list[Any]]:
-    """Build the task, callbacks, loggers and trainer; fit (resuming when asked)."""
-    pipeline = resolve_run_pipeline(cfg, model, dm, memory)  # pipeline=manual|auto
-    if pipeline is not None:
-        computed["pipeline"] = pipeline.as_dict()
-    run.save(cfg, computed)
-    log.info("halo %d (context %d, align %d, %s padding), E = %.3f on the validation grid %s",
-             fp.halo, fp.context, fp.align, fp.padding, computed["efficiency"],
-             computed["grid"])
-    task = instantiate(cfg.task, model=model if pipeline else apply_memory_mode(model, memory))
-    setup_pipeline(task, pipeline, batch_size=train_batch_size(cfg))
-    slurm = cfg.get("slurm") or {}
-    plugins = slurm_plugins(bool(slurm.get("auto_requeue", True)),
-                            str(slurm.get("requeue_signal", "SIGUSR1")))
-    stop = SaveOnStop(run.path / "checkpoints", requeue_signal=next(
-        (p.requeue_signal for p in plugins if p.auto_requeue), None))
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [
-        MemoryReport(memory.label), stop]
-    loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
-    for lg in loggers:
-        lg.log_hyperparams({"computed": computed})
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks,
-                                      logger=loggers or False, plugins=plugins or None,
-                                      **pipeline_strategy(cfg.trainer, pipeline))
-    try:
-        trainer.fit(task, datamodule=dm, ckpt_path=ckpt,  # plain data unless trusted
-                    weights_only=not bool(cfg.get("trust_run", False)))
-    except SIGTERMException:  # checkpoint saved by SaveOnStop; exit as the signal asks
-        raise SystemExit(128 + (stop.signal or signal.SIGTERM)) from None
-    return trainer, task, loggers
+    encoder = model.get("encoder") or (f"tu-{model.backbone}" if model.get("backbone")
+                                       else "")
+    for key, spec in specs.items():
+        if isinstance(spec, str):
+            check_hub_name(spec, str(encoder), key=f"model.{key}")
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
@@ -332,37 +85,9 @@ def main(cfg: DictConfig) -> float | None:
     """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
     check_model_bands(cfg)  # before any work: nothing written, nothing built
     check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
-    synthesize(cfg)  # the scenes first: data.class_weights may be read from their masks
-    folder = Path(HydraConfig.get().runtime.output_dir)
-    with run_lock(folder):  # one seg-train per run folder
-        return _train(cfg, folder)
+    from seg_at_scale.cli import training  # Lightning and the network stack: now
 
-
-def _train(cfg: DictConfig, folder: Path) -> float | None:
-    run = RunFolder.open(folder, cfg)  # before any write
-    ckpt = resolve_ckpt(cfg, run)
-    run.announce()  # accepted: only now into the run's train.log
-    model, fp, memory, dm, computed = prepare(cfg, run)
-    trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed, ckpt)
-    if not trainer.is_global_zero:  # sample parallelism: rank 0 predicts and reports
-        return None
-    metric = trainer.callback_metrics.get("val/miou")
-    summary: dict[str, Any] = {"run": str(run.path), "val/miou": float(metric)
-                               if metric is not None else None, "computed": computed}
-    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-    if best:
-        task.load_state_dict(_state_dict(best))
-        summary["checkpoint"] = best
-    if cfg.predict_after_fit:
-        summary["test"] = predict_test(cfg, task, dm, fp, run.path, loggers)
-    (run.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
-    close_live_pipes()  # the stage threads stop now, not during the interpreter's exit
-    return summary["val/miou"]
-
-
-def _state_dict(path: str) -> dict[str, Any]:
-    return load_checkpoint(path)["state_dict"]  # written by this run: plain data
+    return training.run(cfg)
 
 
 if __name__ == "__main__":

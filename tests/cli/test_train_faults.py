@@ -199,7 +199,7 @@ def test_a_hub_name_offline_is_refused_without_waiting_on_the_resolver(tmp_path,
     connection's timeout does not cover it), after the scenes were written and while the
     model was built; a name server that never answers held the refusal for minutes. Now it
     is made once, abandoning the lookup after 2 s, before anything is built."""
-    from seg_at_scale.cli import train
+    from seg_at_scale.cli import training as train  # what the entry point runs once its checks pass
     from seg_at_scale.models import weights
 
     asked, answered, release = [], threading.Event(), threading.Event()
@@ -238,7 +238,7 @@ def test_a_hub_name_offline_is_refused_without_waiting_on_the_resolver(tmp_path,
 
 
 def test_hf_hub_offline_refuses_before_the_scenes_and_the_model(tmp_path, monkeypatch):
-    from seg_at_scale.cli import train
+    from seg_at_scale.cli import training as train  # what the entry point runs once its checks pass
 
     def never(*args, **kwargs):
         pytest.fail("built before the offline refusal")
