@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
@@ -14,7 +13,7 @@ from typing import Any, TypeVar
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
-from seg_at_scale.errors import ConfigError, SegAtScaleError
+from seg_at_scale.errors import ConfigError, SegAtScaleError, disk_full
 
 __all__ = ["disk_full", "format_iou", "save_run_config", "reports_errors", "class_names_of",
            "USER_ERROR_EXIT"]  # and RUN_CONFIG, read on first use (__getattr__)
@@ -46,20 +45,6 @@ def _own_error(exc: BaseException) -> SegAtScaleError | None:
     return exc
 
 
-_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-
-
-def disk_full(exc: BaseException) -> SegAtScaleError | None:
-    """A disk-full error behind ``exc`` as one line (the work done so far is kept)."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in _FULL:
-            where = f" writing '{seen.filename}'" if seen.filename else ""
-            return SegAtScaleError(f"no space left{where} ({seen.strerror}); free space or "
-                                   "choose another output folder, then run the same command "
-                                   "again: what was finished is kept")
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def file_system(exc: BaseException) -> SegAtScaleError | None:

@@ -27,9 +27,11 @@ from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.staged import Stage
 
 __all__ = ["SegmentationNetwork", "Pipelined", "Checkpointable", "FineTunable",
-           "ApproximateFootprint", "DualOutput", "check_contract", "require", "CAPABILITIES"]
+           "ApproximateFootprint", "DualOutput", "Staged", "check_contract", "require",
+           "CAPABILITIES"]
 
 
 @runtime_checkable
@@ -91,6 +93,13 @@ class ApproximateFootprint(Protocol):
 
 
 @runtime_checkable
+class Staged(Protocol):
+    """The network as stages, each tiled over the whole image's maps (``staged=true``)."""
+
+    def stages(self) -> list[Stage]: ...
+
+
+@runtime_checkable
 class DualOutput(Protocol):
     """Segmentation and edge logits from one forward (Gated-SCNN's shape stream)."""
 
@@ -104,6 +113,7 @@ CAPABILITIES: dict[type, str] = {
     FineTunable: "fine-tuning a pretrained encoder (encoder_parameters)",
     ApproximateFootprint: "inexact tiling of non-local layers (approximate_footprint)",
     DualOutput: "edge supervision (forward_dual)",
+    Staged: "stage-by-stage prediction (stages; smp networks)",
 }
 
 

@@ -48,10 +48,12 @@ from seg_at_scale.models.smp_exact import (
     refusal,
     skip_non_local,
 )
+from seg_at_scale.models.smp_stages import smp_stages
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import WholeImageDependency, empirical_halo
 from seg_at_scale.tiling.layout import prefer_layouts
 from seg_at_scale.tiling.sites import site_levels, statistic_sites
+from seg_at_scale.tiling.staged import Stage
 
 __all__ = ["SMPModel", "ARCHITECTURES"]
 
@@ -274,6 +276,15 @@ class SMPModel(nn.Module):
         raise ConfigError(f"model.arch={self.arch}: whole-image statistics at {names} need "
                           "one pass per level (seg_at_scale.tiling.passes.fixed_statistics), "
                           "not the single image-pooling pass")
+
+    def stages(self) -> list[Stage]:
+        """The network as stages run one after another over the whole image (``staged=true``).
+
+        Raises:
+            ConfigError: an encoder or head the stages do not cover, or a non-local layer
+                (:func:`~seg_at_scale.models.smp_stages.smp_stages` names it and the fix).
+        """
+        return smp_stages(self)
 
     def statistic_levels(self) -> int:
         """Extra passes over the tiles exact tiling needs (0: none)."""

@@ -10,17 +10,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from seg_at_scale.prediction.options import PredictOptions
-    from seg_at_scale.prediction.raster import (
-        PredictionStats,
-        default_batch_size,
-        output_kind,
-        predict_raster,
-    )
+    from seg_at_scale.prediction.options import PredictOptions, default_batch_size, output_kind
+    from seg_at_scale.prediction.raster import PredictionStats, predict_raster
     from seg_at_scale.prediction.store import NODATA, PredictionStore
 
-_WHERE = {"PredictOptions": "options", "PredictionStats": "raster", "default_batch_size": "raster",
-          "output_kind": "raster", "predict_raster": "raster", "NODATA": "store",
+_WHERE = {"PredictOptions": "options", "PredictionStats": "raster", "default_batch_size": "options",
+          "output_kind": "options", "predict_raster": "raster", "NODATA": "store",
           "PredictionStore": "store"}
 
 __all__ = ["PredictionStats", "PredictionStore", "PredictOptions", "NODATA",

@@ -55,6 +55,7 @@ from seg_at_scale.prediction.raster import (
     raised_everywhere,
 )
 from seg_at_scale.prediction.scene import companions, predict_scene
+from seg_at_scale.prediction.staged import check_staged
 from seg_at_scale.prediction.store import PredictionStore
 from seg_at_scale.tiling.geometry import fill_of
 from seg_at_scale.tiling.passes import has_statistics
@@ -294,10 +295,12 @@ def predict_archive(trained: TrainedModel, scenes: Sequence[ArchiveScene],
     """
     skipped = {r.stem for r in checked}
     todo = [s for s in scenes if s.stem not in skipped]
+    if options.staged:  # refused as image= refuses it, before any scene is touched
+        check_staged(trained.model, options, rank_world()[1])
     with contextlib.ExitStack() as held:
         busy = _lock_scenes(todo, held, on_error)
         todo = [s for s in todo if s.stem not in busy]
-        if uses_image_pool(trained.model) or has_statistics(trained.model):
+        if options.staged or uses_image_pool(trained.model) or has_statistics(trained.model):
             records = _scene_by_scene(trained, todo, options, on_error)
         else:
             records = _queue(trained, todo, options, on_error)
@@ -333,7 +336,11 @@ def _lock_scenes(scenes: Sequence[ArchiveScene], held: contextlib.ExitStack,
 
 def _scene_by_scene(trained: TrainedModel, scenes: Sequence[ArchiveScene],
                     options: PredictOptions, on_error: str) -> list[SceneRecord]:
-    """Two-pass models: every rank on one scene at a time (its pooled statistic first)."""
+    """Every rank on one scene at a time, through the one-scene job (:func:`predict_scene`).
+
+    For what runs a whole scene at once: statistic passes (each scene's statistics first)
+    and staged prediction (each stage over the whole scene's maps).
+    """
     records = []
     for s in scenes:
         rec = SceneRecord(s.stem, str(s.image), str(s.output))
@@ -490,7 +497,7 @@ def _run_scene(trained: TrainedModel, model: torch.nn.Module, scene: ArchiveScen
 
 
 def _disk_full(exc: BaseException) -> bool:
-    from seg_at_scale.cli.common import disk_full
+    from seg_at_scale.errors import disk_full
 
     return disk_full(exc) is not None
 

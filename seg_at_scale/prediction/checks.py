@@ -32,7 +32,7 @@ import numpy as np
 from seg_at_scale.data.scenes import check_mask_covers, class_histogram
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError
 from seg_at_scale.io import RasterReader
-from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.options import PredictOptions, default_batch_size, output_kind
 from seg_at_scale.tiling import Footprint, make_grid
 from seg_at_scale.tiling.engine import plan_batches
 
@@ -251,9 +251,6 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Map
         cuda: whether the model runs on a GPU (the default batch size).
         vector: a vector output (``.gpkg``, ``.parquet``, ``.fgb``) of the labels' polygons.
     """
-    from seg_at_scale.prediction.plan import default_batch_size
-    from seg_at_scale.prediction.raster import output_kind
-
     output_kind(output)
     if not image.is_file():
         raise InputError(f"image='{image}' does not exist; give the path of a raster to "

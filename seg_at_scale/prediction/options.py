@@ -21,14 +21,16 @@ import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.tiling.geometry import TileGrid
 
-__all__ = ["PredictOptions"]
+__all__ = ["PredictOptions", "output_kind", "default_batch_size"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +146,22 @@ class PredictOptions:
 def _at_least(key: str, value: int | None, low: int, fix: str) -> None:
     if value is not None and value < low:
         raise ConfigError(f"{key}={value!r}: {fix}")
+
+
+def output_kind(path: Path) -> str:
+    """``"zarr"`` or ``"cog"`` from the output's extension; anything else is refused."""
+    suffix = path.suffix.lower()
+    if suffix == ".zarr":
+        return "zarr"
+    if suffix in (".tif", ".tiff"):
+        return "cog"
+    raise ConfigError(f"output='{path}': the extension {suffix or '(none)'!r} names no format "
+                      "this writes; use .tif (Cloud-Optimized GeoTIFF) or .zarr (Zarr v3)")
+
+
+def default_batch_size(grid: TileGrid, device: torch.device | str) -> int:
+    """Tiles per forward: 1 on CPU (no gain), else about 16 Mpix of input per batch."""
+    if torch.device(device).type != "cuda":
+        return 1
+    area = grid.tiles[0].read.area
+    return int(max(1, min(16, (16 << 20) // area)))

@@ -28,21 +28,13 @@ from seg_at_scale.models.fold import fold_batchnorm
 from seg_at_scale.prediction.checks import rewritten_by_resume, store_path
 from seg_at_scale.prediction.finalize import cog_outputs
 from seg_at_scale.prediction.finished import digest, file_sha256, finished
-from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.options import PredictOptions, default_batch_size, output_kind
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, make_grid
 from seg_at_scale.tiling.engine import Batch, plan_batches
 
 __all__ = ["RasterPlan", "plan_raster", "model_digest", "prediction_network", "reusable",
-           "open_store", "default_batch_size", "input_id"]
-
-
-def default_batch_size(grid: TileGrid, device: torch.device | str) -> int:
-    """Tiles per forward: 1 on CPU (no gain), else about 16 Mpix of input per batch."""
-    if torch.device(device).type != "cuda":
-        return 1
-    area = grid.tiles[0].read.area
-    return int(max(1, min(16, (16 << 20) // area)))
+           "open_store", "input_id"]
 
 
 def model_digest(model: nn.Module) -> str:
@@ -122,8 +114,6 @@ def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footp
         input_hash: :func:`input_id` of ``image``, if the caller hashed it already (an
             archive's ranks share the hashing of its scenes).
     """
-    from seg_at_scale.prediction.raster import output_kind
-
     kind = output_kind(output)
     reader = RasterReader(image, nodata=options.nodata)
     grid = make_grid(reader.height, reader.width, fp, q=options.q, tile_size=options.tile_size,

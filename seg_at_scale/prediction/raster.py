@@ -38,9 +38,8 @@ from seg_at_scale.parallel.launch import barrier, rank_world
 from seg_at_scale.prediction.checks import check_outputs, store_path
 from seg_at_scale.prediction.finalize import finalize
 from seg_at_scale.prediction.lock import output_lock
-from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.options import PredictOptions, output_kind
 from seg_at_scale.prediction.plan import (
-    default_batch_size,
     model_digest,
     open_store,
     plan_raster,
@@ -61,7 +60,7 @@ from seg_at_scale.tiling.passes import (
 )
 from seg_at_scale.tiling.statistics import feature_count, image_pool_sum_of, uses_image_pool
 
-__all__ = ["PredictionStats", "predict_raster", "output_kind", "default_batch_size"]
+__all__ = ["PredictionStats", "predict_raster"]
 
 
 @dataclass
@@ -100,17 +99,6 @@ class PredictionStats:
     @property
     def mpix_per_s(self) -> float:
         return self.height * self.width / 1e6 / max(self.total_s, 1e-9)
-
-
-def output_kind(path: Path) -> str:
-    """``"zarr"`` or ``"cog"`` from the output's extension; anything else is refused."""
-    suffix = path.suffix.lower()
-    if suffix == ".zarr":
-        return "zarr"
-    if suffix in (".tif", ".tiff"):
-        return "cog"
-    raise ConfigError(f"output='{path}': the extension {suffix or '(none)'!r} names no format "
-                      "this writes; use .tif (Cloud-Optimized GeoTIFF) or .zarr (Zarr v3)")
 
 
 def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str | os.PathLike[str],

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.data.windows import RasterWindows
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.models.contract import Staged, require
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.store import PredictionStore
 from seg_at_scale.tiling.engine import Batch
@@ -33,16 +34,18 @@ __all__ = ["check_staged", "plan_staged", "predict_staged_raster", "stage_folder
 
 
 def check_staged(model: nn.Module, options: PredictOptions, world: int) -> list[Stage]:
-    """The model's stages, or a one-line refusal before any work."""
-    from seg_at_scale.models.smp_stages import smp_stages
+    """The model's stages, or a one-line refusal before any work.
 
+    The one check every path calls (a scene, an archive) before anything is written.
+    """
+    require(model, Staged, "staged=true")
     if world > 1:
         raise ConfigError(f"staged=true runs in one process (processes={world}): use "
                           "processes=1, or staged=false to share the tiles between processes")
     if options.tta is not None:
         raise ConfigError(f"staged=true with tta={options.tta!r}: each view would be a "
                           "staged run of its own; use tta=null, or staged=false")
-    return smp_stages(model)
+    return model.stages()
 
 
 def plan_staged(stages: list[Stage], grid: TileGrid, bands: int, output: Path,
