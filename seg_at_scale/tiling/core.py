@@ -39,10 +39,15 @@ True
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seg_at_scale.tiling.layout import PER_CHANNEL, NCHWBlock, NCHWConv2d, leaves
+
+if TYPE_CHECKING:
+    from timm.models.convnext import ConvNeXtBlock
 
 __all__ = ["Shrinking", "computes_core", "core_of", "shrinking", "shrinks"]
 
@@ -84,7 +89,7 @@ def core_of(block: nn.Module, x: Tensor, rows: slice, cols: slice) -> Tensor:
     too: without padding, the dilated depthwise convolution is fast channels-last.
     """
     parts = leaves(block)
-    first: nn.Conv2d = parts[0]  # type: ignore[assignment]
+    first = cast(nn.Conv2d, parts[0])  # computes_core(block): a Conv2d
     window = []
     for axis, sl in ((-2, rows), (-1, cols)):
         pad, reach = first.padding[axis], first.dilation[axis] * (first.kernel_size[axis] - 1)
@@ -112,7 +117,7 @@ def _convnext_block(m: nn.Module) -> bool:
             and all(k % 2 for k in conv.kernel_size) and isinstance(m.shortcut, nn.Identity))
 
 
-def _blocks(chain: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+def _blocks(chain: nn.Module) -> tuple[list[nn.Module], list[ConvNeXtBlock]]:
     """A chain's modules in order, split into what runs whole and its trailing blocks."""
     from timm.models.convnext import ConvNeXtStage
 
@@ -125,10 +130,10 @@ def _blocks(chain: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     k = len(flat)
     while k > 0 and _convnext_block(flat[k - 1]):
         k -= 1
-    return flat[:k], flat[k:]
+    return flat[:k], cast("list[ConvNeXtBlock]", flat[k:])  # _convnext_block: each of them
 
 
-def _tail(b: nn.Module, y: Tensor) -> Tensor:
+def _tail(b: ConvNeXtBlock, y: Tensor) -> Tensor:
     """A ConvNeXt block after its depthwise convolution, less the residual (timm's order)."""
     if b.use_conv_mlp:
         y = b.mlp(b.norm(y))
@@ -136,7 +141,7 @@ def _tail(b: nn.Module, y: Tensor) -> Tensor:
         y = b.mlp(b.norm(y.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
     if b.gamma is not None:
         y = y.mul(b.gamma.reshape(1, -1, 1, 1))
-    return b.drop_path(y)  # type: ignore[no-any-return]
+    return b.drop_path(y)
 
 
 def shrinks(chain: nn.Module) -> bool:
@@ -192,6 +197,6 @@ class Shrinking(nn.Module):
     def forward(self, xs: list[Tensor], core: tuple[slice, slice] | None = None,
                 edges: tuple[bool, bool, bool, bool] | None = None) -> Tensor:
         if core is None or edges is None:
-            return self.chain(xs)  # type: ignore[no-any-return]
+            return self.chain(xs)
         (x,) = xs
         return shrinking(self.chain, x, *core, edges)

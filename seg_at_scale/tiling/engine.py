@@ -172,7 +172,7 @@ class D4:
 
 
 def _flip(x: Any, rows: bool, cols: bool) -> Any:
-    dims = [d for d, f in ((-2, rows), (-1, cols)) if f]
+    dims = tuple(d for d, f in ((-2, rows), (-1, cols)) if f)
     if not dims:
         return x
     return torch.flip(x, dims) if isinstance(x, Tensor) else np.flip(x, dims)

@@ -69,9 +69,9 @@ class NCHWBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not _cpu_nhwc(x):
-            return super().forward(x)  # type: ignore[no-any-return]
+            return super().forward(x)
         y = super().forward(x.contiguous())
-        return y.contiguous(memory_format=torch.channels_last)  # type: ignore[no-any-return]
+        return y.contiguous(memory_format=torch.channels_last)
 
 
 class SharedNCHW:
@@ -96,10 +96,10 @@ class SharedNCHW:
     def run(self, m: nn.Module) -> Tensor:
         """``m(x)``, in ``x``'s layout."""
         if not (isinstance(m, NCHWBlock) and _cpu_nhwc(self.x)):
-            return m(self.x)  # type: ignore[no-any-return]
+            return m(self.x)
         if self._nchw is None:
             self._nchw, self.copies = self.x.contiguous(), self.copies + 1
-        return m(self._nchw).contiguous(memory_format=torch.channels_last)  # type: ignore[no-any-return]
+        return m(self._nchw).contiguous(memory_format=torch.channels_last)
 
 
 def _slow_in_nhwc(m: nn.Module) -> bool:

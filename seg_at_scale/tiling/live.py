@@ -46,7 +46,7 @@ class LiveMemory(TorchDispatchMode):
         self.peak = 0
         self._held: dict[int, list[int]] = {}  # storage address -> [objects, bytes]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         given = {_address(t) for t in tree_leaves((args, kwargs or {})) if isinstance(t, Tensor)}
         for t in tree_leaves(out):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -60,8 +60,11 @@ __all__ = ["has_statistics", "statistic_passes", "fixed_statistics", "predict_ti
            "tiled_backward_exact", "TileInputs", "tensor_tiles", "source_tiles",
            "WindowReader", "check_no_tta"]
 
-TileInputs = Callable[[], Iterable[tuple[Tile, Tensor]]]
-"""Returns a fresh iterable of ``(tile, model input window [B, C, h, w])`` over a grid."""
+TileInputs = Callable[[], Iterable[tuple[Tile, Tensor | list[Tensor]]]]
+"""Returns a fresh iterable of ``(tile, model input window [B, C, h, w])`` over a grid.
+
+A stage's module (:mod:`~seg_at_scale.tiling.staged`) takes the list of its input windows.
+"""
 
 
 class _Stop(Exception):
@@ -126,7 +129,7 @@ def _levels(model: nn.Module, grid: TileGrid, first: tuple[Tile, Any]
     return [[s for s, k in levels.items() if k == level] for level in range(1, depth + 1)]
 
 
-def _run(model: nn.Module, x: Tensor) -> None:
+def _run(model: nn.Module, x: Tensor | list[Tensor]) -> None:
     try:
         model(x)
     except _Stop:
@@ -295,8 +298,8 @@ def tiled_backward_exact(model: nn.Module, image: Tensor, target: Tensor, loss: 
     sites = [s for _, s in statistic_sites(model)]
     try:
         levels = statistic_passes(model, tiles, grid)
-        leaves = {id(s): s.fixed.detach().requires_grad_(True) for lv, _ in levels
-                  for s in lv}  # type: ignore[union-attr]
+        leaves = {id(s): cast(Tensor, s.fixed).detach().requires_grad_(True)  # set: the passes
+                  for lv, _ in levels for s in lv}
         for lv, _ in levels:
             for s in lv:
                 s.fixed = leaves[id(s)]

@@ -148,7 +148,7 @@ def predict_full_tta(model: nn.Module, image: Tensor, tta: str,
     views = TTA[tta]
     total = sum(g.invert(torch.softmax(predict_full(model, g.apply(image), fp), 1))
                 for g in views)
-    return total / len(views)  # type: ignore[operator]
+    return total / len(views)
 
 
 PixelLoss = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]

@@ -348,7 +348,7 @@ def _run_stage(maps: list[Map], st: Stage, k: int, plan: StagePlan, budget: int,
     fpp = inputs + max(output, plan.holds[k] if plan.holds else 0.0)
     grid = _stage_grid(height, width, plan.footprints[k], fpp, budget)
     s = st.stride
-    out: Map | None = None
+    out: Tensor | DiskMap | None = None
 
     def tiles() -> Iterator[tuple[Tile, list[Tensor]]]:
         return _tiles(maps, st, k, plan, grid, channels_last, device)

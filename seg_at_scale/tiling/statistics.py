@@ -105,6 +105,7 @@ def whole_image_batch_norm(model: nn.Module, images: Sequence[Tensor], *,
                 model(read_window(image, rd, fp))
         hook.remove()
         mean, var = stats.moments()
+        assert bn.running_mean is not None and bn.running_var is not None  # track_running_stats
         bn.running_mean.copy_(mean)
         bn.running_var.copy_(var)
     return len(order)
@@ -148,6 +149,7 @@ def _tile_inputs(image: Tensor, grid: TileGrid) -> Iterator[tuple[Tile, Tensor]]
 def _core_feature_sums(model: ImagePooled, tile_inputs: Iterable[tuple[Tile, Tensor]]
                        ) -> Iterator[Tensor]:
     """Per tile: the last backbone features summed over the core ``[B, C, 1, 1]``."""
+    assert isinstance(model, nn.Module)  # the protocol's implementers are networks
     device = next(model.parameters()).device
     for tile, x in tile_inputs:
         rows, cols = _feature_core(tile, model.downsampling_factor)
@@ -231,6 +233,7 @@ def predict_tiled_two_pass(model: ImagePooled, image: Tensor, *,
     Returns:
         The model's output ``[B, K, H, W]``, equal to ``predict_full(model, image)``.
     """
+    assert isinstance(model, nn.Module)  # the protocol's implementers are networks
     grid = _grid(model, image, q, tile_size, fp)
     pooled = image_pool_mean(model, image, grid) if uses_image_pool(model) else None
     with model.fixed_image_pool(pooled):
@@ -253,6 +256,7 @@ def tiled_backward_two_pass(model: ImagePooled, image: Tensor, target: Tensor, l
     Returns:
         The whole-image loss (detached scalar).
     """
+    assert isinstance(model, nn.Module)  # the protocol's implementers are networks
     grid = _grid(model, image, q, tile_size, fp)
     if not uses_image_pool(model):
         return tiled_backward(model, image, target, loss, q=q, tile_size=tile_size,
