@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import tifffile
@@ -60,7 +60,7 @@ class PageLayout:
     contiguous: tuple[int, str] | None
 
     @classmethod
-    def of(cls, page: tifffile.TiffPage, byteorder: str) -> PageLayout:
+    def of(cls, page: tifffile.TiffPage, byteorder: Literal["<", ">"]) -> PageLayout:
         """The layout of ``page`` (``byteorder``: the file's, ``'<'`` or ``'>'``)."""
         height, width = int(page.imagelength), int(page.imagewidth)
         bands = int(page.samplesperpixel)
@@ -71,12 +71,14 @@ class PageLayout:
         offsets = tuple(int(o) for o in page.dataoffsets)
         counts = tuple(int(n) for n in page.databytecounts)
         dtype = np.dtype(page.dtype) if page.dtype is not None else np.dtype("u1")
+        # tifffile annotates the tag int; it reads a known scheme as the enum
+        compression = cast(tifffile.COMPRESSION, page.compression)
         return cls(height, width, bands, dtype, bands > 1 and int(page.planarconfig) == 2,
-                   seg, bool(page.is_tiled), page.compression.name, offsets, counts,
+                   seg, bool(page.is_tiled), compression.name, offsets, counts,
                    cls._memmappable(page, byteorder, dtype, offsets, counts))
 
     @staticmethod
-    def _memmappable(page: tifffile.TiffPage, byteorder: str, dtype: np.dtype,
+    def _memmappable(page: tifffile.TiffPage, byteorder: Literal["<", ">"], dtype: np.dtype,
                      offsets: tuple[int, ...], counts: tuple[int, ...]
                      ) -> tuple[int, str] | None:
         """``(offset, file dtype)`` of an uncompressed striped page stored in one run."""

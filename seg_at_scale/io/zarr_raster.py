@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zarr
@@ -24,10 +24,14 @@ __all__ = ["ZarrRaster", "open_raster"]
 class ZarrRaster:
     """Windowed reads of one array (``labels`` by default) of a Zarr group."""
 
+    bands: int
+    height: int
+    width: int
+
     def __init__(self, path: str | os.PathLike[str], array: str = "labels") -> None:
         self.path = Path(path)
         try:
-            self._array = zarr.open_group(self.path, mode="r")[array]
+            self._array = cast(zarr.Array, zarr.open_group(self.path, mode="r")[array])
         except (FileNotFoundError, KeyError, ValueError) as exc:
             raise InputError(f"cannot read '{self.path}' as a prediction store: {exc}") from exc
         shape = self._array.shape
@@ -45,7 +49,8 @@ class ZarrRaster:
                 or window.col_end > self.width:
             raise InputError(f"{window} reaches outside '{self.path}' "
                              f"({self.height}x{self.width})")
-        data = self._array[..., window.row : window.row_end, window.col : window.col_end]
+        data = cast(np.ndarray,  # a slice of a numpy-backed array
+                    self._array[..., window.row : window.row_end, window.col : window.col_end])
         return data[None] if data.ndim == 2 else data
 
     def close(self) -> None:
