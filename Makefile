@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all test-gpu test-slurm slurm-up slurm-down lint bench clean-data install
+.PHONY: demo test test-all test-gpu gpu-check test-slurm slurm-up slurm-down lint bench clean-data install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test-all: $(STAMP)
 ## the CUDA paths on a GPU (tests/test_gpu.py; each skips with the reason where CUDA is absent)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(ARGS)
+
+## on a lent GPU, within 8 minutes and installing nothing: make test-gpu, then the prediction,
+## encoders and training sections of bench_gpu.py, into one JSON (OUT=<folder> to choose where)
+gpu-check: $(STAMP)
+	timeout 480 $(PY) experiments/bench_gpu.py --tests --tests-timeout 200 \
+	    --sections prediction,encoders,train_step --out $${OUT:-experiments/results}/bench_gpu.json
 
 ## the Slurm tests alone (tests/slurm: a two-node cluster on this host; root and Debian's
 ## slurmctld slurmd slurm-client munge, which .ci/run installs; they skip without them)

@@ -3,6 +3,7 @@
     python experiments/bench_gpu.py                          # a CUDA device, full sizes
     python experiments/bench_gpu.py --sections largest_tile,offload_cost
     python experiments/bench_gpu.py --device cpu --quick     # harness check, < 1 min
+    make gpu-check    # on a lent GPU: make test-gpu, then prediction / encoders / training
 
 Sections (each catches its own exception and records its text, so a GPU run gives every
 figure it can; an out-of-memory step is a figure, ``fits: false``):
@@ -244,6 +245,25 @@ def header(dev: torch.device) -> dict[str, Any]:
     return h
 
 
+def gpu_tests(timeout: int) -> dict[str, Any]:
+    """``pytest -m gpu`` (what ``make test-gpu`` runs): its closing line, status and time."""
+    import subprocess
+    import sys
+
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu",
+                              "-p", "no:cacheprovider"], cwd=Path(__file__).resolve().parents[1],
+                             capture_output=True, text=True, timeout=timeout)
+        lines = out.stdout.strip().splitlines()
+        result = {"returncode": out.returncode, "summary": lines[-1] if lines else "",
+                  "failed": [ln for ln in lines if ln.startswith("FAILED")][:20]}
+    except subprocess.TimeoutExpired:
+        result = {"returncode": None, "summary": f"stopped after {timeout} s"}
+    print(f"make test-gpu: {result['summary']}", flush=True)
+    return {**result, "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="auto", help="auto | cuda | cuda:<i> | cpu")
@@ -255,7 +275,12 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=None, help="largest_tile budget")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/)")
+    ap.add_argument("--tests", action="store_true",
+                    help="first run `pytest -m gpu` (make test-gpu) and record its summary in "
+                         "the same JSON (make gpu-check)")
+    ap.add_argument("--tests-timeout", type=int, default=240, help="seconds for --tests")
     args = ap.parse_args()
+    tests = gpu_tests(args.tests_timeout) if args.tests else None
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(auto if args.device == "auto" else args.device)
     if dev.type == "cuda" and dev.index is None:
@@ -296,7 +321,8 @@ def main() -> None:
                                        "sections": sections}, indent=2, default=float))
     head["loadavg_end"] = list(os.getloadavg())
     save(name, {"device": head, "quick": args.quick, "sizes": asdict(sz), "seeds": SEEDS,
-                "wall_s": round(time.perf_counter() - t0, 1), "sections": sections},
+                "wall_s": round(time.perf_counter() - t0, 1), "sections": sections,
+                **({"make_test_gpu": tests} if tests is not None else {})},
          path=args.out)
     partial.unlink(missing_ok=True)
 

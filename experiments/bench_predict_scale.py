@@ -146,7 +146,7 @@ def cli(run: Path, image: Path, out: Path, tile: int, processes: int,
     """``seg-predict`` in a subprocess; wall time and peak RSS per process (sampled)."""
     cmd = [sys.executable, "-m", "seg_at_scale.cli.predict", f"run={run}", f"image={image}",
            f"output={out}", f"tile_size={tile}", f"processes={processes}", "preview=false",
-           "progress=false", f"hydra.run.dir={out.parent / 'hydra'}"]
+           "progress=false", "fast=true", f"hydra.run.dir={out.parent / 'hydra'}"]
     env = {**os.environ, "CI": "true"}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

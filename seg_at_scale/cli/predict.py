@@ -75,7 +75,35 @@ def _default_options() -> PredictOptions:
 
 @dataclass(frozen=True)
 class PredictJob:
-    """``seg-predict``'s keys, validated: the model, the scenes, where it runs, how."""
+    """``seg-predict``'s keys, validated: the model, the scenes, where it runs, how.
+
+    With :class:`~seg_at_scale.prediction.options.PredictOptions` (``options``, every other
+    key), the one source of the command's keys: their defaults (``conf_predict/predict.yaml``
+    must hold the same values, a test checks it) and ``seg-predict --help``.
+
+    Attributes:
+        image: the raster to predict (GeoTIFF / TIFF / BigTIFF).
+        output: <name>.tif (Cloud-Optimized GeoTIFF) or <name>.zarr (Zarr v3).
+        images: or many scenes: a folder, a glob, a .txt list or a STAC JSON file.
+        output_dir: images=: the scenes are written as <output_dir>/<stem>.<output_format>,
+            with summary.csv/json, mosaic.vrt and items.json.
+        output_format: images=: tif or zarr.
+        masks: images=: a folder of truth rasters <stem>.tif or <stem>_mask.tif (IoU per
+            scene).
+        on_error: images=: stop (refuse bad scenes) or skip (record them, predict the others).
+        vector_merge: images=: one vectors.<ext> with a scene column, not one file per scene.
+        run: a training run folder (run_config.yaml + checkpoints/); give run= or model=.
+        model: a model made by seg-export (.segmodel file or folder).
+        ckpt: run= only: best, last or the path of a .ckpt.
+        trust_run: build any model class and unpickle any checkpoint (runs code: only for a
+            sender you trust).
+        mask: ground truth of image=: also print per-class IoU and mIoU.
+        vector: also the polygons: <name>.gpkg, .parquet or .fgb (images=: gpkg, parquet or
+            fgb).
+        device: auto, cpu, cuda or cuda:<index>.
+        processes: local processes sharing the tiles (gloo on CPU, NCCL on GPUs).
+        nodes: nodes, inside a Slurm job or a torchrun launch only.
+    """
 
     image: str | None = None
     output: str | None = None
@@ -463,6 +491,48 @@ def _main(cfg: DictConfig) -> None:
         print(json.dumps(res, indent=2))
 
 
+USAGE = """seg-predict: predict whole rasters with a trained model, tile by tile, exactly.
+
+Usage: seg-predict run=<training run folder> image=<raster> output=<name>.tif|.zarr [key=value ...]
+       seg-predict model=<name>.segmodel images=<folder|glob|list|STAC> output_dir=<folder>
+"""
+
+EXAMPLES = """Examples:
+  seg-predict run=runs/same_unet_small/2026-11-25_10-00-00 image=scene.tif output=mask.tif
+  seg-predict model=unet_small.segmodel image=big.tif output=big.zarr processes=2 fast=true
+  seg-predict run=... image=a.tif output=a_mask.tif mask=a_truth.tif tta=d4
+  seg-predict run=... image=a.tif output=a_mask.tif vector=a.gpkg vector_classes=[4]
+  seg-predict run=... images=scenes/ output_dir=out/ processes=2 vector=gpkg on_error=skip
+
+Paths with spaces: quote the value for Hydra too, e.g. "image='my scene.tif'".
+"""
+
+
+def help_text(width: int = 100) -> str:
+    """``seg-predict --help``: every key, its default and its meaning, made from the fields."""
+    import re
+    import textwrap
+
+    from seg_at_scale.prediction.options import PredictOptions, field_docs
+
+    def value(v: Any) -> str:
+        return "" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    job, opts = PredictJob.__dataclass_fields__, PredictOptions()
+    rows = [(k, value(f.default), doc) for k, doc in field_docs(PredictJob).items()
+            for f in [job[k]]]
+    rows += [(k, value(getattr(opts, k)), doc) for k, doc in PredictOptions.docs().items()]
+    lines = [USAGE, "Keys (default):"]
+    for key, default, doc in rows:
+        head = f"  {key}={default}"
+        first = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc).replace("``", "").replace('"', "")
+        lines += textwrap.wrap(first, width, initial_indent=f"{head:<28}",
+                               subsequent_indent=" " * 28) if len(head) < 28 else \
+            [head, *textwrap.wrap(first, width, initial_indent=" " * 28,
+                                  subsequent_indent=" " * 28)]
+    return "\n".join([*lines, "", EXAMPLES])
+
+
 def main() -> None:
     """Console entry point ``seg-predict``.
 
@@ -471,6 +541,9 @@ def main() -> None:
     """
     from seg_at_scale.cli.overrides import precheck
 
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        print(help_text())
+        return
     precheck("seg-predict", "predict")
     _main()
 

@@ -114,15 +114,32 @@ def resolve_ckpt(cfg: DictConfig, run: RunFolder) -> str | None:
     return str(newest) if newest else None
 
 
+def predict_options(cfg: DictConfig) -> PredictOptions:
+    """``train.yaml``'s ``predict:`` block as :class:`PredictOptions` (any of its keys).
+
+    The run's own outputs are replaced on a resume (``overwrite``), quietly (``progress``),
+    and no data is the data group's (``data.nodata``). Checked before any work.
+
+    Raises:
+        ConfigError: ``predict.<key>`` unknown or of a bad value, named.
+    """
+    block = OmegaConf.to_container(cfg.predict, resolve=True) if cfg.get("predict") else {}
+    assert isinstance(block, dict)
+    nodata = cfg.data.get("nodata")
+    try:
+        return PredictOptions.from_mapping({
+            **{str(k): v for k, v in block.items()}, "overwrite": True, "progress": False,
+            "nodata": None if nodata is None else float(nodata)})
+    except ConfigError as exc:  # its messages start with the key
+        raise ConfigError(f"predict.{exc}") from None
+
+
 def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_dir: Path,
                  loggers: list[Any]) -> list[dict[str, Any]]:
     """Predict each test scene whole (streaming, tiled) and score it against its mask."""
     results = []
     trained = TrainedModel(task.model, card_of_config(cfg, fp), f"run '{out_dir}'", cfg)
-    nodata = cfg.data.nodata
-    options = PredictOptions(tile_size=cfg.predict.tile_size, fast=cfg.predict.fast,
-                             overwrite=True, preview=cfg.predict.preview, progress=False,
-                             nodata=None if nodata is None else float(nodata))
+    options = predict_options(cfg)
     for scene in dm.scenes_of("test"):
         res = predict_scene(trained, scene.image,
                             out_dir / "predictions" / f"{scene.name}_pred.tif", options,
@@ -291,6 +308,7 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
 
 def run(cfg: DictConfig) -> float | None:
     """Write or check the scenes, then train in the run folder, one ``seg-train`` at a time."""
+    predict_options(cfg)  # the predict: block checked before any work
     synthesize(cfg)  # the scenes first: data.class_weights may be read from their masks
     folder = Path(HydraConfig.get().runtime.output_dir)
     with run_lock(folder):  # one seg-train per run folder

@@ -75,7 +75,7 @@ class PredictOptions:
     tile_size: int | None = 1024
     q: int | None = None
     batch_size: int | None = None
-    fast: bool = False
+    fast: bool = False  # exact by default: the fast path is asked for
     tta: Literal["flips", "d4"] | None = None
     probabilities: Literal["uint8", "float16"] | None = None
     nodata: float | None = None
@@ -140,7 +140,39 @@ class PredictOptions:
 
     @staticmethod
     def names() -> list[str]:
+        """Every option's key, in declaration order."""
         return [f.name for f in fields(PredictOptions)]
+
+    @classmethod
+    def docs(cls) -> dict[str, str]:
+        """Each option's one-line description, from the class docstring (``--help``)."""
+        return field_docs(cls)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: description}`` from a dataclass docstring's ``Attributes:`` section.
+
+    The one place a key's meaning is written: ``seg-predict --help`` is made from it.
+
+    >>> field_docs(PredictOptions)["q"]
+    'tiles per side (wins over ``tile_size``).'
+    """
+    import inspect
+    import re
+
+    doc = inspect.getdoc(cls) or ""
+    body = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
+    out: dict[str, str] = {}
+    key = None
+    for line in body.splitlines():
+        m = re.match(r"^    (\w+): (.*)$", line)
+        if m:
+            key, out[m.group(1)] = m.group(1), m.group(2).strip()
+        elif key is not None and line.startswith("        "):
+            out[key] += " " + line.strip()
+        elif line.strip() and not line.startswith(" "):
+            break
+    return {k: " ".join(v.split()) for k, v in out.items()}
 
 
 def _at_least(key: str, value: int | None, low: int, fix: str) -> None:
