@@ -21,11 +21,13 @@ import difflib
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
+
+from omegaconf import DictConfig, OmegaConf
 
 from seg_at_scale.errors import ConfigError
 
-__all__ = ["known_keys", "check_types", "fits", "describe", "nearest", "HYDRA_KEYS"]
+__all__ = ["known_keys", "check_types", "fits", "describe", "nearest", "resolved", "HYDRA_KEYS"]
 
 HYDRA_KEYS = frozenset({"_target_", "_convert_", "_recursive_", "_partial_"})
 
@@ -34,6 +36,15 @@ def nearest(key: str, names: Iterable[str]) -> str | None:
     """The valid name closest to a mistyped ``key``, if any is close."""
     close = difflib.get_close_matches(str(key), list(names), n=1, cutoff=0.6)
     return close[0] if close else None
+
+
+def resolved(node: DictConfig) -> dict[str, Any]:
+    """A config group as plain Python, interpolations resolved: a dict keyed by its names.
+
+    (``OmegaConf.to_container`` returns a dict for a ``DictConfig``; its annotation is any
+    container.)
+    """
+    return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
 
 
 def known_keys(group: str, values: Mapping[str, Any], names: Iterable[str], *,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -54,7 +54,7 @@ class _Reads(TorchDispatchMode):
         self.watched = watched
         self.reads: Counter[int] = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in tree_leaves((args, kwargs or {})):
             if isinstance(t, Tensor) and id(t) in self.watched:
                 self.reads[id(t)] += 1
@@ -130,9 +130,12 @@ def fold_batchnorm(net: nn.Module, example: Tensor) -> tuple[nn.Module, int]:
     shared = Counter(id(m) for _, m in out.named_modules(remove_duplicate=False))
     n = 0
     for conv_name, bn_name in pairs:
-        conv, bn = out.get_submodule(conv_name), out.get_submodule(bn_name)
+        # foldable_pairs: a Conv2d and a BatchNorm2d with running statistics (_foldable_bn)
+        conv = cast(nn.Conv2d, out.get_submodule(conv_name))
+        bn = cast(nn.BatchNorm2d, out.get_submodule(bn_name))
         if shared[id(conv)] > 1 or shared[id(bn)] > 1:
             continue  # one module under two names: folding one would change the other
+        assert bn.running_mean is not None and bn.running_var is not None
         f64 = torch.float64
         bias = None if conv.bias is None else conv.bias.detach().to(f64)
         w, b = fuse_conv_bn_weights(
@@ -147,6 +150,6 @@ def fold_batchnorm(net: nn.Module, example: Tensor) -> tuple[nn.Module, int]:
                                    requires_grad=False)
         conv.bias = nn.Parameter(b.to(conv.weight.dtype), requires_grad=False)
         _set(out, bn_name, nn.Identity() if type(bn) is nn.BatchNorm2d
-             else nn.Sequential(bn.drop, bn.act))
+             else nn.Sequential(cast(nn.Module, bn.drop), cast(nn.Module, bn.act)))
         n += 1
     return out, n

@@ -43,6 +43,7 @@ import contextlib
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -82,11 +83,11 @@ class GSCNNSize:
     """
 
     stem_width: int
-    widths: tuple[int, int, int, int]
-    blocks: tuple[int, int, int, int]
-    shape_widths: tuple[int, int, int]
+    widths: tuple[int, ...]  # 4 (checked where a model is built)
+    blocks: tuple[int, ...]  # 4
+    shape_widths: tuple[int, ...]  # 3
     aspp_width: int
-    aspp_rates: tuple[int, int, int]
+    aspp_rates: tuple[int, ...]  # 3
     decoder_width: int
 
 
@@ -102,6 +103,8 @@ GSCNN_SIZES: dict[str, GSCNNSize] = {
 
 
 class _SelectBands(nn.Module):
+    keep: Tensor  # a buffer
+
     def __init__(self, drop: int | None, channels: int) -> None:
         super().__init__()
         keep = [c for c in range(channels) if drop is None or c != drop % channels]
@@ -192,9 +195,8 @@ class GSCNN(nn.Module):
             raise ConfigError(
                 f"Gated-SCNN got unknown model keys {sorted(unknown)} (a U-Net size?); "
                 f"use model=gscnn_<{'|'.join(GSCNN_SIZES)}>")
-        self.size = GSCNNSize(stem_width, tuple(widths), tuple(blocks),  # type: ignore[arg-type]
-                              tuple(shape_widths), aspp_width, tuple(aspp_rates),  # type: ignore[arg-type]
-                              decoder_width)
+        self.size = GSCNNSize(stem_width, tuple(widths), tuple(blocks), tuple(shape_widths),
+                              aspp_width, tuple(aspp_rates), decoder_width)
         _check(self.size, in_channels, num_classes, edge_band, norm, output, padding)
         self.in_channels, self.num_classes = in_channels, num_classes
         self.edge_band, self.norm, self.output = edge_band, norm, output
@@ -203,7 +205,7 @@ class GSCNN(nn.Module):
         self.regular = regular_stream(backbone, cin, backbone_weights, band_map)
         if self.regular is not None:  # the backbone's widths drive the other parts
             stem_width, widths = self.regular.channels[0], tuple(self.regular.channels[1:])
-            self.size = replace(self.size, stem_width=stem_width, widths=widths)  # type: ignore[arg-type]
+            self.size = replace(self.size, stem_width=stem_width, widths=widths)
         else:
             self.stem = nn.Sequential(conv_block(cin, stem_width, 3, norm),
                                       conv_block(stem_width, stem_width, 3, norm, stride=2))
@@ -228,12 +230,12 @@ class GSCNN(nn.Module):
         self._footprint: Footprint | None = None
 
     @classmethod
-    def from_preset(cls, name: str, **kwargs: object) -> GSCNN:
+    def from_preset(cls, name: str, **kwargs: Any) -> GSCNN:
         """A model from a :data:`GSCNN_SIZES` preset; ``kwargs`` as for the constructor."""
         if name not in GSCNN_SIZES:
             raise ConfigError(f"Gated-SCNN size {name!r} is unknown; use one of "
                               f"{sorted(GSCNN_SIZES)}")
-        return cls(**asdict(GSCNN_SIZES[name]), **kwargs)  # type: ignore[arg-type]
+        return cls(**asdict(GSCNN_SIZES[name]), **kwargs)
 
     @property
     def weights_report(self) -> dict[str, str]:
@@ -315,7 +317,7 @@ class GSCNN(nn.Module):
         layers += [self.select, self.stem[0], Skip(self.stem[1], stash=("shape",))]
         stash = {0: ("low", "side1"), 1: ("side2",), 3: ("side3", "feat")}
         for k, stage in enumerate(self.stages):
-            blocks = list(stage)
+            blocks = list(cast(nn.Sequential, stage))
             layers += blocks[:-1]
             layers.append(Skip(blocks[-1], stash=stash[k]) if k in stash else blocks[-1])
         layers += [Skip(_Take(), pop=("shape",)), self.shape_in]

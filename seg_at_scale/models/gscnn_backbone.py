@@ -17,12 +17,16 @@ their pretrained statistics in eval mode; tiled training stays exact with them f
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch  # noqa: F401 (the doctest)
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.weights import load_weights
+
+if TYPE_CHECKING:
+    from timm.models import FeatureInfo
 
 __all__ = ["TimmBackbone", "LAYOUT", "regular_stream"]
 
@@ -52,13 +56,14 @@ class TimmBackbone(nn.Module):
             raise ConfigError(f"model.backbone={name!r}: timm cannot build it at output "
                               f"stride 8 ({exc}); use a ResNet-like timm model (resnet50, "
                               "resnet101, wide_resnet50_2)") from None
-        got = list(self.body.feature_info.reduction())
+        info = cast("FeatureInfo", self.body.feature_info)  # features_only=True
+        got = list(info.reduction())
         if got != LAYOUT:
             raise ConfigError(f"model.backbone={name!r} gives features at 1/{got}, not "
                               f"1/{LAYOUT}; use a ResNet-like timm model (resnet50, resnet101, "
                               "wide_resnet50_2)")
         self.name = name
-        self.channels: list[int] = list(self.body.feature_info.channels())
+        self.channels: list[int] = list(info.channels())
         self.report = ""
         if weights is not None:
             self.report = load_weights(self.body, weights, key="model.backbone_weights",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.models.segmodel import read_card, read_model
@@ -21,7 +21,7 @@ from seg_at_scale.models.trained import (
     pick_checkpoint,
     read_run_config,
 )
-from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.geometry import Footprint, Padding
 
 __all__ = ["load_trained", "model_files", "peek_card"]
 
@@ -69,5 +69,7 @@ def peek_card(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] 
     if not all(k in c for k in ("halo", "align", "padding", "out_residue")):
         raise InputError(f"'{Path(run) / RUN_CONFIG}' has no computed footprint (halo, align, "
                          "padding); predict with processes=1, or export the run with seg-export")
-    fp = Footprint(int(c.halo), int(c.align), str(c.padding), int(c.out_residue))
+    fp = Footprint(int(c["halo"]), int(c["align"]),
+                   cast(Padding, str(c["padding"])),  # Footprint checks it
+                   int(c["out_residue"]))
     return card_of_config(cfg, fp), f"run '{run}'"

@@ -144,14 +144,14 @@ def build_model(node: Mapping[str, Any], *, where: str, trust: bool = False) -> 
 
             log.warning("%s: trust_run=true: building model._target_=%r unchecked (this can "
                         "run any code the config names)", where, target)
-            return instantiate(dict(node), _convert_="all")  # type: ignore[no-any-return]
+            return instantiate(dict(node), _convert_="all")
         try:
             fam, kwargs = check_model_config(node, where=where)
         except ConfigError as exc:
             log.warning("trust_run=true: building despite: %s", exc)
             from hydra.utils import instantiate
 
-            return instantiate(dict(node), _convert_="all")  # type: ignore[no-any-return]
+            return instantiate(dict(node), _convert_="all")
         return check_contract(fam.cls(**kwargs))
     fam, kwargs = check_model_config(node, where=where)
     return check_contract(fam.cls(**kwargs))

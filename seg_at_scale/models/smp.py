@@ -36,6 +36,7 @@ from typing import Any
 
 import segmentation_models_pytorch as smp
 import torch
+from segmentation_models_pytorch.base import SegmentationModel
 from torch import Tensor, nn
 
 from seg_at_scale.devices import module_device
@@ -86,6 +87,10 @@ class SMPModel(nn.Module):
     """
 
     padding = "same"
+    net: SegmentationModel  # smp ships no type information: its parts read as Any
+    input_mean: Tensor  # buffers
+    input_std: Tensor
+    input_scale: Tensor
 
     def __init__(self, arch: str = "Unet", encoder: str = "resnet34", in_channels: int = 3,
                  num_classes: int = 2, *, options: dict[str, Any] | None = None,
@@ -162,11 +167,11 @@ class SMPModel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits ``[B, num_classes, H, W]`` for ``[B, in_channels, H, W]``."""
-        return self.net(x)  # type: ignore[no-any-return]
+        return self.net(x)
 
     def encoder_parameters(self) -> Iterator[nn.Parameter]:
         """The encoder's parameters (fine-tuning: their own learning rate, freezing)."""
-        return self.net.encoder.parameters()  # type: ignore[no-any-return]
+        return self.net.encoder.parameters()
 
     def checkpoint_roots(self) -> list[nn.Module]:
         """Where ``memory=checkpoint`` finds its stages and blocks: encoder and decoder."""
@@ -253,7 +258,7 @@ class SMPModel(nn.Module):
                 :func:`seg_at_scale.tiling.passes.fixed_statistics` instead of one pass.
         """
         self._single_pool()
-        return self.net.encoder(x)[-1]  # type: ignore[no-any-return]
+        return self.net.encoder(x)[-1]
 
     @contextlib.contextmanager
     def fixed_image_pool(self, pooled: Tensor | None) -> Iterator[None]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,7 @@ class ASPPImagePool(ASPPPooling, PooledMean):
     def forward(self, x: Tensor) -> Tensor:
         size = x.shape[-2:]
         p = self.pooled(x)
+        mod: nn.Module
         for mod in list(self)[1:]:
             p = mod(p)
         return F.interpolate(p, size=size, mode="bilinear", align_corners=False)
@@ -108,7 +109,7 @@ def make_exact(net: nn.Module, *, align_corners: bool = False) -> None:
             m.__class__ = _PoolingFirst
         elif type(m) is Conv3x3GNReLU:
             m.__class__ = _FPNBlock
-            m.align_corners = align_corners  # type: ignore[assignment]
+            cast(_FPNBlock, m).align_corners = align_corners
         elif isinstance(m, nn.Upsample) and m.mode == "bilinear" and m.align_corners:
             m.align_corners = align_corners
 
@@ -167,7 +168,7 @@ def skip_non_local(net: nn.Module, x: Tensor) -> list[str]:
     """
     for m in net.modules():
         if isinstance(m, _FPNBlock) or isinstance(m, nn.Upsample) and m.mode == "bilinear":
-            m.align_corners = False  # type: ignore[assignment]
+            m.align_corners = False
     found = [name for name, _ in non_local_modules(net)]
     shapes: dict[str, bool] = {}
 
@@ -187,7 +188,8 @@ def skip_non_local(net: nn.Module, x: Tensor) -> list[str]:
     for name in found:
         m = net.get_submodule(name)
         if hasattr(m, "_se_reduce"):  # smp's MBConvBlock: SE is a branch inside the block
-            m._has_se = False
+            block: Any = m  # a flag of the untyped block, not a submodule
+            block._has_se = False
         elif shapes.get(name, False):
             parent, _, attr = name.rpartition(".")
             setattr(net.get_submodule(parent) if parent else net, attr, _Pass())

@@ -28,12 +28,13 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from segmentation_models_pytorch.base import SegmentationModel
 from segmentation_models_pytorch.decoders.deeplabv3.decoder import (
     ASPP,
     DeepLabV3Decoder,
     DeepLabV3PlusDecoder,
 )
-from segmentation_models_pytorch.decoders.fpn.decoder import FPNDecoder
+from segmentation_models_pytorch.decoders.fpn.decoder import Conv3x3GNReLU, FPNDecoder
 from segmentation_models_pytorch.encoders.resnet import ResNetEncoder
 from segmentation_models_pytorch.encoders.timm_universal import TimmUniversalEncoder
 from timm.models._features import FeatureListNet
@@ -56,7 +57,7 @@ class _Decode(nn.Module):
         self.decoder, self.head = decoder, head
 
     def forward(self, xs: list[Tensor]) -> Tensor:
-        return self.head(self.decoder(list(xs)))  # type: ignore[no-any-return]
+        return self.head(self.decoder(list(xs)))
 
 
 class _FusePlus(nn.Module):
@@ -73,7 +74,7 @@ class _FusePlus(nn.Module):
     def forward(self, xs: list[Tensor]) -> Tensor:
         aspp, high_res = xs  # high_res: block1's output
         fused = self.block2(torch.cat([self.up(aspp), high_res], dim=1))
-        return self.head(fused)  # type: ignore[no-any-return]
+        return self.head(fused)
 
 
 class _Empty(nn.Module):
@@ -93,7 +94,7 @@ def smp_stages(model: nn.Module) -> list[Stage]:
             classification head, or an operation
             needs the whole input (squeeze-excitation, attention: the exact-tiling refusal).
     """
-    net = getattr(model, "net", model)
+    net: SegmentationModel = getattr(model, "net", model)  # smp's: its parts read as Any
     if not (hasattr(net, "encoder") and hasattr(net, "decoder")):
         raise ConfigError(f"staged=true: the model ({type(model).__name__}) is not an smp "
                           "network (model=smp / its presets); use staged=false")
@@ -163,10 +164,10 @@ class _Then(nn.Module):
         self.first, self.second = first, second
 
     def forward(self, xs: list[Tensor]) -> Tensor:
-        return self.second([self.first(xs)])  # type: ignore[no-any-return]
+        return self.second([self.first(xs)])
 
 
-def _decoder_stages(net: nn.Module, enc: list[Stage]) -> list[Stage]:
+def _decoder_stages(net: SegmentationModel, enc: list[Stage]) -> list[Stage]:
     """The decoder and head as stages after the encoder's (map ``k + 1``: stage ``k``'s)."""
     depth, head = len(enc), net.segmentation_head
     if isinstance(net.decoder, DeepLabV3PlusDecoder):
@@ -244,7 +245,7 @@ class _AsppProject(nn.Module):
         for x, idx in zip(xs, self.groups, strict=True):
             by_branch.update(zip(idx, x.split(x.shape[1] // len(idx), dim=1), strict=True))
         y = self.project(torch.cat([by_branch[i] for i in sorted(by_branch)], dim=1))
-        return self.after([y])  # type: ignore[no-any-return]
+        return self.after([y])
 
 
 def _fpn_stages(dec: FPNDecoder, head: nn.Module, enc: list[Stage]) -> list[Stage]:
@@ -291,7 +292,7 @@ class _TopDown(nn.Module):
         self.block = block
 
     def forward(self, xs: list[Tensor]) -> Tensor:
-        return self.block(xs[0], xs[1])  # type: ignore[no-any-return]
+        return self.block(xs[0], xs[1])
 
 
 class _NormUp(nn.Module):
@@ -300,7 +301,7 @@ class _NormUp(nn.Module):
     Its upsampling is ``_Up2x``, in the stage reading the map.
     """
 
-    def __init__(self, cgr: nn.Module) -> None:
+    def __init__(self, cgr: Conv3x3GNReLU) -> None:
         super().__init__()
         self.cgr = cgr
 
@@ -336,7 +337,7 @@ class _MergeHead(nn.Module):
 
     def forward(self, xs: list[Tensor]) -> Tensor:
         maps = [up(x) for up, x in zip(self.ups, xs, strict=True)]
-        return self.head(self.dec.dropout(self.dec.merge(maps)))  # type: ignore[no-any-return]
+        return self.head(self.dec.dropout(self.dec.merge(maps)))
 
 
 def _last_real(stages: list[Stage]) -> int:

@@ -21,20 +21,21 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 import seg_at_scale
+from seg_at_scale.config_check import resolved
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io.preview import default_palette
 from seg_at_scale.models.checkpoint import load_checkpoint, model_state
 from seg_at_scale.models.contract import ApproximateFootprint
 from seg_at_scale.models.registry import build_model, family_of, without_weight_files
-from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.geometry import Footprint, Padding
 from seg_at_scale.tiling.halo import footprint as measured_footprint
 
 __all__ = ["TrainedModel", "load_run", "footprint_with_halo", "pick_checkpoint",
@@ -68,7 +69,8 @@ class TrainedModel:
     @property
     def footprint(self) -> Footprint:
         f = self.card["footprint"]
-        return Footprint(int(f["halo"]), int(f["align"]), str(f["padding"]),
+        return Footprint(int(f["halo"]), int(f["align"]),
+                         cast(Padding, str(f["padding"])),  # Footprint checks it
                          int(f["out_residue"]))
 
     @property
@@ -225,14 +227,14 @@ def card_of_config(cfg: DictConfig, fp: Footprint) -> dict[str, Any]:
     names = list(data.class_names) if data.get("class_names") else [f"class_{i}"
                                                                      for i in range(k)]
     nodata = data.get("nodata")
+    bands: Any = data.get("bands") or node.get("in_channels") or node.get("planes")  # int() checks
     return {
         "format": CARD_FORMAT, "seg_at_scale_version": seg_at_scale.__version__,
         "model": {"family": fam.name if fam else None, **node},
         "footprint": {"halo": fp.halo, "align": fp.align, "padding": fp.padding,
                       "out_residue": fp.out_residue},
         "exact": bool((cfg.get("tiling") or {}).get("exact", True)),
-        "data": {"bands": int(data.get("bands") or node.get("in_channels")
-                              or node.get("planes")),
+        "data": {"bands": int(bands),
                  "num_classes": k, "class_names": names,
                  "colours": [list(c) for c in default_palette(k)],
                  "ignore_index": int(data.ignore_index),
@@ -290,10 +292,9 @@ def load_run(run: str | os.PathLike[str], ckpt: str = "best", *,
     run = Path(run)
     cfg = read_run_config(run)
     where = f"run '{run}'"
-    node = OmegaConf.to_container(cfg.model, resolve=True)
+    node = resolved(cfg.model)
     # every tensor comes from the checkpoint: the pretrained weights files need not exist
-    model = build_model(without_weight_files(node), where=where,  # type: ignore[arg-type]
-                        trust=trust)
+    model = build_model(without_weight_files(node), where=where, trust=trust)
     path = pick_checkpoint(run, ckpt)
     data = load_checkpoint(path, trust=trust)
     load_weights(model, model_state(data), f"{where}, checkpoint '{path}'")

@@ -13,7 +13,7 @@ network has no whole-image statistics, so halo tiling is exact (``docs/design.md
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -120,18 +120,19 @@ class UNet(nn.Module):
         self.levels, self.convs_per_level, self.base_width = levels, convs_per_level, base_width
         self.padding, self.norm, self.upsample = padding, norm, upsample
         pad = 1 if padding == "same" else 0
+        norm_kind, up_kind = cast(Norm, norm), cast(Upsample, upsample)  # checked above
         widths = [base_width * 2**k for k in range(levels)]
         self.down = nn.ModuleList()
         cin = in_channels
         for w in widths:
-            self.down.append(ConvBlock(cin, w, convs_per_level, pad, norm))  # type: ignore[arg-type]
+            self.down.append(ConvBlock(cin, w, convs_per_level, pad, norm_kind))
             cin = w
         self.pool = nn.MaxPool2d(2)
         self.ups = nn.ModuleList()
         self.up_blocks = nn.ModuleList()
         for w in reversed(widths[:-1]):
-            self.ups.append(Up(2 * w, w, upsample))  # type: ignore[arg-type]
-            self.up_blocks.append(ConvBlock(2 * w, w, convs_per_level, pad, norm))  # type: ignore[arg-type]
+            self.ups.append(Up(2 * w, w, up_kind))
+            self.up_blocks.append(ConvBlock(2 * w, w, convs_per_level, pad, norm_kind))
         self.head = nn.Conv2d(widths[0], num_classes, 1)
 
     @property
@@ -161,7 +162,7 @@ class UNet(nn.Module):
         """
         layers: list[nn.Module] = []
         for k, block in enumerate(self.down):
-            body = [m for m in block if not isinstance(m, nn.Identity)]
+            body = [m for m in cast(ConvBlock, block) if not isinstance(m, nn.Identity)]
             if k < self.levels - 1:
                 layers += body[:-1] + [Skip(body[-1], stash=(f"skip{k}",)), self.pool]
             else:
@@ -169,7 +170,7 @@ class UNet(nn.Module):
         for j, (up, block) in enumerate(zip(self.ups, self.up_blocks)):
             k = self.levels - 2 - j
             layers += [up, Skip(Merge("concat"), pop=(f"skip{k}",))]
-            layers += [m for m in block if not isinstance(m, nn.Identity)]
+            layers += [m for m in cast(ConvBlock, block) if not isinstance(m, nn.Identity)]
         return layers + [self.head]
 
     # ----- geometry (analytic) -----------------------------------------------------------

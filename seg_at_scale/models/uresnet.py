@@ -24,7 +24,7 @@ tiling is exact (``docs/design.md``).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -250,12 +250,12 @@ class UResNet(nn.Module):
         ``"none"``); the decoder pops it into a :class:`Merge`. The layers are this model's
         own modules, so ``run_layers(net.pipeline_layers(), x)`` equals ``net(x)``.
         """
-        def flat(seq: nn.Module) -> list[nn.Module]:
-            return [m for m in seq if not isinstance(m, nn.Identity)]
+        def flat(seq: nn.Module) -> list[nn.Module]:  # each part passed is a Sequential
+            return [m for m in cast(nn.Sequential, seq) if not isinstance(m, nn.Identity)]
 
         layers: list[nn.Module] = [self.fold, *flat(self.stem)]
         for k, (block, down) in enumerate(zip(self.enc, self.downs)):
-            body = list(block)
+            body = list(cast(nn.Sequential, block))
             if self.connections != "none":
                 body[-1] = Skip(body[-1], stash=(f"skip{k}",))
             layers += body + flat(down)
@@ -266,7 +266,7 @@ class UResNet(nn.Module):
             if self.connections != "none":
                 layers.append(Skip(Merge(self.connections), pop=(f"skip{k}",)))
             layers += flat(merge) if self.connections == "concat" else []
-            layers += list(block)
+            layers += list(cast(nn.Sequential, block))
         return layers + [self.head, self.unfold]
 
     def footprint(self) -> Footprint:

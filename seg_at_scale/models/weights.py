@@ -471,9 +471,10 @@ def _hub_repo(spec: str, encoder: str) -> str | None:
         name = encoder[3:] if "." in encoder[3:] or spec in ("imagenet", "true") else \
             f"{encoder[3:]}.{spec}"
         try:
-            return timm.models.get_pretrained_cfg(name).hf_hub_id  # type: ignore[union-attr]
+            cfg = timm.models.get_pretrained_cfg(name)
         except Exception:  # timm raises several types for unknown names
             return None
+        return cfg.hf_hub_id if cfg is not None else None
     from segmentation_models_pytorch.encoders import encoders
 
     settings = encoders.get(encoder, {}).get("pretrained_settings", {}).get(spec)
