@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from seg_at_scale.tiling import Footprint, TilingError, make_grid, random_core, split_axis
-from seg_at_scale.tiling.predict import source_indices
+from seg_at_scale.tiling.geometry import source_indices
 
 VALID = Footprint(halo=92, align=16, padding="valid", out_residue=4)
 SAME = Footprint(halo=94, align=16, padding="same")

@@ -501,8 +501,9 @@ EXAMPLES = """Examples:
   seg-predict run=runs/same_unet_small/2026-11-25_10-00-00 image=scene.tif output=mask.tif
   seg-predict model=unet_small.segmodel image=big.tif output=big.zarr processes=2 fast=true
   seg-predict run=... image=a.tif output=a_mask.tif mask=a_truth.tif tta=d4
-  seg-predict run=... image=a.tif output=a_mask.tif vector=a.gpkg vector_classes=[4]
+  seg-predict run=... image=a.tif output=a_mask.tif vector=a_buildings.gpkg vector_classes=[4]
   seg-predict run=... images=scenes/ output_dir=out/ processes=2 vector=gpkg on_error=skip
+  sbatch --nodes=2 --wrap "srun seg-predict run=... image=big.tif output=big.tif nodes=2"
 
 Paths with spaces: quote the value for Hydra too, e.g. "image='my scene.tif'".
 """
