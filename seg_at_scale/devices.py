@@ -15,6 +15,6 @@ def module_device(module: nn.Module) -> torch.device:
     """The device of ``module``'s first parameter (or buffer); the CPU for a module with none."""
     for t in module.parameters():
         return t.device
-    for t in module.buffers():
-        return t.device
+    for b in module.buffers():
+        return b.device
     return torch.device("cpu")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytorch_lightning as pl
 from torch.utils.data import DataLoader
@@ -79,7 +79,8 @@ class TileDataModule(pl.LightningDataModule):
                               "split before the DataModule is built (seg-train does it); "
                               f"give data.{unresolved[0]} as numbers here")
         self.fp = footprint
-        self.normalizer = Normalizer(float(d.scale), tuple(d.mean), tuple(d.std))
+        mean, std = cast(Sequence[float], d.mean), cast(Sequence[float], d.std)  # not auto
+        self.normalizer = Normalizer(float(d.scale), tuple(mean), tuple(std))
         self.class_weights = None if d.class_weights is None else list(d.class_weights)
         self.seed = seed
         self.scenes: dict[str, list[Scene]] = dict(scenes or {})
@@ -104,7 +105,8 @@ class TileDataModule(pl.LightningDataModule):
     def _grid(self, split: str) -> GridTiles:
         t = self.tiling
         return GridTiles(self.scenes_of(split), self.fp, self.normalizer, q=t.q,
-                         tile_size=t.tile_size,  # type: ignore[arg-type]
+                         # tile_size=auto is measured before (cli.training.resolve_auto_tile)
+                         tile_size=cast(int | None, t.tile_size),
                          class_weights=self.class_weights,
                          ignore_index=self.data.ignore_index, nodata=self.data.nodata)
 
@@ -118,8 +120,8 @@ class TileDataModule(pl.LightningDataModule):
                                   sampler=self._resumable(ShardedImageSampler(
                                       ds.groups, rank, world, seed=self.seed)),
                                   persistent_workers=workers > 0)
-            sampler = ImageGroupedSampler(ds.groups, shuffle=True, seed=self.seed)
-            return DataLoader(ds, batch_size=1, sampler=self._resumable(sampler),
+            grouped = ImageGroupedSampler(ds.groups, shuffle=True, seed=self.seed)
+            return DataLoader(ds, batch_size=1, sampler=self._resumable(grouped),
                               num_workers=workers, persistent_workers=workers > 0)
         t, d = self.tiling, self.data
         aug = build_augment(**dict(t.augment), seed=self.seed) if t.augment else None
@@ -127,7 +129,7 @@ class TileDataModule(pl.LightningDataModule):
             raise ConfigError("tiling.mode=random needs tiling.core_size and "
                               "tiling.samples_per_epoch (see conf/tiling/random.yaml)")
         rnd = RandomTiles(self.scenes_of("train"), self.fp, self.normalizer,
-                          core=t.core_size,  # type: ignore[arg-type]
+                          core=t.core_size,
                           samples_per_epoch=t.samples_per_epoch, seed=self.seed, transform=aug,
                           class_weights=self.class_weights, ignore_index=d.ignore_index,
                           nodata=d.nodata)
@@ -146,12 +148,12 @@ class TileDataModule(pl.LightningDataModule):
         out = ResumableSampler(sampler, batch_size)
         trainer = getattr(self, "trainer", None)
         loop = getattr(trainer, "fit_loop", None)
-        if loop is not None and loop.restarting:
+        if trainer is not None and loop is not None and loop.restarting:
             done = int(loop.epoch_loop.batch_progress.current.completed)
             if 0 < done < -(-len(out) // batch_size):  # not at an epoch's end
-                out.resume_at(int(trainer.current_epoch), done)  # type: ignore[union-attr]
+                out.resume_at(int(trainer.current_epoch), done)
                 log.info("resuming epoch %d after its first %d batches",
-                         trainer.current_epoch, done)  # type: ignore[union-attr]
+                         trainer.current_epoch, done)
         return out
 
     def _rank_world(self) -> tuple[int, int]:

@@ -32,7 +32,8 @@ from seg_at_scale.tiling.geometry import fill_of
 __all__ = ["GridTiles", "RandomTiles", "TileSample", "pad_collate"]
 
 TileSample = dict[str, Any]
-Transform = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+#: ``(image, labels, inside mask) -> (image, labels, inside mask)`` (an :class:`Augment`)
+Transform = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, ...]]
 
 
 class _SceneTiles(Dataset):
@@ -72,6 +73,7 @@ class _SceneTiles(Dataset):
         """
         image_r, mask_r = self._open(k)
         source = RasterWindows(image_r, self.normalizer, fill_of(self.fp))
+        keep: tuple[slice, slice] | np.ndarray  # the inside: slices, a mask once transformed
         x, keep, invalid = source.rescaled(tile.read)
         # labels over the whole input window, ignore outside the core and on no-data
         labels = np.full((mask_r.bands, tile.read.height, tile.read.width), self.ignore_index,

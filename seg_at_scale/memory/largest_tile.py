@@ -30,6 +30,7 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.probe import StepMeasure, StepSpec, measure_step
 from seg_at_scale.memory.sides import legal_side, smallest_side
 from seg_at_scale.models.contract import SegmentationNetwork
+from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint
 
 __all__ = ["TileSearch", "find_largest_tile", "activation_bytes_per_pixel", "GIB"]
@@ -77,7 +78,7 @@ def _predict(base: float, c: float, budget: float) -> float:
     return math.sqrt((budget - base) / c)
 
 
-def _next_side(fp: object, lo: StepMeasure, hi: StepMeasure | None, guess: float,
+def _next_side(fp: Footprint, lo: StepMeasure, hi: StepMeasure | None, guess: float,
                align: int, cap: int) -> int:
     """A legal side strictly inside the bracket, near ``guess`` (doubling without a top)."""
     top = hi.side - align if hi is not None else cap
@@ -88,7 +89,7 @@ def _next_side(fp: object, lo: StepMeasure, hi: StepMeasure | None, guess: float
     else:  # stay inside, away from the edges, so every probe shrinks the bracket
         guess = min(max(guess, lo.side + 0.15 * (hi.side - lo.side)),
                     hi.side - 0.15 * (hi.side - lo.side))
-    side = legal_side(fp, int(min(guess, top)))  # type: ignore[arg-type]
+    side = legal_side(fp, int(min(guess, top)))
     return max(side, lo.side + align) if lo.side + align <= top else lo.side
 
 
@@ -143,7 +144,7 @@ def find_largest_tile(model: nn.Module, budget_bytes: int, spec: StepSpec | None
         if hi is not None and hi.side - lo.side <= max(fp.align, rel_tol * lo.side):
             break
         done = hi is not None and not math.isnan(hi.seconds)  # a stopped probe's peak is low
-        ref = hi if done else _nearest(probes, lo)
+        ref = hi if done and hi is not None else _nearest(probes, lo)
         base, c = _line(lo, ref) if ref is not lo else (float(lo.peak_bytes), c0)
         guess = _predict(base, c, limit)
         if hi is not None and probes[-1] is hi and not guess < (lo.side + hi.side) / 2:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -125,14 +125,14 @@ def find_levels(layers: Sequence[nn.Module]) -> list[Level]:
                       if isinstance(layers[j], Skip) and layers[j].stash), None)
         if stash is None:
             break
-        names = layers[stash].stash
+        names = cast(Skip, layers[stash]).stash  # a Skip that stashes (found above)
         if len(names) != 1 or stash + 1 >= stop or not is_downsampling(body_of(layers[stash + 1])):
             raise ConfigError(
                 f"memory.granularity=strips: layer {stash} stashes {list(names)} but is not "
                 "followed by a downsampling layer; use memory.granularity=level")
         name = names[0]
         pop = next(j for j in range(stash + 1, stop)
-                   if isinstance(layers[j], Skip) and name in layers[j].pop)
+                   if isinstance(m := layers[j], Skip) and name in m.pop)
         up = max((j for j in range(stash + 2, pop) if is_upsampling(body_of(layers[j]))),
                  default=None)
         if up is None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -138,7 +138,7 @@ class _ToHost(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, pin: bool) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, pin: bool) -> Tensor:
         ctx.device = x.device
         if x.device.type == "cpu":
             return x.view_as(x)  # already in host memory: nothing to copy
@@ -146,7 +146,7 @@ class _ToHost(torch.autograd.Function):
         return out.copy_(x)  # blocking: host code may read ``out`` at once
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return grad.to(ctx.device), None
 
 
@@ -288,7 +288,8 @@ def _units_of(model: nn.Module, cfg: MemoryConfig) -> list[nn.Module]:
             f"memory.granularity={cfg.granularity}: {name} has no flat layer form whose "
             f"layers {cfg.granularity} would {what}; use memory.granularity=level (stages) "
             "or memory.granularity=block (building blocks), both exact")
-    units = find_units(model.checkpoint_roots(), cfg.granularity)
+    roots = cast(Checkpointable, model).checkpoint_roots()  # called where _by_units(model)
+    units = find_units(roots, cfg.granularity)
     if not cfg.checkpoint_last:
         units = units[:-1]  # the last one would be recomputed at once: same peak, more time
     if not units:

@@ -31,8 +31,10 @@ Granularities:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -127,9 +129,9 @@ def _block_starts(layers: Sequence[nn.Module], owner: nn.Module) -> list[int]:
     """
     block_of: dict[int, str] = {}
     for name, mod in owner.named_modules():
-        block = _block_name(owner, name)
-        if block:
-            block_of.setdefault(id(mod), block)
+        prefix = _block_name(owner, name)
+        if prefix:
+            block_of.setdefault(id(mod), prefix)
     starts, current = [], None
     for i, layer in enumerate(layers):
         body = body_of(layer)
@@ -147,7 +149,7 @@ def _block_name(owner: nn.Module, name: str) -> str:
         return ""
     parts, mod = name.split("."), owner
     for k, part in enumerate(parts):
-        mod = getattr(mod, part) if not part.isdigit() else mod[int(part)]  # type: ignore[index]
+        mod = getattr(mod, part) if not part.isdigit() else cast(nn.ModuleList, mod)[int(part)]
         if type(mod) not in _CONTAINERS:
             return ".".join(parts[: k + 1])
     return name
@@ -182,6 +184,13 @@ def _segment_fn(layers: Sequence[nn.Module], seg: Segment,
         return (y, *(stashed.pop(n) for n in seg.gives))
 
     return run
+
+
+def _contexts(inside: Sequence[nn.Module]
+              ) -> tuple[contextlib.AbstractContextManager[None],
+                         contextlib.AbstractContextManager[None]]:
+    """``checkpoint``'s context_fn: the statistics kept around the segment's recomputation."""
+    return contextlib.nullcontext(), keep_norm_stats(inside)
 
 
 @contextlib.contextmanager
@@ -234,8 +243,7 @@ def run_segments(layers: Sequence[nn.Module], segments: Sequence[Segment], x: Te
             x, needed = to_host(x), tuple(to_host(t) for t in needed)
         inside = layers[seg.start : seg.stop]
         out = checkpoint(_segment_fn(layers, seg, to_device), x, *needed, use_reentrant=False,
-                         context_fn=lambda inside=inside: (contextlib.nullcontext(),
-                                                           keep_norm_stats(inside)))
+                         context_fn=functools.partial(_contexts, inside))
         x = out[0]
         for name, t in zip(seg.gives, out[1:]):
             stashed[name] = to_host(t) if to_host is not None else t

@@ -218,19 +218,20 @@ def _grads(outs: list[Tensor], grads: list[Tensor], inputs: list[Tensor],
     got = torch.autograd.grad(outs, [*inputs, *params], grads, allow_unused=True)
     for i, g in enumerate(got[len(inputs):]):
         if g is not None:
-            acc[i] = g if acc[i] is None else acc[i].add_(g)
+            held = acc[i]
+            acc[i] = g if held is None else held.add_(g)
     return list(got[: len(inputs)])
 
 
 class _EncDown(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run: _LevelRun, x: Tensor, *params: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, run: _LevelRun, x: Tensor, *params: Tensor) -> Tensor:
         ctx.run = run
         ctx.save_for_backward(x)
         return run.enc_down(x)
 
     @staticmethod
-    def backward(ctx: Any, grad_p: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_p: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         grad_x, grad_params = ctx.run.enc_down_backward(x, grad_p)
         return None, grad_x, *grad_params
@@ -238,14 +239,14 @@ class _EncDown(torch.autograd.Function):
 
 class _Top(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run: _LevelRun, x: Tensor, u: Tensor,  # type: ignore[override]
+    def forward(ctx: Any, run: _LevelRun, x: Tensor, u: Tensor,
                 *params: Tensor) -> Tensor:
         ctx.run = run
         ctx.save_for_backward(x, u)
         return run.top_fwd(x, u)
 
     @staticmethod
-    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
         x, u = ctx.saved_tensors
         grad_x, grad_u, grad_params = ctx.run.top_backward(x, u, grad_y)
         return None, grad_x, grad_u, *grad_params

@@ -115,7 +115,7 @@ def checkpointed(units: Sequence[nn.Module]) -> Iterator[None]:
     """
     before = [unit.__dict__.get("forward") for unit in units]
     for unit in units:
-        unit.forward = _recomputed(unit, unit.forward)  # type: ignore[method-assign]
+        unit.forward = _recomputed(unit, unit.forward)
     try:
         yield
     finally:
@@ -123,4 +123,4 @@ def checkpointed(units: Sequence[nn.Module]) -> Iterator[None]:
             if own is None:
                 del unit.forward
             else:
-                unit.forward = own  # type: ignore[method-assign]
+                unit.forward = own

@@ -172,7 +172,8 @@ def _out_of_place(layer: nn.Module) -> nn.Module:
         return layer if body is layer.body else Skip(body, pop=layer.pop, stash=layer.stash)
     if getattr(layer, "inplace", False) and not any(True for _ in layer.parameters()):
         layer = copy.deepcopy(layer)
-        layer.inplace = False
+        flagged: Any = layer  # the layer's own flag (ReLU's), not a submodule or tensor
+        flagged.inplace = False
     return layer
 
 

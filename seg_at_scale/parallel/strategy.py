@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,8 @@ def all_reduce_gradients(params: Iterable[torch.nn.Parameter], op: str = "sum",
             p.grad = torch.zeros_like(p)
     by_device: dict[torch.device, list[Tensor]] = {}
     for p in params:
-        by_device.setdefault(p.grad.device, []).append(p.grad)  # type: ignore[union-attr]
+        grad = cast(Tensor, p.grad)  # set above
+        by_device.setdefault(grad.device, []).append(grad)
     reduced_extra = extra
     for k, (device, grads) in enumerate(sorted(by_device.items(), key=lambda kv: str(kv[0]))):
         parts = [g.reshape(-1) for g in grads]

@@ -129,7 +129,7 @@ def render_street(height: int, width: int, seed: int) -> tuple[np.ndarray, np.nd
     """One street scene: ``(rgb [3, H, W] uint8, mask [H, W] uint8)``; same seed, same scene."""
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
-    img = np.zeros((3, height, width), np.float32)
+    img: np.ndarray = np.zeros((3, height, width), np.float32)
     mask = np.full((height, width), SKY, np.uint8)
     horizon = height * rng.uniform(0.35, 0.5)
     vx = width * rng.uniform(0.35, 0.65)
