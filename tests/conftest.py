@@ -47,12 +47,13 @@ def one_torch_thread():
 # tests share one worker and its module fixtures) ends on short modules on both workers
 # instead of one worker finishing a long module alone. The Slurm modules, which mostly wait on
 # the cluster, alternate with modules that use the CPU.
-FIRST = ("slurm/test_slurm_requeue.py", "test_stops.py", "slurm/test_slurm_sweeps.py",
-         "test_prediction.py", "slurm/test_slurm_training.py", "test_prediction_ranks.py",
-         "slurm/test_slurm_prediction.py", "test_sweeps.py", "cli/test_train_faults.py",
-         "models/test_smp_cli.py", "test_cli.py", "test_parallel_cli.py",
-         "models/test_smp_predict.py", "models/test_trust.py", "models/test_segmodel.py",
-         "prediction/test_archive.py", "test_runs.py")
+FIRST = ("slurm/test_slurm_requeue.py", "tasks/test_stops.py", "slurm/test_slurm_sweeps.py",
+         "prediction/test_prediction.py", "slurm/test_slurm_training.py",
+         "prediction/test_prediction_ranks.py", "slurm/test_slurm_prediction.py",
+         "sweeps/test_sweeps.py", "cli/test_train_faults.py", "models/test_smp_cli.py",
+         "cli/test_train_cli.py", "parallel/test_parallel_cli.py", "models/test_smp_predict.py",
+         "models/test_trust.py", "models/test_segmodel.py", "prediction/test_archive.py",
+         "cli/test_runs.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -69,7 +70,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def cli_case(tmp_path_factory):
     """A run folder (random 3-level same-padding U-Net) and a georeferenced scene for
     ``seg-predict`` in a subprocess."""
-    from prediction_helpers import make_image, make_model, make_run
+    from helpers.prediction import make_image, make_model, make_run
 
     tmp = tmp_path_factory.mktemp("cli")
     run = make_run(tmp / "run", make_model("same", levels=3, width=8))
@@ -80,7 +81,7 @@ def cli_case(tmp_path_factory):
 def cli_reference(cli_case, tmp_path_factory):
     """The uninterrupted ``seg-predict`` COG of ``cli_case`` at ``tile_size=64`` (computed
     once per module: the fault tests compare their resumed outputs with it)."""
-    from prediction_helpers import seg_predict
+    from helpers.prediction import seg_predict
 
     ref = tmp_path_factory.mktemp("cli_ref") / "mask.tif"
     seg_predict(*cli_case, ref, "tile_size=64")

@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from cli_helpers import run_train
+from helpers.cli import CONF, TINY, run_train
 from hydra import compose, initialize_config_dir
-from test_cli import CONF, TINY
 from torch import nn
 
 from seg_at_scale.cli.predict import run_prediction

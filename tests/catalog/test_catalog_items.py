@@ -15,9 +15,9 @@ import pytest
 import rasterio
 import shapely
 import tifffile
+from helpers.vectors import GEO, NAMES, make_labels, write_store, write_tiff
 from pyproj import Transformer
 from shapely.geometry import shape
-from vector_helpers import GEO, NAMES, make_labels, write_store, write_tiff
 
 from seg_at_scale.catalog import (
     image_hrefs,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pystac
 import pytest
-from prediction_helpers import make_model, make_run, seg_predict_here
+from helpers.prediction import make_model, make_run, seg_predict_here
 from test_catalog_inputs import feature_collection, item, tiff
 
 import seg_at_scale.catalog.inputs as inputs

@@ -8,7 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from cli_helpers import run_here
+from helpers.cli import run_here
 from omegaconf import OmegaConf
 
 from seg_at_scale.cli.predict import PredictJob, help_text, main

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from prediction_helpers import chunks_written, env, make_image, make_model, make_run, predict_cmd
+from helpers.prediction import chunks_written, env, make_image, make_model, make_run, predict_cmd
 
 from seg_at_scale.io import read_raster
 from seg_at_scale.prediction.lock import lock_path, output_lock

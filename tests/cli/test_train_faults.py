@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_train, seg_train_here
+from helpers.cli import run_train, seg_train_here
 
 from seg_at_scale.data.config import data_config
 from seg_at_scale.errors import ConfigError

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.smp import lively_norms
 from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPPConv, ASPPSeparableConv
-from smp_helpers import lively_norms
 from torch import nn
 
 from seg_at_scale.tiling.core import computes_core, core_of

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import timm.layers
 import torch
-from prediction_helpers import make_image
-from smp_helpers import TEST_PRESETS, assert_exact, lively_norms, model_node, preset_model
+from helpers.prediction import make_image
+from helpers.smp import TEST_PRESETS, assert_exact, lively_norms, model_node, preset_model
 from test_smp_files import DATA, check_labels
 from torch import nn
 

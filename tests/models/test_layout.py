@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers.smp import preset_model
 from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPPSeparableConv
-from smp_helpers import preset_model
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from prediction_helpers import env, make_image, make_model, make_run, seg_predict
+from helpers.prediction import env, make_image, make_model, make_run, seg_predict
 
 from seg_at_scale.errors import InputError, OutputExistsError
 from seg_at_scale.models.segmodel import read_model, write_model

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prediction_helpers import make_image, make_model, make_run
+from helpers.prediction import make_image, make_model, make_run
 
 from seg_at_scale.errors import InputError
 from seg_at_scale.models.segmodel import MAX_CARD_BYTES, read_card, read_model, write_model

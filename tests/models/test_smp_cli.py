@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import timm
 import torch
-from cli_helpers import run_train
+from helpers.cli import run_train
+from helpers.prediction import seg_predict
 from omegaconf import OmegaConf
-from prediction_helpers import seg_predict
 from safetensors.torch import save_file
 
 from seg_at_scale.data.normalize import Normalizer

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.smp import ALL_PRESETS, TEST_PRESETS, assert_exact, model_node, preset_model
 from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPP
-from smp_helpers import ALL_PRESETS, TEST_PRESETS, assert_exact, model_node, preset_model
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.registry import build_model
@@ -106,7 +106,7 @@ def test_convnext_and_resnet18_unets_tiled_equal_untiled(encoder, size, options)
     """LayerNorm over channels, GELU, 7 x 7 depthwise (ConvNeXt); torchvision's ResNet."""
     torch.manual_seed(3)
     net = SMPModel("Unet", encoder, in_channels=3, num_classes=4, options=options)
-    from smp_helpers import lively
+    from helpers.smp import lively
 
     net = lively(net)
     x = torch.randn(1, 3, *size)

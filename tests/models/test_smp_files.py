@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from prediction_helpers import make_image
+from helpers.prediction import make_image
+from helpers.smp import lively, preset_model
 from safetensors.torch import save_file
-from smp_helpers import lively, preset_model
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import read_raster

@@ -6,8 +6,8 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers.smp import CONF, preset_model
 from hydra import compose, initialize_config_dir
-from smp_helpers import CONF, preset_model
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import UNet

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from prediction_helpers import make_image
-from smp_helpers import TEST_PRESETS, assert_exact, preset_model
+from helpers.prediction import make_image
+from helpers.smp import TEST_PRESETS, assert_exact, preset_model
 from test_gpu import ON_GPU, no_tf32  # noqa: F401  (autouse: TF32 off)
 from test_smp_files import DATA, check_labels
 

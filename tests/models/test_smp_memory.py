@@ -7,8 +7,8 @@ import copy
 import pytest
 import pytorch_lightning as pl
 import torch
-from memory_helpers import saved_bytes
-from smp_helpers import TEST_PRESETS, preset_model
+from helpers.memory import saved_bytes
+from helpers.smp import TEST_PRESETS, preset_model
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory import MemoryConfig, apply_memory_mode

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import rasterio
 import torch
-from prediction_helpers import make_image, seg_predict, seg_predict_here, write_run
-from smp_helpers import lively, model_node, preset_model
+from helpers.prediction import make_image, seg_predict, seg_predict_here, write_run
+from helpers.smp import lively, model_node, preset_model
 from test_smp_files import DATA, check_labels
 
 from seg_at_scale.io import read_raster

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from smp_helpers import lively, preset_model
+from helpers.smp import lively, preset_model
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.registry import build_model

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import timm
 import torch
+from helpers.prediction import make_image
+from helpers.smp import lively
 from omegaconf import OmegaConf
-from prediction_helpers import make_image
-from smp_helpers import lively
 
 from seg_at_scale.cli.pretrained import run_footprint
 from seg_at_scale.errors import ConfigError, InputError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from smp_helpers import assert_exact, lively, preset_model
+from helpers.smp import assert_exact, lively, preset_model
 from torch import nn
 
 from seg_at_scale.errors import ConfigError

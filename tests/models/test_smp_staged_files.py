@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from prediction_helpers import make_image
-from smp_helpers import preset_model
+from helpers.prediction import make_image
+from helpers.smp import preset_model
 from test_smp_files import DATA, check_labels
 
 from seg_at_scale.errors import ConfigError, OutputExistsError
@@ -67,7 +67,7 @@ def test_staged_refusals_before_any_work(tmp_path):
 CHILD = """
 import signal, sys
 sys.path[:0] = [{here!r}, {tests!r}]
-from smp_helpers import preset_model
+from helpers.smp import preset_model
 from test_smp_files import DATA
 from seg_at_scale.cli.predict import Stopped, _terminate
 from seg_at_scale.prediction import PredictOptions, predict_raster

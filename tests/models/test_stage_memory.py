@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from smp_helpers import lively
+from helpers.smp import lively
 from torch import nn
 
 import seg_at_scale.tiling.staged as staged

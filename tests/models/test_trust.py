@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_train
+from helpers.cli import run_train
+from helpers.prediction import env, make_image, make_model, make_run, seg_predict
 from omegaconf import OmegaConf
-from prediction_helpers import env, make_image, make_model, make_run, seg_predict
 
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.models.checkpoint import UnsafeCheckpointError, load_checkpoint

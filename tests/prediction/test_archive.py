@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import rasterio
-from prediction_helpers import env, make_model, make_run, seg_predict_here
+from helpers.prediction import env, make_model, make_run, seg_predict_here
 from rasterio.windows import from_bounds
 
 from seg_at_scale.io import example_geotags, read_raster, write_raster

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prediction_helpers import make_model, make_run, seg_predict_here
+from helpers.prediction import make_model, make_run, seg_predict_here
 
 from seg_at_scale.errors import InputError
 from seg_at_scale.io import example_geotags, write_raster

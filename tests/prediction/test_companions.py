@@ -12,8 +12,8 @@ import numpy as np
 import pystac
 import rasterio
 import shapely
-from prediction_helpers import make_image, make_model, make_run, seg_predict_here
-from vector_helpers import assert_same_regions, reference
+from helpers.prediction import make_image, make_model, make_run, seg_predict_here
+from helpers.vectors import assert_same_regions, reference
 
 from seg_at_scale.io import read_raster
 

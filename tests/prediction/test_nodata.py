@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from prediction_helpers import make_model, seg_predict
+from helpers.prediction import make_model, seg_predict
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import example_geotags, read_raster, write_raster
@@ -68,8 +68,8 @@ def test_non_finite_pixels_are_no_data_and_the_rest_equals_the_untiled_forward(
 def test_nan_without_a_tag_is_predicted_through_the_command(tmp_path):
     """No refusal after 47 of 48 tiles: NaN is no data, through the whole command; the
     nodata=nan the old message suggested is accepted too."""
+    from helpers.prediction import make_run
     from omegaconf import OmegaConf
-    from prediction_helpers import make_run
 
     run = make_run(tmp_path / "run", make_model("same", levels=3, width=8))
     cfg = OmegaConf.load(run / "run_config.yaml")

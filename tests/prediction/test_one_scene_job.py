@@ -15,7 +15,7 @@ import numpy as np
 import pyogrio
 import pytest
 import zarr
-from prediction_helpers import env, make_model, make_run, predict_cmd, seg_predict_here
+from helpers.prediction import env, make_model, make_run, predict_cmd, seg_predict_here
 
 from seg_at_scale.io import example_geotags, write_raster
 

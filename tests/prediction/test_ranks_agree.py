@@ -8,19 +8,23 @@ then fell out of step on the next scene, or hung.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_gscnn import tiny  # noqa: E402
-
 from seg_at_scale.errors import SegAtScaleError  # noqa: E402
 from seg_at_scale.io import write_raster  # noqa: E402
+from seg_at_scale.models.gscnn import GSCNN  # noqa: E402
 from seg_at_scale.parallel.launch import spawn  # noqa: E402
 from seg_at_scale.prediction import PredictOptions, predict_raster  # noqa: E402
 from seg_at_scale.prediction.raster import raised_everywhere  # noqa: E402
+
+
+def tiny() -> GSCNN:
+    import torch
+
+    torch.manual_seed(0)
+    return GSCNN.from_preset("tiny", in_channels=4, num_classes=3)
 
 
 def _predict(rank: int, world: int, image: str, output: str, report: str) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.prediction import seg_predict_here
 from omegaconf import OmegaConf
-from prediction_helpers import seg_predict_here
 
 from seg_at_scale.io import example_geotags, read_raster, write_raster
 
@@ -119,7 +119,7 @@ def test_check_dtype_false_predicts_an_image_the_user_vouches_for(cli_case, tmp_
 
 
 def test_a_float_image_far_off_the_training_range_is_refused(tmp_path):
-    from prediction_helpers import make_model, make_run
+    from helpers.prediction import make_model, make_run
 
     run = make_run(tmp_path / "run", make_model("same", levels=3, width=8))
     cfg = OmegaConf.load(run / "run_config.yaml")

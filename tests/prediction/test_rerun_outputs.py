@@ -16,7 +16,7 @@ import geopandas as gpd
 import numpy as np
 import pytest
 import shapely
-from prediction_helpers import (
+from helpers.prediction import (
     NORM,
     chunks_written,
     env,

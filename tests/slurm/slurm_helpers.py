@@ -11,7 +11,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "examples" / "slurm"
-# the DDP tests' problem (tests/test_parallel_cli.py): 9 tiles per image, 2 images, SGD
+# the DDP tests' problem (tests/parallel/test_parallel_cli.py): 9 tiles per image, 2 images, SGD
 TINY = ["logger=csv", "model=unet_tiny", "data.synthetic.height=157",
         "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
         "predict.tile_size=96", "predict.fast=false", "trainer.enable_progress_bar=false",

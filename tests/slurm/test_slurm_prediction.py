@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from prediction_helpers import chunks_written, seg_predict
+from helpers.prediction import chunks_written, seg_predict
 from slurm_helpers import SCRIPTS, job_log
 
 pytestmark = pytest.mark.slurm
@@ -102,7 +102,7 @@ def test_an_archive_on_two_nodes_equals_one_process(slurm_cluster, jobs_env, cli
     scenes and both nodes' ranks, every scene's bytes those of the one-process archive."""
     import csv
 
-    from prediction_helpers import make_image, seg_predict_here
+    from helpers.prediction import make_image, seg_predict_here
 
     run, _ = cli_case
     scenes = tmp_path / "scenes"

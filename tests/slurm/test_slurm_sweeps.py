@@ -19,7 +19,7 @@ from seg_at_scale.sweeps.study import INTERRUPTED
 
 pytestmark = pytest.mark.slurm
 
-# tests/test_sweeps.py's tiny search: 2 trials of 2 short epochs
+# tests/sweeps/test_sweeps.py's tiny search: 2 trials of 2 short epochs
 SEARCH = ["hparams_search=optuna", "trainer=fast", "logger=csv", "model=unet_tiny",
           "data.synthetic.height=157", "data.synthetic.width=189",
           "data.synthetic.splits={train:2,val:1,test:1}", "tiling.tile_size=256",

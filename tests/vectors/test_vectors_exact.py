@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import shapely
-from vector_helpers import GEO, assert_same_regions, make_labels, reference
+from helpers.vectors import GEO, assert_same_regions, make_labels, reference
 
 from seg_at_scale.vectors import MergeStats, polygonize
 from seg_at_scale.vectors.write import to_map

@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import rasterio.features
 import shapely
-from shapely.geometry import shape
-from vector_helpers import (
+from helpers.vectors import (
     assert_equal_polygons,
     assert_same_regions,
     checkerboard_labels,
     noise_labels,
     reference,
 )
+from shapely.geometry import shape
 
 from seg_at_scale.vectors import polygonize
 from seg_at_scale.vectors.stitch import _cycles, stitch

@@ -12,7 +12,7 @@ import time
 import geopandas as gpd
 import numpy as np
 import shapely
-from vector_helpers import NAMES, make_labels, write_tiff
+from helpers.vectors import NAMES, make_labels, write_tiff
 
 from seg_at_scale.vectors import write_vectors
 

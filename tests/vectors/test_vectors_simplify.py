@@ -6,7 +6,7 @@ import geopandas as gpd
 import numpy as np
 import pytest
 import shapely
-from vector_helpers import make_labels, write_store
+from helpers.vectors import make_labels, write_store
 
 from seg_at_scale.vectors import polygonize, write_vectors
 from seg_at_scale.vectors.simplify import edge_matched

@@ -10,8 +10,7 @@ import pytest
 import shapely
 import zarr
 from affine import Affine
-from scipy import ndimage
-from vector_helpers import (
+from helpers.vectors import (
     GEO,
     NAMES,
     assert_same_regions,
@@ -21,6 +20,7 @@ from vector_helpers import (
     write_store,
     write_tiff,
 )
+from scipy import ndimage
 
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError
 from seg_at_scale.io import write_raster

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from memory_helpers import CONFIGS, assert_close, grads, saved_bytes, tiny
+from helpers.memory import CONFIGS, assert_close, grads, saved_bytes, tiny
 from torch import nn
 
 from seg_at_scale.errors import ConfigError

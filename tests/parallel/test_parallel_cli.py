@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cli_helpers import run_train
+from helpers.cli import run_train
 
 from seg_at_scale.models import UNet
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from prediction_helpers import chunks_written, env, predict_cmd, seg_predict
+from helpers.prediction import chunks_written, env, predict_cmd, seg_predict
 
 from seg_at_scale.io import read_raster
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_helpers import group
+from helpers.data import group
 from omegaconf import OmegaConf
 
 from seg_at_scale.cli.common import class_names_of

@@ -9,17 +9,20 @@ with the plain image's statistics: not the TTA of the untiled image, so it is re
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers.prediction import make_image
+from helpers.smp import preset_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "models"))
-from prediction_helpers import make_image  # noqa: E402
-from smp_helpers import preset_model  # noqa: E402
-from test_gscnn import tiny  # noqa: E402
+from seg_at_scale.models.gscnn import GSCNN
+
+
+def tiny() -> GSCNN:
+    torch.manual_seed(0)
+    return GSCNN.from_preset("tiny", in_channels=4, num_classes=3)
 
 from seg_at_scale.data.normalize import Normalizer  # noqa: E402
 from seg_at_scale.errors import ConfigError  # noqa: E402

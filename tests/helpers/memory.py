@@ -15,7 +15,7 @@ from seg_at_scale.memory import (
 )
 from seg_at_scale.models import UNet
 
-CONF = str(Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf")
+CONF = str(Path(__file__).resolve().parents[2] / "seg_at_scale" / "conf")
 CONFIGS = [MemoryConfig(m, granularity=g, every=3)
            for m in MODES if m != "none" for g in ("level", "block", "layers")
            if g == "level" or "checkpoint" in m]

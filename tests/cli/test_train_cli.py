@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_helpers import run_train
+from helpers.cli import CONF, TINY, run_train
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
@@ -21,15 +21,11 @@ from seg_at_scale.io import RasterReader, read_raster
 from seg_at_scale.models.trained import load_run
 from seg_at_scale.tiling import predict_full
 
-CONF_PATH = Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf"
-CONF = str(CONF_PATH)
+CONF_PATH = Path(CONF)
 # U-Net experiments; those of other model families (an `override /model:` line, e.g. the
 # cosmic UResNet ones) are composed and run by their own tests with their own tiny sizes.
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF) / "experiment").glob("*.yaml")
                      if "override /model:" not in p.read_text())
-TINY = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=157",
-        "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
-        "tiling.tile_size=96", "predict.tile_size=96"]
 
 
 def train(tmp: Path, run: str, *overrides: str) -> dict:
@@ -109,7 +105,7 @@ def test_notebook_runs_on_a_tiny_run(tmp_path, monkeypatch):
     from nbclient import NotebookClient
 
     train(tmp_path, "run")
-    nb = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" /
+    nb = nbformat.read(Path(__file__).resolve().parents[2] / "notebooks" /
                        "visualize_predictions.ipynb", as_version=4)
     monkeypatch.setenv("SEG_RUN", str(tmp_path / "run"))
     monkeypatch.setenv("MPLBACKEND", "Agg")

@@ -11,6 +11,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+#: the training configs (seg_at_scale/conf)
+CONF = str(Path(__file__).resolve().parents[2] / "seg_at_scale" / "conf")
+#: the smallest training run the CLI tests share: a tiny U-Net on 157 x 189 scenes
+TINY = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=157",
+        "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
+        "tiling.tile_size=96", "predict.tile_size=96"]
+
 
 def assert_plain_checkpoints(folder: Path) -> int:
     """Every checkpoint under ``folder`` loads with ``weights_only=True`` (plain data only).

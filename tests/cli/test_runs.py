@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from cli_helpers import run_train, seg_train_here
+from helpers.cli import run_train, seg_train_here
 from omegaconf import OmegaConf
 
 from seg_at_scale.cli.common import reports_errors

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tifffile
-from io_helpers import CountingFile, make_array
+from helpers.io import CountingFile, make_array
 
 import seg_at_scale.io.raster as raster_mod
 from seg_at_scale.io import RasterReader

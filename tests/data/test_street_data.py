@@ -14,9 +14,9 @@ import cv2
 import numpy as np
 import pytest
 import pytorch_lightning as pl
+from helpers.sources import CS_EXPECTED, write_cityscapes, write_taco
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from source_fixtures import CS_EXPECTED, write_cityscapes, write_taco
 
 from seg_at_scale.cli.data_setup import checked_groups, synthesize
 from seg_at_scale.data.sources.cityscapes import CITYSCAPES_CLASSES, Cityscapes, label_lut
@@ -33,7 +33,7 @@ from seg_at_scale.io import read_raster
 from seg_at_scale.models.checkpoint import load_checkpoint
 from seg_at_scale.models.trained import footprint_with_halo
 
-CONF = str(Path(__file__).resolve().parents[1] / "seg_at_scale" / "conf")
+CONF = str(Path(__file__).resolve().parents[2] / "seg_at_scale" / "conf")
 
 
 

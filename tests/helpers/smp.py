@@ -63,7 +63,7 @@ def lively(net: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 def assert_exact(tiled: torch.Tensor, ref: torch.Tensor, tol: float = 1e-5) -> None:
     """fp32 logits within ``tol`` (relative to the largest) and identical labels wherever
-    the reference is not a tie within that float noise (as tests/test_exact_tiling.py)."""
+    the reference is not a tie within that float noise (as tests/tiling/test_exact_tiling.py)."""
     assert tiled.shape == ref.shape
     labels = ref.argmax(1)
     assert labels.unique().numel() > 1  # a non-trivial labelling

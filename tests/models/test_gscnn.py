@@ -396,7 +396,7 @@ def test_training_under_a_memory_mode_checkpoints_and_equals_plain(granularity, 
     which has no flat form, by stage or block (before: refused)."""
     import copy
 
-    from memory_helpers import saved_bytes
+    from helpers.memory import saved_bytes
 
     from seg_at_scale.memory import MemoryConfig, apply_memory_mode
     from seg_at_scale.tasks.gscnn import GSCNNTask

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from cli_helpers import assert_plain_checkpoints
-from data_helpers import tiff_module
+from helpers.cli import assert_plain_checkpoints
+from helpers.data import tiff_module
+from helpers.sources import tiny_event, write_larcv
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from source_fixtures import tiny_event, write_larcv
 
 from seg_at_scale.data.scenes import find_scenes, validate_scene
 from seg_at_scale.data.sources.cosmic import (
@@ -37,7 +37,7 @@ from seg_at_scale.io import read_raster
 from seg_at_scale.tasks.cosmic import CosmicLoss, cosmic_confusion, cosmic_metrics
 from seg_at_scale.tiling import Footprint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REAL = Path(os.environ.get("COSMIC_H5", ROOT / "data" / "cosmic_tagging_light.h5"))
 CONF = str(ROOT / "seg_at_scale" / "conf")
 

@@ -1,4 +1,4 @@
-"""Helpers for tests/test_io.py: synthetic arrays and a byte-counting file."""
+"""Helpers for tests/io/test_io.py: synthetic arrays and a byte-counting file."""
 
 from __future__ import annotations
 

@@ -109,8 +109,7 @@ def seg_predict_here(*args: str, cwd: Path | None = None) -> subprocess.Complete
     The same entry point as the console script: the override precheck, Hydra, the one-line
     error wrapper and its exit status; stdout and stderr are captured.
     """
-    from cli_helpers import run_here
-
+    from helpers.cli import run_here
     from seg_at_scale.cli.predict import main
 
     return run_here(main, ["seg-predict", "progress=false", *args], cwd=cwd)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import pytorch_lightning as pl
 import torch
+from helpers.memory import CONF, tiny
 from hydra import compose, initialize_config_dir
-from memory_helpers import CONF, tiny
 
 from seg_at_scale.cli.training import check_memory
 from seg_at_scale.errors import ConfigError

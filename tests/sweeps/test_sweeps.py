@@ -29,7 +29,7 @@ from seg_at_scale.sweeps.space import search_space
 from seg_at_scale.sweeps.study import INTERRUPTED, open_storage, open_study, storage_url
 from seg_at_scale.tasks.class_weights import scene_class_weights
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=157",
         "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
         "tiling.tile_size=96", "predict.tile_size=96"]
@@ -173,7 +173,7 @@ def test_killed_sweep_reruns_only_unfinished_trials(killed_sweep):
 
 
 def test_every_trials_checkpoints_are_plain_data(killed_sweep):
-    from cli_helpers import assert_plain_checkpoints
+    from helpers.cli import assert_plain_checkpoints
 
     assert assert_plain_checkpoints(killed_sweep.folder) >= 3  # trials 0, 2, 3 at least
 

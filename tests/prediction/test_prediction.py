@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from prediction_helpers import (
+from helpers.prediction import (
     CLASSES,
     NORM,
     chunks_written,

@@ -10,9 +10,9 @@ import sys
 import psutil
 import pytest
 import torch
-from data_helpers import tiff_module
+from helpers.data import tiff_module
+from helpers.memory import CONF, assert_close, grads, tiny
 from hydra import compose, initialize_config_dir
-from memory_helpers import CONF, assert_close, grads, tiny
 
 from seg_at_scale.cli.training import check_memory, resolve_auto_tile
 from seg_at_scale.errors import ConfigError

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tifffile
-from io_helpers import CountingFile, make_array
+from helpers.io import CountingFile, make_array
 from PIL import Image
 
 from seg_at_scale.errors import InputError, OutputExistsError

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import run_train
+from helpers.cli import run_train
 
 from seg_at_scale.tasks.interrupt import SaveOnStop, newest_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["trainer=fast", "logger=csv", "model=unet_tiny", "data.synthetic.height=157",
         "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
         "tiling.tile_size=96", "predict_after_fit=false", "tiling.samples_per_epoch=16",
@@ -131,7 +131,7 @@ GRID = ["logger=csv", "model=unet_tiny", "data.synthetic.height=157", "data.synt
         "trainer.num_sanity_val_steps=0", "tiling=grid", "tiling.q=3", "predict_after_fit=false",
         "task.optimizer._target_=torch.optim.SGD", "~task.optimizer.weight_decay",
         "task.optimizer.lr=0.05", "task.scheduler=null", "trainer.max_epochs=2",
-        "+callbacks.stop._target_=stop_callbacks.SignalAt"]
+        "+callbacks.stop._target_=helpers.stop_callbacks.SignalAt"]
 
 
 def test_a_stop_inside_an_image_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 import pytorch_lightning as pl
 import torch
-from data_helpers import tiff_module
+from helpers.data import tiff_module
 
 from seg_at_scale.models import UNet
 from seg_at_scale.tasks import SegmentationTask, poly_lr

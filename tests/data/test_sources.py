@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from source_fixtures import tiny_event, write_cityscapes, write_larcv, write_taco
+from helpers.sources import tiny_event, write_cityscapes, write_larcv, write_taco
 
 from seg_at_scale.cli.data_setup import make_synthetic, source_of
 from seg_at_scale.data.sources.base import Source, scene_seed
