@@ -27,7 +27,7 @@ import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, cast
 
 from seg_at_scale.errors import ConfigError
 
@@ -99,7 +99,7 @@ def _child(spec: JobSpec, conn: Connection) -> None:
     torch.set_num_threads(spec.threads)
     from hydra.core.singleton import Singleton
     from hydra.core.utils import run_job, setup_globals
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.basecontainer import BaseContainer
 
     from seg_at_scale.cli.resolvers import register_resolvers
@@ -115,8 +115,8 @@ def _child(spec: JobSpec, conn: Connection) -> None:
                   job_subdir_key="hydra.sweep.subdir")
     # plain configs: the structured-config classes Hydra's plugin scan re-created in this
     # process do not pickle by reference
-    ret.cfg, ret.hydra_cfg = (OmegaConf.create(OmegaConf.to_container(c)) if c is not None
-                              else None for c in (ret.cfg, ret.hydra_cfg))
+    ret.cfg, ret.hydra_cfg = (cast(DictConfig, OmegaConf.create(OmegaConf.to_container(c)))
+                              if c is not None else None for c in (ret.cfg, ret.hydra_cfg))
     try:
         conn.send(ret)
     except Exception:  # an exception that does not pickle: send its text
@@ -171,8 +171,8 @@ def launch_local(specs: Sequence[JobSpec], n_jobs: int) -> list[Any]:
                 proc.start()
             send.close()  # the child holds the only write end: EOF when it dies
             running[recv] = (i, proc)
-        for conn in wait(list(running)):
-            i, proc = running.pop(conn)  # type: ignore[call-overload]
+        for conn in cast(list[Connection], wait(list(running))):  # of those it was given
+            i, proc = running.pop(conn)
             try:
                 results[i] = conn.recv()
             except EOFError:

@@ -24,7 +24,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from hydra.experimental.callback import Callback
@@ -166,7 +166,7 @@ def collect_trials(folder: str | Path, study_name: str | None = None) -> SweepRe
     done = [r for r in rows if r.status == "complete" and r.objective is not None
             and math.isfinite(r.objective)]
     pick = max if direction == "maximize" else min
-    best = pick(done, key=lambda r: r.objective) if done else None  # type: ignore[arg-type]
+    best = pick(done, key=lambda r: cast(float, r.objective)) if done else None  # done: set
     return SweepReport(folder, rows, params, direction, best)
 
 

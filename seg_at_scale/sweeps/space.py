@@ -135,11 +135,12 @@ def _param(override: Override, where: str) -> Param:
         return Param(name, "float", low=low, high=high, log=log)
     if isinstance(value, RangeSweep):
         start, stop, step = value.start, value.stop, value.step
-        if not all(isinstance(v, int) for v in (start, stop, step)) or stop <= start:
+        if not (isinstance(start, int) and isinstance(stop, int) and isinstance(step, int)) \
+                or stop <= start:
             raise ConfigError(f"{where}: range() searches integers "
                               "start .. stop - 1, e.g. range(2, 9); use interval() for floats")
-        last = start + (stop - 1 - start) // step * step  # type: ignore[operator]
-        return Param(name, "int", low=start, high=last, step=step,  # type: ignore[arg-type]
+        last = start + (stop - 1 - start) // step * step
+        return Param(name, "int", low=start, high=last, step=step,
                      log="log" in value.tags)
     raise ConfigError(f"{where}: use choice(...), interval(...), "
                       "tag(log, interval(...)) or range(...)")

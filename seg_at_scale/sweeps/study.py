@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from seg_at_scale.errors import ConfigError
 
@@ -131,7 +131,8 @@ def open_study(url: str, study_name: str, direction: str,
     if direction not in ("maximize", "minimize"):
         raise ConfigError(f"hydra.sweeper.direction={direction!r}: use maximize or minimize")
     storage = open_storage(url)
-    study = optuna.create_study(storage=storage, study_name=study_name, direction=direction,
+    study = optuna.create_study(storage=storage, study_name=study_name,
+                                direction=cast(Literal["maximize", "minimize"], direction),
                                 pruner=pruner, load_if_exists=True)
     if sampler is not None:
         study.sampler = sampler(len(study.trials))

@@ -197,6 +197,8 @@ class CosmicTask(SegmentationTask):
             as the parent.
     """
 
+    loss: CosmicLoss
+
     def __init__(self, model: nn.Module, planes: int = 3, num_classes: int = 3, *,
                  balance: str = "light", gamma: float = 2.0,
                  light_weights: Sequence[float] = LIGHT_WEIGHTS, even_power: float = 1.0,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -205,6 +205,8 @@ class GSCNNTask(SegmentationTask):
         **kwargs: as for :class:`SegmentationTask`.
     """
 
+    loss: GSCNNLoss
+
     def __init__(self, model: nn.Module, num_classes: int, *, loss: GSCNNLoss | None = None,
                  boundary_tolerance: int = 3, **kwargs: Any) -> None:
         if not isinstance(getattr(model, "inner", model), DualOutput):
@@ -235,7 +237,7 @@ class GSCNNTask(SegmentationTask):
             # (calling forward_dual would reach the unwrapped model: no mode at all)
             with self.model.inner.packed_output():
                 return unpack(self.model(x))
-        return self.model.forward_dual(x)  # type: ignore[operator,no-any-return]
+        return cast(DualOutput, self.model).forward_dual(x)  # checked in __init__
 
     def on_fit_start(self) -> None:
         if uses_image_pool(self.model):

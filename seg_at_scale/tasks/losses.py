@@ -36,6 +36,8 @@ class CrossEntropy(nn.Module):
         logits ``[B, K, H, W]``, target ``[B, H, W]`` -> two scalars.
     """
 
+    class_weights: Tensor  # a buffer
+
     def __init__(self, num_classes: int, class_weights: Sequence[float] | None = None,
                  ignore_index: int = 255) -> None:
         super().__init__()

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassJaccardIndex
 
@@ -29,6 +30,9 @@ from seg_at_scale.tasks.finetune import (
     set_encoder_trainable,
 )
 from seg_at_scale.tasks.losses import CrossEntropy
+
+if TYPE_CHECKING:
+    from fairscale.nn import Pipe
 
 __all__ = ["SegmentationTask", "poly_lr", "gradient_reduction_for", "REDUCTIONS"]
 
@@ -106,7 +110,7 @@ class SegmentationTask(pl.LightningModule):
         self.save_hyperparameters(ignore=["model", "loss", "optimizer", "scheduler"])
 
     @property
-    def pipe(self) -> nn.Module | None:
+    def pipe(self) -> Pipe | None:
         """The fairscale Pipe running :attr:`model` (``pipeline=manual|auto``), or None."""
         return self.__dict__.get("_pipe")
 
@@ -162,13 +166,15 @@ class SegmentationTask(pl.LightningModule):
 
     def _step_on_image(self) -> None:
         """The image's last tile: reduce over ranks, clip, step, schedule, log the loss."""
-        opt = self.optimizers()
+        opt = cast(LightningOptimizer, self.optimizers())  # configure_optimizers gives one
         if world_size() > 1:  # sample parallelism: the whole image's gradient, exactly
             total = all_reduce_gradients(self.parameters(), self.gradient_reduction,
                                          extra=torch.tensor(self._image_loss))
             self._image_loss = float(total)  # type: ignore[arg-type]
         if self.gradient_clip:
-            self.clip_gradients(opt, gradient_clip_val=self.gradient_clip,
+            # Lightning takes its optimizer wrapper here (annotated: a torch Optimizer)
+            self.clip_gradients(cast(torch.optim.Optimizer, opt),
+                                gradient_clip_val=self.gradient_clip,
                                 gradient_clip_algorithm="norm")
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -226,7 +232,8 @@ class SegmentationTask(pl.LightningModule):
         trainer = self.trainer
         if trainer.max_steps and trainer.max_steps > 0:
             return int(trainer.max_steps)
-        per_epoch = getattr(trainer.datamodule, "optimizer_steps_per_epoch", None)
+        dm = getattr(trainer, "datamodule", None)  # set by Lightning (not annotated)
+        per_epoch = getattr(dm, "optimizer_steps_per_epoch", None)
         if per_epoch is None:  # a plain DataLoader: one step per batch
             return max(1, int(trainer.estimated_stepping_batches))
         return max(1, per_epoch() * int(trainer.max_epochs or 1))

@@ -240,7 +240,7 @@ class SeamMerger:
         """Nothing open."""
         self._part_class = np.zeros(0, np.int64)  # [m] open parts ...
         self._part_pixels = np.zeros(0, np.int64)
-        self._part_psum = np.zeros(0, np.float64)
+        self._part_psum: np.ndarray = np.zeros(0, np.float64)
         self._part_region = np.zeros(0, np.int64)  # ... and their open region
         self._piece_geom = np.zeros(0, object)  # [p] polygon pieces of the open parts
         self._piece_part = np.zeros(0, np.int64)  # [p] whose
@@ -262,7 +262,8 @@ class SeamMerger:
         labels = self._kept(labels)
         comp = _Components(labels, probability, self.connectivity)
         n, m = comp.count, len(self._part_class)
-        geoms = trace(comp.run_starts, comp.run_part, *labels.shape, n, row)
+        height, width = labels.shape
+        geoms = trace(comp.run_starts, comp.run_part, height, width, n, row)
         # nodes: the open parts, then this strip's components; each joins a part and a region
         part, region = self._join(labels[0], comp.top, m, n, comp.region)
         parts = int(part.max(initial=-1)) + 1
@@ -531,7 +532,7 @@ def _stream(merger: SeamMerger, readers: list[BandReader], strip_rows: int | Non
     yield from merger.finish()
 
 
-def _own_probability(labels: np.ndarray, probabilities: np.ndarray, reader: object
+def _own_probability(labels: np.ndarray, probabilities: np.ndarray, reader: BandReader
                      ) -> np.ndarray:
     """``[h, W]`` float64 stored probability of each pixel's own class (0 where no data)."""
     k = probabilities.shape[0]

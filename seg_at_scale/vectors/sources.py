@@ -16,7 +16,7 @@ import os
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import zarr
@@ -232,4 +232,4 @@ def store_class_names(source: Source) -> list[str] | None:
     if isinstance(source, np.ndarray) or Path(source).suffix.lower() != ".zarr":
         return None
     names = zarr.open_group(Path(source), mode="r").attrs.get("class_names")
-    return list(names) if names else None
+    return list(cast(list[str], names)) if names else None  # written as a list of str
