@@ -139,13 +139,14 @@ def check_contract(model: nn.Module) -> nn.Module:
     return model
 
 
-def require(model: object, capability: type, wanted: str) -> None:
+def require(model: object, capability: type, wanted: str, fix: str = "") -> None:
     """Refuse ``wanted`` in one line when ``model`` lacks ``capability``.
 
     Raises:
         ConfigError: ``<wanted> needs <what the capability gives>, which <Class> does not
-            have``.
+            have[; <fix>]``.
     """
     if not isinstance(model, capability):
         raise ConfigError(f"{wanted} needs {CAPABILITIES.get(capability, capability.__name__)},"
-                          f" which {type(model).__name__} does not have")
+                          f" which {type(model).__name__} does not have"
+                          + (f"; {fix}" if fix else ""))

@@ -16,7 +16,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -38,14 +38,14 @@ def check_staged(model: nn.Module, options: PredictOptions, world: int) -> list[
 
     The one check every path calls (a scene, an archive) before anything is written.
     """
-    require(model, Staged, "staged=true")
+    require(model, Staged, "staged=true", "use staged=false (tiles) or model=smp / its presets")
     if world > 1:
         raise ConfigError(f"staged=true runs in one process (processes={world}): use "
                           "processes=1, or staged=false to share the tiles between processes")
     if options.tta is not None:
         raise ConfigError(f"staged=true with tta={options.tta!r}: each view would be a "
                           "staged run of its own; use tta=null, or staged=false")
-    return model.stages()
+    return cast(Staged, model).stages()  # require(model, Staged) above
 
 
 def plan_staged(stages: list[Stage], grid: TileGrid, bands: int, output: Path,

@@ -57,8 +57,8 @@ def test_staged_refusals_before_any_work(tmp_path):
         check_staged(net, PredictOptions(staged=True, tta="flips"), world=1)
     own = UNet(in_channels=4, num_classes=3, levels=3, base_width=4, padding="same").eval()
     image = make_image(tmp_path / "scene.tif", height=100, width=90)
-    with pytest.raises(ConfigError, match=r"staged=true: the model \(UNet\) is not an smp "
-                                          r"network.*staged=false"):
+    with pytest.raises(ConfigError, match=r"staged=true needs stage-by-stage prediction .*"
+                                          r"which UNet does not have; use staged=false"):
         predict_raster(own, image, tmp_path / "pred.tif",
                        PredictOptions(staged=True, progress=False), normalizer=DATA)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["scene.tif"]

@@ -111,4 +111,5 @@ def test_staged_with_a_network_that_has_no_stages_is_refused_both_ways(scene):
         assert res.returncode == 2, res.stderr[-1500:]
         assert res.stderr.strip().splitlines()[-1] == (
             "seg-predict: error: staged=true needs stage-by-stage prediction (stages; smp "
-            "networks), which UNet does not have")
+            "networks), which UNet does not have; use staged=false (tiles) or model=smp / its "
+            "presets")
