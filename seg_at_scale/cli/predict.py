@@ -36,7 +36,7 @@ import signal
 import sys
 import typing
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
@@ -173,7 +173,7 @@ class PredictJob:
 def _values(cfg: DictConfig) -> dict[str, Any]:
     values = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(values, dict)
-    return values  # type: ignore[return-value]
+    return {str(k): v for k, v in values.items()}
 
 
 def _check_mode(values: dict[str, Any]) -> None:
@@ -214,7 +214,8 @@ def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:
     if job.archive:
         work = archive_work(job, card, source, files, device.type == "cuda")
     else:
-        check_scene(Path(job.image), Path(job.output), job.options,  # type: ignore[arg-type]
+        assert job.image is not None and job.output is not None  # PredictJob checked the mode
+        check_scene(Path(job.image), Path(job.output), job.options,
                     card=card, source=source, model_files=files,
                     mask=Path(job.mask) if job.mask else None, ranks=ranks,
                     cuda=device.type == "cuda",
@@ -223,6 +224,12 @@ def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:
     if ranks > 1:
         return _launch(job, device, fork, work)
     return _predict(job, device, work)
+
+
+def _launched(fabric: Any, job: PredictJob, forked: bool, work: Any) -> dict[str, Any]:
+    """Rank 0's result of :func:`_rank_main` on every rank (Fabric passes itself first)."""
+    launch = typing.cast(Callable[..., dict[str, Any]], fabric.launch)
+    return launch(_rank_main, job, forked, work)
 
 
 def _check_cluster(nodes: int) -> None:
@@ -257,6 +264,7 @@ def _predict(job: PredictJob, device: torch.device, work: Any = None) -> dict[st
     trained.model.to(device)
     if work is not None:
         return predict_archive_job(job, trained, work)
+    assert job.image is not None and job.output is not None  # PredictJob checked the mode
     res = predict_scene(trained, Path(job.image), Path(job.output), job.options,
                         mask=Path(job.mask) if job.mask else None, checked=True,
                         vector=Path(job.vector) if job.vector else None)
@@ -289,7 +297,7 @@ def _launch(job: PredictJob, device: torch.device, fork: bool, work: Any) -> dic
     fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu",
                     devices=job.processes, num_nodes=job.nodes, strategy=strategy)
     if not forked:
-        return fabric.launch(_rank_main, job, False, work)  # type: ignore[no-any-return]
+        return _launched(fabric, job, False, work)
     import torch
 
     _LAUNCHER[:] = [os.getpid()]  # the forked ranks' parent
@@ -301,7 +309,7 @@ def _launch(job: PredictJob, device: torch.device, fork: bool, work: Any) -> dic
     spawn_log.addFilter(quiet)
     watch.watch()
     try:
-        return fabric.launch(_rank_main, job, True, work)  # type: ignore[no-any-return]
+        return _launched(fabric, job, True, work)
     except torch.multiprocessing.ProcessExitedException as exc:
         if exc.exit_code in (130, 143):
             raise (Stopped(signal.SIGTERM) if exc.exit_code == 143 else KeyboardInterrupt()
