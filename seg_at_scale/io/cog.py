@@ -16,7 +16,7 @@ onto ``path`` when complete.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import suppress
 from functools import partial
 from pathlib import Path
@@ -39,7 +39,7 @@ def class_colors(num_classes: int) -> dict[int, tuple[int, int, int, int]]:
 
 def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: str,
               bands: Iterable[np.ndarray], *, geotags: GeoTags | None = None,
-              nodata: float | None = None, colormap: dict[int, Sequence[int]] | None = None,
+              nodata: float | None = None, colormap: Mapping[int, Sequence[int]] | None = None,
               resampling: str = "mode", overwrite: bool = False, blocksize: int = 512,
               compress: str = "DEFLATE", descriptions: Sequence[str] | None = None,
               tags: Callable[[], dict[str, str]] | None = None) -> Path:

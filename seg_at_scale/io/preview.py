@@ -11,6 +11,7 @@ import colorsys
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
@@ -19,6 +20,9 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io.raster import RasterReader
 from seg_at_scale.io.writer import check_output_path, write_atomic
 from seg_at_scale.tiling.geometry import Window
+
+if TYPE_CHECKING:
+    from seg_at_scale.io.zarr_raster import ZarrRaster
 
 __all__ = ["DEFAULT_PALETTE", "IGNORE_INDEX", "default_palette", "overview_stride",
            "read_overview", "write_preview_png"]
@@ -49,7 +53,7 @@ def overview_stride(height: int, width: int, max_side: int) -> int:
     return max(1, -(-max(height, width) // max_side))
 
 
-def read_overview(reader: RasterReader, max_side: int = 1024) -> np.ndarray:
+def read_overview(reader: RasterReader | ZarrRaster, max_side: int = 1024) -> np.ndarray:
     """Read a decimated view ``image[:, ::s, ::s]`` read band by band with bounded memory.
 
     Args:

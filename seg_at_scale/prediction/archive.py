@@ -368,7 +368,7 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
     rank, world = rank_world()
     model = trained.model.eval()
     if options.channels_last:
-        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        model = model.to(memory_format=torch.channels_last)
     device = next(model.parameters()).device
     weights = model_digest(model)
     hashes = _input_hashes(scenes)
@@ -386,8 +386,8 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
                            megapixels=p.grid.height * p.grid.width / 1e6)
                for s, p in zip(scenes, plans, strict=True)]
     stores = _open_stores(plans, records, options, on_error)
-    units = [(i, b) for i, p in enumerate(plans) if stores[i] is not None
-             for b in p.batches if not all(stores[i].done(t) for t in b.tiles)]
+    units = [(i, b) for i, p in enumerate(plans) if (store := stores[i]) is not None
+             for b in p.batches if not all(store.done(t) for t in b.tiles)]
     for i, p in enumerate(plans):
         if stores[i] is not None:
             done = len(p.grid) - sum(len(b.tiles) for j, b in units if j == i)

@@ -6,7 +6,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -58,8 +58,9 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
                        for b in store.row_bands(store.probabilities)),
                       geotags=reader.geotags, resampling="average", overwrite=True,
                       descriptions=names[:k])
-        done = digest(dict(store.group.attrs["fingerprint"]))
-        tiling = ("exact" if store.group.attrs["fingerprint"].get("exact", True) else
+        fingerprint = cast(dict[str, Any], store.group.attrs["fingerprint"])
+        done = digest(dict(fingerprint))
+        tiling = ("exact" if fingerprint.get("exact", True) else
                   "approximate: tiling.exact=false, overlapping tiles; not the whole-image "
                   "forward")
         write_cog(out_path, (1, h, w), "uint8", counted(), geotags=reader.geotags,
@@ -78,7 +79,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
 
 
 def _all_tiles(store: PredictionStore) -> Iterator[Any]:
-    ch, cw = store.group.attrs["chunk"]
+    ch, cw = store.chunk
     h, w = store.labels.shape
     for i, r in enumerate(range(0, h, ch)):
         for j, c in enumerate(range(0, w, cw)):

@@ -25,7 +25,7 @@ import struct
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["digest", "finished", "FINGERPRINT_TAG", "CLASS_PIXELS_TAG", "TILING_TAG",
            "file_sha256", "written_by", "mark_png", "mark_item", "vector_record",
@@ -78,7 +78,8 @@ def _finished_store(path: Path) -> tuple[str, list[int]] | None:
         return None
     if not attrs.get("complete") or "fingerprint" not in attrs:
         return None
-    return digest(attrs["fingerprint"]), list(attrs.get("class_pixels") or [])
+    fingerprint = cast(dict[str, Any], attrs["fingerprint"])
+    return digest(fingerprint), list(cast(list[int], attrs.get("class_pixels") or []))
 
 
 def file_sha256(path: Path) -> str:

@@ -58,7 +58,12 @@ from seg_at_scale.tiling.passes import (
     has_statistics,
     source_tiles,
 )
-from seg_at_scale.tiling.statistics import feature_count, image_pool_sum_of, uses_image_pool
+from seg_at_scale.tiling.statistics import (
+    ImagePooled,
+    feature_count,
+    image_pool_sum_of,
+    uses_image_pool,
+)
 
 __all__ = ["PredictionStats", "predict_raster"]
 
@@ -212,7 +217,7 @@ def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: 
         return contextlib.nullcontext()
     if has_statistics(model):  # GroupNorm-like sites (FPN): the passes of tiling.passes
         return _statistic_passes(model, source, grid, share, device, stats, world)
-    if not uses_image_pool(model):
+    if not (isinstance(model, ImagePooled) and uses_image_pool(model)):  # the same test
         return contextlib.nullcontext()
     t0 = time.perf_counter()
 
@@ -233,7 +238,7 @@ def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: 
         dist.all_reduce(total)
     pooled = (total / feature_count(model, grid)).to(dtype)
     stats.statistics_s = time.perf_counter() - t0
-    return model.fixed_image_pool(pooled)  # type: ignore[operator]
+    return model.fixed_image_pool(pooled)
 
 
 @contextlib.contextmanager

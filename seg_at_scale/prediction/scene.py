@@ -93,7 +93,7 @@ def _predict_scene(trained: TrainedModel, model: torch.nn.Module, image: Path, o
                     model_files=model_files or {}, mask=mask, ranks=ranks, cuda=cuda,
                     vector=vector)
     if options.channels_last:
-        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        model = model.to(memory_format=torch.channels_last)
     exact = bool(trained.card.get("exact", True))
     if not exact:
         log.warning("%s was trained with tiling.exact=false: '%s' is approximate (overlapping "

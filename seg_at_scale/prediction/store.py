@@ -22,13 +22,17 @@ import math
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import zarr
 
 from seg_at_scale.errors import InputError, OutputExistsError
 from seg_at_scale.tiling.geometry import Tile, TileGrid
+
+if TYPE_CHECKING:
+    from zarr.core.array_spec import ArrayConfigParams
+    from zarr.core.chunk_key_encodings import ChunkKeyEncodingParams
 
 __all__ = ["PredictionStore", "NODATA"]
 
@@ -41,8 +45,9 @@ class PredictionStore:
 
     def __init__(self, path: Path, group: zarr.Group) -> None:
         self.path, self.group = path, group
-        self.labels = group["labels"]
-        self.probabilities = group["probabilities"] if "probabilities" in group else None
+        self.labels = cast(zarr.Array, group["labels"])  # arrays (_create)
+        self.probabilities = (cast(zarr.Array, group["probabilities"])
+                              if "probabilities" in group else None)
 
     # -- creation and resume ------------------------------------------------------------
 
@@ -58,7 +63,7 @@ class PredictionStore:
         """
         if path.exists() and resume:
             store = cls._existing(path, key)
-            old = store.group.attrs.get("fingerprint", {})
+            old = cast(dict[str, Any], store.group.attrs.get("fingerprint", {}))
             keys = set(old) | set(fingerprint)
             diff = sorted(k for k in keys if not _same(old.get(k), fingerprint.get(k)))
             if diff:
@@ -97,8 +102,8 @@ class PredictionStore:
                 ) -> PredictionStore:
         chunk = (grid.tiles[0].core.height, grid.tiles[0].core.width)
         group = zarr.open_group(path, mode="w", zarr_format=3)
-        config = {"write_empty_chunks": True}  # a chunk on disk <=> a finished tile
-        enc = {"name": "default", "separator": "/"}
+        config: ArrayConfigParams = {"write_empty_chunks": True}  # on disk <=> a finished tile
+        enc: ChunkKeyEncodingParams = {"name": "default", "separator": "/"}
         group.create_array("labels", shape=(grid.height, grid.width), dtype="uint8",
                            chunks=chunk, fill_value=NODATA, dimension_names=("y", "x"),
                            config=config, chunk_key_encoding=enc,
@@ -126,8 +131,14 @@ class PredictionStore:
     def arrays(self) -> list[zarr.Array]:
         return [a for a in (self.labels, self.probabilities) if a is not None]
 
+    @property
+    def chunk(self) -> tuple[int, int]:
+        """Rows and columns of a chunk: a tile's core (``_create``)."""
+        ch, cw = cast(list[int], self.group.attrs["chunk"])
+        return ch, cw
+
     def chunk_index(self, tile: Tile) -> tuple[int, int]:
-        ch, cw = self.group.attrs["chunk"]
+        ch, cw = self.chunk
         if tile.core.row % ch or tile.core.col % cw:
             raise ValueError(f"tile core {tile.core} is not on the store's {ch}x{cw} chunks")
         return tile.core.row // ch, tile.core.col // cw
@@ -159,10 +170,10 @@ class PredictionStore:
 
     def row_bands(self, array: zarr.Array) -> Iterator[np.ndarray]:
         """The array top to bottom, one chunk row at a time (``[..., h, W]``)."""
-        ch = self.group.attrs["chunk"][0]
+        ch = self.chunk[0]
         height = array.shape[-2]
         for r in range(0, height, ch):
-            yield array[..., r : min(r + ch, height), :]
+            yield cast(np.ndarray, array[..., r : min(r + ch, height), :])  # numpy-backed
 
     def finish(self, class_pixels: Sequence[int]) -> None:
         self.group.attrs.update({"complete": True, "class_pixels": list(class_pixels)})
