@@ -53,6 +53,8 @@ slurm-down: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check seg_at_scale hydra_plugins tests experiments
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 ## benchmark scripts (JSON under experiments/results/)
 bench: $(STAMP)

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
@@ -25,7 +25,7 @@ USER_ERROR_EXIT = 2  # exit status of a refused input or config (as argparse's u
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> str:
     """``RUN_CONFIG``, imported on first use.
 
     :mod:`seg_at_scale.models` imports torch, and every command's start (the override
@@ -40,9 +40,10 @@ def __getattr__(name: str) -> object:
 
 def _own_error(exc: BaseException) -> SegAtScaleError | None:
     """The project's error behind ``exc`` (Hydra's ``instantiate`` wraps what it raises)."""
-    while exc is not None and not isinstance(exc, SegAtScaleError):
-        exc = exc.__cause__  # type: ignore[assignment]
-    return exc
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, SegAtScaleError):
+        cause = cause.__cause__
+    return cause
 
 
 
@@ -85,7 +86,7 @@ def reports_errors(prog: str) -> Callable[[F], F]:
                 print(f"{prog}: error: {own}", file=sys.stderr, flush=True)
                 raise SystemExit(USER_ERROR_EXIT) from None
 
-        return run  # type: ignore[return-value]
+        return cast(F, run)  # fn's signature (functools.wraps)
 
     return decorate
 

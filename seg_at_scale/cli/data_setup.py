@@ -18,7 +18,7 @@ import inspect
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from filelock import FileLock
@@ -45,7 +45,7 @@ DEFAULT_SOURCE = "seg_at_scale.data.sources.synthetic.SyntheticScenes"
 def _plain(node: Any) -> dict[str, Any]:
     out = OmegaConf.to_container(node, resolve=True)
     assert isinstance(out, dict)
-    return out  # type: ignore[return-value]
+    return cast(dict[str, Any], out)  # a config group: its keys are names
 
 
 def checked_groups(cfg: DictConfig) -> tuple[DataConfig, TilingConfig]:
@@ -117,7 +117,8 @@ def run_preflight(data: DataConfig, run: RunFolder, predict_after_fit: bool) -> 
     """Every split the run reads, checked from headers and (cached) pixel passes."""
     splits = ["train", "val"] + (["test"] if predict_after_fit else [])
     # a scale the user gave is checked against the dtype; one the run worked out is not
-    fixed = data.scale if "data.scale" not in run.filled and data.scale != AUTO else None
+    fixed = (cast(float, data.scale)  # a number unless auto (DataConfig checks it)
+             if "data.scale" not in run.filled and data.scale != AUTO else None)
     return preflight(data.root, splits, bands=data.bands, num_classes=data.num_classes,
                      ignore_index=data.ignore_index, mask_bands=data.mask_bands,
                      nodata=data.nodata, scale=fixed, cache=Path(data.root) / CACHE_NAME)
@@ -135,12 +136,19 @@ def resolve_normalization(cfg: DictConfig, run: RunFolder, report: PreflightRepo
         return auto_normalization(report.dtype, training_sample(cfg, report), d.scale,
                                   _plain_or(d.mean), _plain_or(d.std))
 
+    def number(key: str) -> Any:
+        return numbers()[key]
+
     for key in ("scale", "mean", "std"):
-        run.fill(cfg, f"data.{key}", lambda key=key: numbers()[key])
+        run.fill(cfg, f"data.{key}", functools.partial(number, key))
     computed["normalization"] = {**numbers(), "dtype": str(report.dtype),
                                  "from": f"{len(report.scenes['train'])} training scenes"}
     log.info("data.scale/mean/std=auto for %s imagery: scale %.6g, mean %s, std %s",
              report.dtype, numbers()["scale"], numbers()["mean"], numbers()["std"])
+
+
+def _sample_json(reader: RasterReader) -> Any:
+    return sample_sums(reader).to_json()
 
 
 def training_sample(cfg: DictConfig, report: PreflightReport) -> BandSums:
@@ -151,7 +159,7 @@ def training_sample(cfg: DictConfig, report: PreflightReport) -> BandSums:
     for scene in report.scenes["train"]:
         with RasterReader(scene.image, nodata=d.nodata) as r:
             part = BandSums.from_json(cache.facts(scene.image, f"sample:{d.nodata}",
-                                                  lambda r=r: sample_sums(r).to_json()))
+                                                  functools.partial(_sample_json, r)))
         total = part if total is None else total + part
     cache.save()
     assert total is not None

@@ -17,10 +17,10 @@ import json
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from seg_at_scale.cli.common import reports_errors
-from seg_at_scale.config_check import check_types, known_keys
+from seg_at_scale.config_check import check_types, known_keys, resolved
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.loading import model_files
 from seg_at_scale.models.segmodel import write_model
@@ -33,8 +33,7 @@ KEYS = {"run": str, "ckpt": str, "output": str, "overwrite": bool, "trust_run": 
 
 def export(cfg: DictConfig) -> dict[str, object]:
     """Check the keys, read the run, write the model; what was written."""
-    values = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(values, dict)
+    values = resolved(cfg)
     known_keys("", values, list(KEYS))
     for key in ("run", "output"):
         if not values.get(key):

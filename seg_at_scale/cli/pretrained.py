@@ -7,6 +7,7 @@ weights were trained with (``finetune.normalization=weights``), or reports the d
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -68,8 +69,13 @@ def use_weights_normalization(cfg: DictConfig, model: nn.Module, run: RunFolder,
     for key, value in want.items():
         if value != _configured(cfg.data, key):
             was = cfg.data[key]
-            run.fill(cfg, f"data.{key}", lambda value=value: value)
+            run.fill(cfg, f"data.{key}", functools.partial(_known, value))
             log.info("data.%s from the weights: %s (was %s)", key, value, was)
+
+
+def _known(value: Any) -> Any:
+    """:meth:`RunFolder.fill`'s ``compute`` of a value worked out already."""
+    return value
 
 
 def _configured(data: DictConfig, key: str) -> Any:
@@ -88,8 +94,11 @@ def _from_weights(data: DictConfig, norm: dict[str, Any]) -> tuple[dict[str, Any
     bands = int(data.bands)
     have = {k: _per_band(data[k], bands) for k in ("mean", "std")}
     uncovered = [i for i, m in enumerate(norm["mean"]) if m is None]
-    want: dict[str, Any] = {k: [w if w is not None else (have[k][i] if have[k] else None)
-                                for i, w in enumerate(norm[k])] for k in ("mean", "std")}
+    want: dict[str, Any] = {}
+    for k in ("mean", "std"):
+        given = have[k]
+        want[k] = [w if w is not None else (given[i] if given else None)
+                   for i, w in enumerate(norm[k])]
     scale = norm.get("scale")
     if scale is not None:
         want["scale"] = float(scale)

@@ -27,7 +27,7 @@ import copy
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from filelock import FileLock, Timeout
 from hydra.core.hydra_config import HydraConfig
@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pytorch_lightning.utilities import rank_zero_only
 
 from seg_at_scale.cli.common import RUN_CONFIG, save_run_config
+from seg_at_scale.config_check import resolved
 from seg_at_scale.errors import ConfigError
 
 __all__ = ["RunFolder", "RESUME_KEYS", "config_diff", "run_lock", "LOCK_NAME"]
@@ -103,7 +104,7 @@ def _moved(saved: dict[str, Any], path: Path) -> dict[str, Any]:
             return new + v[len(old):]
         return v
 
-    return swap(saved)  # type: ignore[no-any-return]
+    return swap(saved)
 
 
 def _show(v: Any) -> str:
@@ -112,8 +113,16 @@ def _show(v: Any) -> str:
 
 def _resolved(cfg: DictConfig, key: str) -> Any:
     """The value of ``key`` with interpolations resolved, as plain Python."""
-    return OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}),
-                                  resolve=True)["v"]  # type: ignore[index]
+    return resolved(OmegaConf.create({"v": OmegaConf.select(cfg, key)}))["v"]
+
+
+def global_rank() -> int:
+    """This process's global rank as Lightning sees it (``rank_zero_only.rank``).
+
+    Lightning sets the attribute when it is imported; its annotations do not declare it.
+    """
+    rank: int = getattr(rank_zero_only, "rank", 0)
+    return rank
 
 
 @contextlib.contextmanager
@@ -124,7 +133,7 @@ def run_lock(path: Path) -> Iterator[None]:
     the same folder on purpose). The lock is an ``flock`` (``filelock``): the kernel drops
     it when the holder dies, so a killed run never blocks its own resume.
     """
-    if rank_zero_only.rank != 0:
+    if global_rank() != 0:
         yield
         return
     created = not path.exists()
@@ -184,15 +193,15 @@ class RunFolder:
         requested = copy.deepcopy(cfg)  # as composed: what .hydra/config.yaml records
         if not file.exists():
             return cls(path, None, requested)
-        saved = OmegaConf.to_container(OmegaConf.load(file))
-        assert isinstance(saved, dict)
+        loaded = OmegaConf.to_container(OmegaConf.load(file))
+        assert isinstance(loaded, dict)
+        saved = cast(dict[str, Any], loaded)  # a config file: its keys are names
         was = _saved_dir(saved)
         saved = _moved(saved, path)
         run = cls(path, saved, requested)
         candidate = copy.deepcopy(cfg)
         diffs = run._apply_fills(candidate)
-        now = OmegaConf.to_container(candidate, resolve=True)
-        assert isinstance(now, dict)
+        now = resolved(candidate)
         diffs += config_diff({k: v for k, v in saved.items() if k != "computed"}, now)
         if diffs:
             raise run._refusal(diffs)
@@ -258,7 +267,7 @@ class RunFolder:
 
         Only global rank 0 writes (DDP ranks started by Lightning reopen the folder).
         """
-        if rank_zero_only.rank != 0:
+        if global_rank() != 0:
             return
         hydra_dir = self.path / ".hydra"
         if self.resuming:

@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> None:
                                         "replace it (or choose another path)")
         gen = SceneGenerator(args.seed, args.height, args.width)
         compression = None if args.compression.lower() == "none" else args.compression
-        paths = write_scene(*args.single, gen, band_rows=args.band_rows,
+        paths: tuple[Path, ...] = write_scene(image, mask, gen, band_rows=args.band_rows,
                             compression=compression, overwrite=args.overwrite)
         pixels = args.height * args.width
     else:

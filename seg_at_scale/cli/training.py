@@ -24,7 +24,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from pytorch_lightning.utilities import rank_zero_only
+from pytorch_lightning.callbacks import ModelCheckpoint
 
 from seg_at_scale.cli.common import class_names_of, format_iou
 from seg_at_scale.cli.data_setup import (
@@ -36,8 +36,8 @@ from seg_at_scale.cli.data_setup import (
     synthesize,
 )
 from seg_at_scale.cli.pretrained import run_footprint, use_weights_normalization
-from seg_at_scale.cli.runs import RunFolder, run_lock
-from seg_at_scale.config_check import check_types, known_keys
+from seg_at_scale.cli.runs import RunFolder, global_rank, run_lock
+from seg_at_scale.config_check import check_types, known_keys, resolved
 from seg_at_scale.data.datamodule import TileDataModule
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.io import RasterReader
@@ -105,7 +105,7 @@ def resolve_ckpt(cfg: DictConfig, run: RunFolder) -> str | None:
         return str(cfg.ckpt_path)
     newest = newest_checkpoint(run.path, trust=trust)
     # DDP ranks other than 0 start after rank 0 saved the run's config: a "resume" to them
-    if newest is None and run.resuming and rank_zero_only.rank == 0:
+    if newest is None and run.resuming and global_rank() == 0:
         raise ConfigError(
             f"hydra.run.dir='{run.path}' holds a run ({RUN_CONFIG}) but no checkpoint to "
             f"resume from ({run.path / 'checkpoints'} has no .ckpt: deleted, or the run was "
@@ -159,8 +159,7 @@ def check_trainer(cfg: DictConfig) -> None:
     ``trainer.max_epochs=abc`` failed deep in the scheduler's step count with a
     ``ValueError``; it is refused here naming the key and the type.
     """
-    values = OmegaConf.to_container(cfg.trainer, resolve=True)
-    assert isinstance(values, dict)
+    values = resolved(cfg.trainer)
     plain = {k: v for k, v in values.items()
              if not str(k).startswith("_") and not (isinstance(v, dict) and "_target_" in v)}
     params = [k for k in inspect.signature(pl.Trainer.__init__).parameters if k != "self"]
@@ -173,8 +172,7 @@ def check_memory(cfg: DictConfig, run: RunFolder | None = None) -> MemoryConfig:
     (run or RunFolder.detached()).fill(cfg, "trainer.precision", lambda: check_precision(
         cfg.trainer.precision, cfg.trainer.get("accelerator", "auto")))
     group = cfg.get("memory")
-    return memory_config(OmegaConf.to_container(group, resolve=True)  # type: ignore[arg-type]
-                         if group is not None else None)
+    return memory_config(resolved(group) if group is not None else None)
 
 
 def resolve_auto_tile(cfg: DictConfig, model: Any, fp: Any, dm: TileDataModule,
@@ -228,7 +226,7 @@ def resolve_run_pipeline(cfg: DictConfig, model: Any, dm: TileDataModule,
     group = cfg.get("pipeline")
     if group is None:
         return None
-    g = pipeline_group(OmegaConf.to_container(group, resolve=True))  # type: ignore[arg-type]
+    g = pipeline_group(resolved(group))
     if g.mode == "none":
         return None
     if memory.mode in ("offload", "checkpoint_offload"):
@@ -253,8 +251,8 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     check_trainer(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
-    model = build_model(OmegaConf.to_container(cfg.model, resolve=True),  # type: ignore[arg-type]
-                        where="the model group", trust=bool(cfg.get("trust_run", False)))
+    model = build_model(resolved(cfg.model), where="the model group",
+                        trust=bool(cfg.get("trust_run", False)))
     fp = run_footprint(model, cfg.tiling)  # tiling.exact=false: the approximate one
     computed: dict[str, Any] = {}
     use_weights_normalization(cfg, model, run, computed)  # finetune.normalization
@@ -326,7 +324,8 @@ def _train(cfg: DictConfig, folder: Path) -> float | None:
     metric = trainer.callback_metrics.get("val/miou")
     summary: dict[str, Any] = {"run": str(run.path), "val/miou": float(metric)
                                if metric is not None else None, "computed": computed}
-    best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+    saver = trainer.checkpoint_callback  # ModelCheckpoint (conf/callbacks), or None
+    best = saver.best_model_path if isinstance(saver, ModelCheckpoint) else ""
     if best:
         task.load_state_dict(_state_dict(best))
         summary["checkpoint"] = best

@@ -8,6 +8,8 @@
 * :class:`MemoryReport` - per-step peak memory and step time in the run log.
 """
 
+from typing import TYPE_CHECKING
+
 from seg_at_scale.memory.auto import auto_tile, covering_side, memory_config
 from seg_at_scale.memory.largest_tile import GIB, TileSearch, find_largest_tile
 from seg_at_scale.memory.modes import (
@@ -20,6 +22,9 @@ from seg_at_scale.memory.modes import (
 )
 from seg_at_scale.memory.precision import check_precision, normalize_precision
 from seg_at_scale.memory.probe import StepMeasure, StepSpec, measure_step
+
+if TYPE_CHECKING:  # imported on first use (__getattr__)
+    from seg_at_scale.memory.report import MemoryReport, peak_memory_mib
 
 __all__ = [
     "GIB", "MODES", "MemoryConfig", "MemoryReport", "MemoryWrapped", "StepMeasure", "StepSpec",
