@@ -13,8 +13,9 @@ step = forward + backward of the whole-image mean loss (no optimizer update). Un
 ``loss(net(image))``; tiled is ``tiled_backward`` (docs/design.md, "Exact training").
 Each variant runs in a fresh process (``common.run_isolated``): peak RSS is the process's
 own, and it returns its flattened gradient, which the parent compares with the untiled
-fp32 one and with a float64 step (max |difference| over max |gradient|, worst per-tensor relative L2 difference): at
-millions of pixels fp32 summation error dominates, and it is larger untiled than tiled.
+fp32 one and with a float64 step (max |difference| over max |gradient|, worst per-tensor
+relative L2 difference): at millions of pixels fp32 summation error dominates, and it is
+larger untiled than tiled.
 A float64 tiled-vs-untiled check at ``--exact-side`` shows that the tiling itself is exact
 (~1e-16), so the float64 reference at ``--side`` is computed tiled (``--f64-q``): float64
 convolutions are slow and an untiled one would need ~10 GB.
