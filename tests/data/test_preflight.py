@@ -176,7 +176,7 @@ def test_sample_statistics_leave_out_no_data(tmp_path: Path) -> None:
 
 def test_nan_under_gdal_internal_mask_is_no_data(tmp_path, scene_files) -> None:
     pytest.importorskip("rasterio")
-    from test_reads import write_with_gdal_mask
+    from helpers.io import write_with_gdal_mask
 
     root = dataset(tmp_path, scene_files, dtype=np.float32)
     image = np.random.default_rng(0).random(SHAPE).astype(np.float32)

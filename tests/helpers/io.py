@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
+import rasterio
 
 
 def make_array(shape: tuple[int, ...], dtype: str | np.dtype, seed: int = 0) -> np.ndarray:
@@ -31,3 +33,18 @@ class CountingFile(io.FileIO):
         n = super().readinto(buffer)
         CountingFile.count += n or 0
         return n
+
+
+def write_with_gdal_mask(path: Path, image: np.ndarray, valid: np.ndarray,
+                         **options: object) -> Path:
+    """A GeoTIFF written by GDAL with an internal (per-dataset) mask band: 1-bit, deflate."""
+    from rasterio.transform import from_origin
+
+    c, h, w = image.shape
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True), rasterio.open(
+            path, "w", driver="GTiff", width=w, height=h, count=c, dtype=image.dtype.name,
+            crs="EPSG:32633", transform=from_origin(500000, 4000000, 10, 10),
+            **options) as ds:
+        ds.write(image)
+        ds.write_mask(np.where(valid, 255, 0).astype(np.uint8))
+    return path

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tifffile
-from helpers.io import CountingFile, make_array
+from helpers.io import CountingFile, make_array, write_with_gdal_mask
 
 import seg_at_scale.io.raster as raster_mod
 from seg_at_scale.io import RasterReader
@@ -79,21 +79,6 @@ def test_tiled_file_read_in_tiles_does_not_warn(tmp_path: Path,
 # ----- GDAL internal masks --------------------------------------------------------------
 
 rasterio = pytest.importorskip("rasterio")
-
-
-def write_with_gdal_mask(path: Path, image: np.ndarray, valid: np.ndarray,
-                         **options: object) -> Path:
-    """A GeoTIFF written by GDAL with an internal (per-dataset) mask band: 1-bit, deflate."""
-    from rasterio.transform import from_origin
-
-    c, h, w = image.shape
-    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True), rasterio.open(
-            path, "w", driver="GTiff", width=w, height=h, count=c, dtype=image.dtype.name,
-            crs="EPSG:32633", transform=from_origin(500000, 4000000, 10, 10),
-            **options) as ds:
-        ds.write(image)
-        ds.write_mask(np.where(valid, 255, 0).astype(np.uint8))
-    return path
 
 
 def write_cog(path: Path, image: np.ndarray, valid: np.ndarray) -> Path:
