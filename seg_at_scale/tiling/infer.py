@@ -50,8 +50,8 @@ _WHOLE_INPUT = (nn.GroupNorm, nn.InstanceNorm2d, nn.AdaptiveAvgPool2d, nn.Adapti
 def refuse_inexact_layers(model: nn.Module) -> None:
     """Refuse a network that would see each tile's statistics instead of the image's.
 
-    Train-mode BatchNorm, and GroupNorm / InstanceNorm / LayerNorm / adaptive pooling that
-    the project has not made statistic sites, compute over the tile they are given: tiled,
+    Train-mode BatchNorm, and GroupNorm / InstanceNorm / adaptive pooling that the project
+    has not made statistic sites, compute over the tile they are given: tiled,
     they differ from the whole-image forward. (Statistic sites are subclasses of these layers
     that the passes fix; they are allowed.)
 
@@ -121,6 +121,17 @@ def infer(model: nn.Module, image: Tensor, *, method: Method = "auto",
     chosen = choose_method(model, tiled=tiled) if method == "auto" else method
     if chosen != "untiled" and not tiled:
         raise ConfigError(f"infer: method={chosen!r} tiles the image: give q or tile_size")
+    x = image if image.dim() == 4 else image[None]
+    out = _run(chosen, model, x, q=q, tile_size=tile_size, overlap=overlap, fp=fp,
+               autocast=autocast, channels_last=channels_last, tta=tta, out_dtype=out_dtype)
+    return out if image.dim() == 4 else out[0]
+
+
+def _run(chosen: str, model: nn.Module, x: Tensor, *, q: int | tuple[int, int] | None,
+         tile_size: int | tuple[int, int] | None, overlap: float, fp: Footprint | None,
+         autocast: torch.dtype | None, channels_last: bool, tta: str | None,
+         out_dtype: torch.dtype) -> Tensor:
+    """``chosen`` on the batched ``x [B, C, H, W]`` (see :func:`infer`)."""
     if chosen == "blended":
         if not isinstance(tile_size, int) or tta is not None:
             raise ConfigError("infer: method='blended' takes one int tile_size (the window) "
@@ -128,38 +139,31 @@ def infer(model: nn.Module, image: Tensor, *, method: Method = "auto",
         if (fp or model_footprint(model)).padding != "same":
             raise ConfigError("infer: method='blended' needs a same-padding network (a valid "
                               "one's windows shrink); use method='auto'")
-        return predict_blended(model, image, window=tile_size, overlap=overlap,
-                               autocast=autocast, channels_last=channels_last,
-                               out_dtype=out_dtype)
-    if chosen in ("passes", "two_pass"):
+        return predict_blended(model, x, window=tile_size, overlap=overlap, autocast=autocast,
+                               channels_last=channels_last, out_dtype=out_dtype)
+    if chosen in ("passes", "two_pass") and tta is not None:
+        raise ConfigError(f"infer: tta={tta!r} with method={chosen!r}: each view would need "
+                          "its own whole-image statistics; predict without tta")
+    if chosen == "untiled":  # the reference, whatever its layers
         if tta is not None:
-            raise ConfigError(f"infer: tta={tta!r} with method={chosen!r}: each view would need "
-                              "its own whole-image statistics; predict without tta")
-    if chosen == "untiled":
-        if tta is not None:
-            out = predict_full_tta(model, image if image.dim() == 4 else image[None], tta, fp)
-            return (out if image.dim() == 4 else out[0]).to(out_dtype)
-        x = image if image.dim() == 4 else image[None]
+            return predict_full_tta(model, x, tta, fp).to(out_dtype)
         with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
-            out = predict_full(model, x, fp)
-        return (out if image.dim() == 4 else out[0]).to(out_dtype)
-    refuse_inexact_layers(model)  # the untiled forward is the reference, whatever its layers
-    if chosen == "tiled" and not has_statistics(model) and uses_image_pool(model):
-        raise ConfigError(f"infer: {type(model).__name__} pools over its whole input, so plain "
-                          "tiles would each pool their own window; use method='two_pass' "
-                          "(or 'auto')")
+            return predict_full(model, x, fp).to(out_dtype)
+    refuse_inexact_layers(model)
     if chosen == "tiled":
-        return predict_tiled(model, image, q=q, tile_size=tile_size, fp=fp, autocast=autocast,
+        if not has_statistics(model) and uses_image_pool(model):
+            raise ConfigError(f"infer: {type(model).__name__} pools over its whole input, so "
+                              "plain tiles would each pool their own window; use "
+                              "method='two_pass' (or 'auto')")
+        return predict_tiled(model, x, q=q, tile_size=tile_size, fp=fp, autocast=autocast,
                              out_dtype=out_dtype, tta=tta, channels_last=channels_last)
     if chosen == "passes":
-        return predict_tiled_exact(model, image, q=q, tile_size=tile_size, fp=fp,
+        return predict_tiled_exact(model, x, q=q, tile_size=tile_size, fp=fp,
                                    autocast=autocast, out_dtype=out_dtype,
                                    channels_last=channels_last)
     if not isinstance(model, ImagePooled) or not uses_image_pool(model):
         raise ConfigError("infer: method='two_pass' needs a network that pools its whole "
                           f"input by the two-pass protocol; {type(model).__name__} does not")
-    x = image if image.dim() == 4 else image[None]
-    out = predict_tiled_two_pass(model, x, q=q, tile_size=tile_size,
-                                 fp=fp or model_footprint(model), autocast=autocast,
-                                 out_dtype=out_dtype)
-    return out if image.dim() == 4 else out[0]
+    return predict_tiled_two_pass(model, x, q=q, tile_size=tile_size,
+                                  fp=fp or model_footprint(model), autocast=autocast,
+                                  out_dtype=out_dtype)
