@@ -141,7 +141,7 @@ def run_ours(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
 
 def run_staged(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
     """Child: the image in memory, ``predict_staged`` (each stage tiled over whole maps)."""
-    from seg_at_scale.models.smp_stages import smp_stages
+    from seg_at_scale.models.smp_stage_split import smp_stages
     from seg_at_scale.tiling.staged import plan_stages, predict_staged
 
     net = _setup(cfg, True)

@@ -27,7 +27,7 @@ from gpu_common import Peak, Sizes, attempt, precision, timed
 
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.tiling import Window, make_grid, predict_full
-from seg_at_scale.tiling.passes import predict_tiled_exact
+from seg_at_scale.tiling.statistic_passes import predict_tiled_exact
 
 MODELS = ("unet_resnet34", "deeplabv3plus_resnet50")  # bench_encoders.MODELS' names
 MONAI = ((512, 0.25), (1024, 0.25))

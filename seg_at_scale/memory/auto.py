@@ -24,7 +24,7 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.largest_tile import GIB, TileSearch, find_largest_tile
 from seg_at_scale.memory.modes import MemoryConfig
 from seg_at_scale.memory.probe import StepSpec
-from seg_at_scale.memory.sides import core_side, legal_side, smallest_side
+from seg_at_scale.memory.tile_sides import core_side, legal_side, smallest_side
 from seg_at_scale.tiling.geometry import Footprint
 
 __all__ = ["memory_config", "auto_tile", "covering_side", "SEARCH_KEYS"]

@@ -5,7 +5,7 @@
   segments of the flat layer form ``model.pipeline_layers()``, cut per resolution
   ``level``, per ``block`` or every ``k`` ``layers`` (:mod:`seg_at_scale.memory.segments`);
   for library networks without that form (smp), over their stages (``level``) or
-  building blocks (``block``) (:mod:`seg_at_scale.memory.units`).
+  building blocks (``block``) (:mod:`seg_at_scale.memory.block_checkpoint`).
 * ``offload``: every tensor autograd saves goes to host memory
   (``torch.autograd.graph.save_on_cpu``, pinned when CUDA is available) - the modern form
   of IBM's "Large Model Support". On a CPU-only machine the tensors already live in host
@@ -40,10 +40,10 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.memory.levels import Level, check_block_size, find_levels
+from seg_at_scale.memory.block_checkpoint import UNIT_GRANULARITIES, checkpointed, find_units
 from seg_at_scale.memory.segments import GRANULARITIES, Segment, cut_segments, run_segments
 from seg_at_scale.memory.strips import DEFAULT_COLS, DEFAULT_ROWS, run_strips
-from seg_at_scale.memory.units import UNIT_GRANULARITIES, checkpointed, find_units
+from seg_at_scale.memory.unet_levels import Level, check_block_size, find_levels
 from seg_at_scale.models.contract import Checkpointable, Pipelined, SegmentationNetwork
 
 __all__ = ["MODES", "MemoryConfig", "MemoryWrapped", "apply_memory_mode",
@@ -160,7 +160,7 @@ class MemoryWrapped(nn.Module):
     Args:
         model: a network; checkpointing needs its flat form ``pipeline_layers()`` or, for
             library networks (smp), ``checkpoint_roots()``: the modules whose building
-            blocks are checkpointed (:mod:`seg_at_scale.memory.units`).
+            blocks are checkpointed (:mod:`seg_at_scale.memory.block_checkpoint`).
         cfg: the memory mode.
     """
 
@@ -280,7 +280,7 @@ def _by_units(model: nn.Module) -> bool:
 
 
 def _units_of(model: nn.Module, cfg: MemoryConfig) -> list[nn.Module]:
-    """The building blocks to checkpoint (:mod:`seg_at_scale.memory.units`)."""
+    """The building blocks to checkpoint (:mod:`seg_at_scale.memory.block_checkpoint`)."""
     name = type(model).__name__
     if cfg.granularity not in UNIT_GRANULARITIES:
         what = "recompute" if cfg.granularity == "strips" else "count"

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.memory.levels import Box, Level, check_block_size, even, find_levels, spans
+from seg_at_scale.memory.unet_levels import Box, Level, check_block_size, even, find_levels, spans
 from seg_at_scale.models.layers import body_of, run_layers
 
 __all__ = ["Level", "find_levels", "run_strips", "DEFAULT_ROWS", "DEFAULT_COLS"]

@@ -2,7 +2,7 @@
 
 ``SMPModel(arch="Unet", encoder="resnet34", in_channels=4, num_classes=5)`` builds
 ``smp.create_model`` with random weights, makes it exactly tileable
-(:mod:`seg_at_scale.models.smp_exact`), then loads weights from files:
+(:mod:`seg_at_scale.models.smp_tileable`), then loads weights from files:
 ``encoder_weights`` (a timm / torchvision / torchgeo state dict, a Lightning checkpoint's
 encoder) and ``weights`` (a whole smp model's state dict trained elsewhere), both matched
 by key and reported (:mod:`seg_at_scale.models.weights`), the first convolution adapted
@@ -12,7 +12,7 @@ checkpoint; NaN where unknown): :meth:`SMPModel.input_normalization`.
 
 Tiling: the alignment is the encoder's output stride (32; 16 or 8 for dilated DeepLab
 encoders), the halo is measured by the empirical probe (cached per architecture), and
-whole-image statistics run in extra passes (:mod:`seg_at_scale.tiling.passes`).
+whole-image statistics run in extra passes (:mod:`seg_at_scale.tiling.statistic_passes`).
 Operations no pass can fix (squeeze-excitation, attention) make :meth:`SMPModel.footprint`
 refuse exact tiling in one line naming the module; ``tiling.exact=false`` runs them on
 overlapping tiles with the approximate halo (:meth:`SMPModel.approximate_footprint`, each
@@ -42,19 +42,19 @@ from torch import Tensor, nn
 from seg_at_scale.devices import module_device
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import weights as W
-from seg_at_scale.models.smp_exact import (
+from seg_at_scale.models.smp_stage_split import smp_stages
+from seg_at_scale.models.smp_tileable import (
     ASPPImagePool,
     make_exact,
     non_local_modules,
     refusal,
     skip_non_local,
 )
-from seg_at_scale.models.smp_stages import smp_stages
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import WholeImageDependency, empirical_halo
 from seg_at_scale.tiling.layout import prefer_layouts
-from seg_at_scale.tiling.sites import site_levels, statistic_sites
 from seg_at_scale.tiling.staged import Stage
+from seg_at_scale.tiling.statistic_layers import site_levels, statistic_sites
 
 __all__ = ["SMPModel", "ARCHITECTURES"]
 
@@ -180,7 +180,7 @@ class SMPModel(nn.Module):
     # ----- tiling -----------------------------------------------------------------------
 
     def non_local(self) -> list[tuple[str, str]]:
-        """Operations no tiling can reproduce (see :mod:`~seg_at_scale.models.smp_exact`)."""
+        """Operations no tiling can reproduce (see :mod:`~seg_at_scale.models.smp_tileable`)."""
         return [(f"net.{n}", k) for n, k in non_local_modules(self.net)]
 
     def footprint(self) -> Footprint:
@@ -206,7 +206,7 @@ class SMPModel(nn.Module):
         """For ``tiling.exact=false``: the local receptive field, non-local modules skipped.
 
         The probe runs on a copy with squeeze-excitation and attention skipped and the
-        upsampling translation-invariant (:func:`~seg_at_scale.models.smp_exact.skip_non_local`);
+        upsampling translation-invariant (:func:`~seg_at_scale.models.smp_tileable.skip_non_local`);
         where the network still reaches the whole input, the halo is two alignment steps.
         Tiles with this halo are *not* exact (overlapping tiles, each core kept).
 
@@ -246,7 +246,7 @@ class SMPModel(nn.Module):
         """Whether a statistic (DeepLab pooling, GroupNorm) still needs computing.
 
         False once every site holds its whole-image value
-        (:func:`seg_at_scale.tiling.passes.fixed_statistics`): a tiler then runs one pass.
+        (:func:`seg_at_scale.tiling.statistic_passes.fixed_statistics`): a tiler then runs one pass.
         """
         return any(s.fixed is None for _, s in statistic_sites(self))
 
@@ -255,7 +255,7 @@ class SMPModel(nn.Module):
 
         Raises:
             ConfigError: statistics in more than one place (FPN's GroupNorms), which need
-                :func:`seg_at_scale.tiling.passes.fixed_statistics` instead of one pass.
+                :func:`seg_at_scale.tiling.statistic_passes.fixed_statistics` instead of one pass.
         """
         self._single_pool()
         return self.net.encoder(x)[-1]
@@ -279,7 +279,8 @@ class SMPModel(nn.Module):
             return sites[0]
         names = ", ".join(n for n, _ in statistic_sites(self))
         raise ConfigError(f"model.arch={self.arch}: whole-image statistics at {names} need "
-                          "one pass per level (seg_at_scale.tiling.passes.fixed_statistics), "
+                          "one pass per level "
+                          "(seg_at_scale.tiling.statistic_passes.fixed_statistics), "
                           "not the single image-pooling pass")
 
     def stages(self) -> list[Stage]:
@@ -287,7 +288,7 @@ class SMPModel(nn.Module):
 
         Raises:
             ConfigError: an encoder or head the stages do not cover, or a non-local layer
-                (:func:`~seg_at_scale.models.smp_stages.smp_stages` names it and the fix).
+                (:func:`~seg_at_scale.models.smp_stage_split.smp_stages` names it and the fix).
         """
         return smp_stages(self)
 

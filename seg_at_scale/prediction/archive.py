@@ -55,10 +55,10 @@ from seg_at_scale.prediction.raster import (
     raised_everywhere,
 )
 from seg_at_scale.prediction.scene import companions, predict_scene
-from seg_at_scale.prediction.staged import check_staged
+from seg_at_scale.prediction.staged_raster import check_staged
 from seg_at_scale.prediction.store import PredictionStore
 from seg_at_scale.tiling.geometry import fill_of
-from seg_at_scale.tiling.passes import has_statistics
+from seg_at_scale.tiling.statistic_passes import has_statistics
 from seg_at_scale.tiling.statistics import uses_image_pool
 
 __all__ = ["ArchiveScene", "find_images", "archive_scenes", "check_archive",

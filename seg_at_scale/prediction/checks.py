@@ -119,7 +119,7 @@ def companion_is_ours(key: str, path: Path, output: Path) -> bool:
     True when it is missing, or was written by the prediction finished at ``output`` and is
     unchanged since.
     """
-    from seg_at_scale.prediction.finished import finished, written_by
+    from seg_at_scale.prediction.provenance import finished, written_by
 
     if not path.exists():
         return True
@@ -147,11 +147,11 @@ def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
 
     An output that is a finished seg_at_scale prediction may exist: the rank that opens it
     reuses it if this very prediction made it, and refuses it otherwise
-    (:mod:`seg_at_scale.prediction.finished`). Its companions may exist only if the
+    (:mod:`seg_at_scale.prediction.provenance`). Its companions may exist only if the
     prediction finished there wrote them, unchanged since (:func:`companion_is_ours`): a
     rerun keeps or rewrites those, and would replace anything else.
     """
-    from seg_at_scale.prediction.finished import finished, written_by
+    from seg_at_scale.prediction.provenance import finished, written_by
 
     for okey, out in outputs.items():
         for ikey, inp in inputs.items():

@@ -15,7 +15,7 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.io.cog import class_colors, write_cog
 from seg_at_scale.prediction.checks import probabilities_path
-from seg_at_scale.prediction.finished import (
+from seg_at_scale.prediction.provenance import (
     CLASS_PIXELS_TAG,
     FINGERPRINT_TAG,
     TILING_TAG,

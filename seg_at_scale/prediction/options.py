@@ -56,7 +56,7 @@ class PredictOptions:
             (NCHW; faster for DeepLabV3+'s dilated convolutions here); the labels are the
             same either way.
         staged: run an smp network stage by stage, each stage tiled over the whole scene's
-            feature maps with its own halo (:mod:`seg_at_scale.tiling.staged`): near the
+            feature maps with its own halo (:mod:`seg_at_scale.tiling.staged.stages`): near the
             untiled forward's work instead of the whole network's halo on every tile. The
             maps live in files beside the output; one process; no TTA.
         stage_memory_mb: what one stage tile may hold, its input windows and the maps its

@@ -47,12 +47,12 @@ from seg_at_scale.prediction.plan import (
     reusable,
 )
 from seg_at_scale.prediction.progress import progress_bar
-from seg_at_scale.prediction.staged import check_staged, plan_staged, predict_staged_raster
+from seg_at_scale.prediction.staged_raster import check_staged, plan_staged, predict_staged_raster
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, footprint
 from seg_at_scale.tiling.engine import Batch, BatchOutput, run_batches
 from seg_at_scale.tiling.geometry import fill_of
-from seg_at_scale.tiling.passes import (
+from seg_at_scale.tiling.statistic_passes import (
     check_no_tta,
     fixed_statistics,
     has_statistics,
@@ -215,7 +215,7 @@ def _image_pool(model: nn.Module, source: RasterWindows, grid: TileGrid, share: 
     """
     if len(grid) == 1:
         return contextlib.nullcontext()
-    if has_statistics(model):  # GroupNorm-like sites (FPN): the passes of tiling.passes
+    if has_statistics(model):  # GroupNorm-like sites (FPN): the passes of tiling.statistic_passes
         return _statistic_passes(model, source, grid, share, device, stats, world)
     if not (isinstance(model, ImagePooled) and uses_image_pool(model)):  # the same test
         return contextlib.nullcontext()

@@ -35,15 +35,15 @@ from seg_at_scale.prediction.checks import (
     preview_path,
     probabilities_path,
 )
-from seg_at_scale.prediction.finished import (
+from seg_at_scale.prediction.lock import scene_lock
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.provenance import (
     file_sha256,
     finished,
     mark_item,
     mark_png,
     vector_record,
 )
-from seg_at_scale.prediction.lock import scene_lock
-from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.raster import PredictionStats, predict_raster
 from seg_at_scale.vectors import write_vectors
 

@@ -23,12 +23,6 @@ from seg_at_scale.tiling.geometry import (
 )
 from seg_at_scale.tiling.halo import empirical_halo, footprint, halo_width
 from seg_at_scale.tiling.infer import infer
-from seg_at_scale.tiling.passes import (
-    fixed_statistics,
-    predict_tiled_exact,
-    source_tiles,
-    tiled_backward_exact,
-)
 from seg_at_scale.tiling.predict import (
     extend,
     iter_tile_outputs,
@@ -38,6 +32,12 @@ from seg_at_scale.tiling.predict import (
     read_window,
     run_tile,
     tiled_backward,
+)
+from seg_at_scale.tiling.statistic_passes import (
+    fixed_statistics,
+    predict_tiled_exact,
+    source_tiles,
+    tiled_backward_exact,
 )
 from seg_at_scale.tiling.statistics import (
     image_pool_mean,

@@ -5,7 +5,7 @@ weights, as MONAI's ``sliding_window_inference`` (``mode="gaussian"``,
 ``sigma_scale=0.125``) does: a window's centre counts most, its borders least. The result
 is *not* the whole-image forward; :func:`label_deviation` measures how far it is. The
 tests use it to show what blending costs on the networks this package refuses to tile
-exactly (squeeze-excitation, attention; :mod:`seg_at_scale.models.smp_exact`). What
+exactly (squeeze-excitation, attention; :mod:`seg_at_scale.models.smp_tileable`). What
 ``tiling.exact=false`` runs is different: halo tiles sized by the approximate footprint,
 each tile's core kept (:meth:`seg_at_scale.models.SMPModel.approximate_footprint`).
 

@@ -33,9 +33,9 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.tiling.blend import predict_blended
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as model_footprint
-from seg_at_scale.tiling.passes import has_statistics, predict_tiled_exact
 from seg_at_scale.tiling.predict import predict_full, predict_full_tta, predict_tiled
-from seg_at_scale.tiling.sites import StatisticSite
+from seg_at_scale.tiling.statistic_layers import StatisticSite
+from seg_at_scale.tiling.statistic_passes import has_statistics, predict_tiled_exact
 from seg_at_scale.tiling.statistics import ImagePooled, predict_tiled_two_pass, uses_image_pool
 
 __all__ = ["infer", "Method", "METHODS", "choose_method", "refuse_inexact_layers"]

@@ -28,7 +28,7 @@ from seg_at_scale.tiling.geometry import (
     make_grid,
 )
 from seg_at_scale.tiling.halo import footprint as model_footprint
-from seg_at_scale.tiling.sites import statistic_sites
+from seg_at_scale.tiling.statistic_layers import statistic_sites
 
 __all__ = [
     "iter_tile_outputs",
@@ -110,10 +110,10 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
 def refuse_tile_statistics(model: nn.Module) -> None:
     """Refuse a network whose statistic sites would see each tile's statistic.
 
-    A :class:`~seg_at_scale.tiling.sites.StatisticSite` with neither a fixed statistic nor
-    a recorder computes its tile's statistic, not the whole image's: the tiles would differ
+    A :class:`~seg_at_scale.tiling.statistic_layers.StatisticSite` with neither a fixed statistic
+    nor a recorder computes its tile's statistic, not the whole image's: the tiles would differ
     from the untiled forward with no warning. The statistic passes
-    (:func:`~seg_at_scale.tiling.passes.predict_tiled_exact`) fix them first.
+    (:func:`~seg_at_scale.tiling.statistic_passes.predict_tiled_exact`) fix them first.
 
     Raises:
         ConfigError: naming the first such site and the fix.

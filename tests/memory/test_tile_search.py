@@ -26,7 +26,7 @@ from seg_at_scale.memory import (
 )
 from seg_at_scale.memory import probe as probe_mod
 from seg_at_scale.memory.probe import StepMeasure, run_step
-from seg_at_scale.memory.sides import smallest_side
+from seg_at_scale.memory.tile_sides import smallest_side
 from seg_at_scale.models import UNet
 from seg_at_scale.tiling import footprint, make_grid
 

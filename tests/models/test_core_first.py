@@ -1,4 +1,4 @@
-"""A block computing only a tile's core (``tiling.core``) == the block cropped to it."""
+"""A block computing only a tile's core (``tiling.staged.core_only``) == the block cropped to it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from helpers.smp import lively_norms
 from segmentation_models_pytorch.decoders.deeplabv3.decoder import ASPPConv, ASPPSeparableConv
 from torch import nn
 
-from seg_at_scale.tiling.core import computes_core, core_of
 from seg_at_scale.tiling.layout import NCHWBlock, prefer_layouts
+from seg_at_scale.tiling.staged.core_only import computes_core, core_of
 
 CROPS = [  # (rows, cols) of a 45 x 38 window: inside, at each edge, the whole of it
     (slice(12, 31), slice(12, 25)), (slice(0, 19), slice(7, 38)), (slice(26, 45), slice(0, 9)),
@@ -93,7 +93,7 @@ def test_convnext_blocks_shrinking_to_the_core_equal_the_stage_cropped(kind, lay
     """Three ConvNeXt blocks after a stride-2 downsample; windows of odd sizes with the
     map's edge on no side, one side, or all (zero padding there, shrinking elsewhere);
     the stage's output cropped to the core."""
-    from seg_at_scale.tiling.core import shrinking, shrinks
+    from seg_at_scale.tiling.staged.core_only import shrinking, shrinks
 
     chain = _convnext_stage(conv_mlp=kind == "conv_mlp",
                             **({"dilation": (1, 2)} if kind == "dilated" else {}))
@@ -124,8 +124,8 @@ def test_convnext_blocks_shrinking_to_the_core_equal_the_stage_cropped(kind, lay
 def test_what_does_not_shrink():
     """Blocks in training mode (drop path, BatchNorm-free but live), a stage checkpointed
     by timm, and chains of other modules run on the whole window."""
-    from seg_at_scale.tiling.core import shrinks
     from seg_at_scale.tiling.staged import Chain
+    from seg_at_scale.tiling.staged.core_only import shrinks
 
     assert not shrinks(_convnext_stage().train())
     checkpointed = _convnext_stage()

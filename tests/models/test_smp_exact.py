@@ -12,7 +12,7 @@ from seg_at_scale.models.registry import build_model
 from seg_at_scale.models.smp import SMPModel
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import make_grid, predict_full
-from seg_at_scale.tiling.passes import predict_tiled_exact, tiled_backward_exact
+from seg_at_scale.tiling.statistic_passes import predict_tiled_exact, tiled_backward_exact
 from seg_at_scale.tiling.statistics import predict_tiled_two_pass
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -62,7 +62,7 @@ def test_an_unbatched_image_and_a_nested_pass_as_predict_tiled_takes_them():
     """``[C, H, W]`` is accepted as by ``predict_tiled`` (was: the height read as channels, a
     raw RuntimeError); passes run inside ``fixed_statistics`` are refused in one line (was:
     a raw KeyError)."""
-    from seg_at_scale.tiling.passes import fixed_statistics, tensor_tiles
+    from seg_at_scale.tiling.statistic_passes import fixed_statistics, tensor_tiles
 
     net = preset_model("fpn_test_resnet")
     x = torch.randn(4, 197, 229)
@@ -77,7 +77,7 @@ def test_an_unbatched_image_and_a_nested_pass_as_predict_tiled_takes_them():
 def test_statistic_sites_in_a_valid_padding_network_are_refused():
     """The passes map a tile's core onto a site's map by its stride alone, which a network
     that shrinks its input breaks: refused in one line rather than wrong."""
-    from seg_at_scale.tiling.sites import GroupNormSite
+    from seg_at_scale.tiling.statistic_layers import GroupNormSite
 
     net = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), GroupNormSite(2, 4),
                               torch.nn.Conv2d(4, 2, 1)).eval()
@@ -158,7 +158,7 @@ def test_channels_last_fp32_tiles_equal_the_contiguous_whole_image(preset):
 def test_statistics_from_shares_of_the_tiles_reduced_equal_one_process():
     """Two processes each pass half of the tiles; ``reduce`` adds the other's sums (as
     ``all_reduce`` would): the statistic equals one process's (one level: DeepLabV3+)."""
-    from seg_at_scale.tiling.passes import statistic_passes, tensor_tiles
+    from seg_at_scale.tiling.statistic_passes import statistic_passes, tensor_tiles
 
     net = preset_model("deeplabv3plus_test_resnet")
     x = torch.randn(1, 4, 333, 301)
@@ -179,7 +179,7 @@ def test_statistics_from_shares_of_the_tiles_reduced_equal_one_process():
 def test_deeplab_statistic_pass_stops_before_the_aspp_convolutions(monkeypatch):
     """ASPP computes its image pooling first (same output), so a statistic pass, which stops
     at the pooling, runs none of the four convolution branches (was: all four per tile)."""
-    import seg_at_scale.tiling.passes as passes
+    import seg_at_scale.tiling.statistic_passes as passes
 
     net = preset_model("deeplabv3plus_test_resnet")
     x = torch.randn(1, 4, 333, 301)

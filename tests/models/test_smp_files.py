@@ -17,7 +17,7 @@ from seg_at_scale.io import read_raster
 from seg_at_scale.models.smp import SMPModel
 from seg_at_scale.prediction import PredictOptions, predict_raster
 from seg_at_scale.tiling import predict_full
-from seg_at_scale.tiling.sites import statistic_sites
+from seg_at_scale.tiling.statistic_layers import statistic_sites
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 DATA = Normalizer(1 / 255, (0.5,) * 4, (0.25,) * 4)

@@ -14,7 +14,7 @@ from seg_at_scale.models import UNet
 from seg_at_scale.tasks import SegmentationTask
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import extend
-from seg_at_scale.tiling.passes import tiled_backward_exact
+from seg_at_scale.tiling.statistic_passes import tiled_backward_exact
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

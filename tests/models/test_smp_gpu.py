@@ -19,12 +19,12 @@ from test_gpu import ON_GPU, no_tf32  # noqa: F401  (autouse: TF32 off)
 from test_smp_files import DATA, check_labels
 
 from seg_at_scale.io import read_raster
-from seg_at_scale.models.smp_stages import smp_stages
+from seg_at_scale.models.smp_stage_split import smp_stages
 from seg_at_scale.prediction import PredictOptions, predict_raster
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import extend, make_grid, predict_full
-from seg_at_scale.tiling.passes import predict_tiled_exact, tiled_backward_exact
 from seg_at_scale.tiling.staged import predict_staged
+from seg_at_scale.tiling.statistic_passes import predict_tiled_exact, tiled_backward_exact
 
 DEVICES = [pytest.param("cpu", id="cpu", marks=pytest.mark.slow), ON_GPU]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -12,7 +12,7 @@ from helpers.smp import TEST_PRESETS, preset_model
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory import MemoryConfig, apply_memory_mode
-from seg_at_scale.memory.units import find_units
+from seg_at_scale.memory.block_checkpoint import find_units
 from seg_at_scale.tasks import SegmentationTask
 
 

@@ -16,7 +16,7 @@ from test_smp_files import DATA, check_labels
 
 from seg_at_scale.io import read_raster
 from seg_at_scale.models.smp import SMPModel
-from seg_at_scale.prediction.finished import TILING_TAG
+from seg_at_scale.prediction.provenance import TILING_TAG
 from seg_at_scale.tiling import predict_full
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

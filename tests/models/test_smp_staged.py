@@ -9,10 +9,10 @@ from torch import nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.smp import SMPModel
-from seg_at_scale.models.smp_stages import smp_stages
+from seg_at_scale.models.smp_stage_split import smp_stages
 from seg_at_scale.tiling import predict_full
-from seg_at_scale.tiling.passes import has_statistics
 from seg_at_scale.tiling.staged import Chain, Stage, plan_stages, predict_staged, stage_halo
+from seg_at_scale.tiling.statistic_passes import has_statistics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,7 +32,7 @@ def test_staged_equals_untiled_with_every_stage_tiled(preset, layout, monkeypatc
     """A budget small enough that the stem, the middle stages and the decoder run as
     several tiles (FPN's GroupNorms and DeepLab's image pooling then take the statistic
     passes over their stage's tiles), at sizes no multiple of 32: the untiled logits."""
-    import seg_at_scale.tiling.staged as staged
+    import seg_at_scale.tiling.staged.stages as staged
 
     passes: list[str] = []
 
@@ -80,7 +80,7 @@ def test_aspp_rate_stages_compute_only_their_cores(arch, monkeypatch):
     """The dilated branches' stages compute their tiles' cores alone (``core_of``: the
     pointwise / full convolution not on the rate-36 halo); tiles inside the map and at its
     edges, channels-last with DeepLabV3+'s NCHW separable blocks; the untiled logits."""
-    import seg_at_scale.models.smp_stages as mod
+    import seg_at_scale.models.smp_stage_split as mod
 
     calls: list[tuple[int, int, int, int]] = []
 
@@ -123,7 +123,7 @@ def test_a_transformer_style_encoder_with_its_empty_stride_2_map(monkeypatch):
     as a stage of its own, and the decoder still receives every map in smp's order. The
     placeholder stage reads nothing: it had no channels to budget, so it read the whole
     image as one tile (2.4 GB of a 12288^2 scene from the file)."""
-    import seg_at_scale.tiling.staged as staged
+    import seg_at_scale.tiling.staged.stages as staged
 
     torch.manual_seed(0)
     net = lively(SMPModel("Unet", "tu-test_convnext", in_channels=4, num_classes=3,
@@ -136,8 +136,8 @@ def test_a_transformer_style_encoder_with_its_empty_stride_2_map(monkeypatch):
         (rows.stop - rows.start, cols.stop - cols.start)) or real(m, rows, cols))
     x = torch.randn(1, 4, 421, 357)
     # the encoder's ConvNeXt blocks compute their tiles' cores, each block on a window
-    # shrinking to it (tiling.core.shrinking): inside the map and at its edges
-    import seg_at_scale.tiling.core as core
+    # shrinking to it (tiling.staged.core_only.shrinking): inside the map and at its edges
+    import seg_at_scale.tiling.staged.core_only as core
 
     sides: list[tuple[bool, ...]] = []
     shrink = core.shrinking
@@ -279,7 +279,7 @@ def test_the_plan_is_the_same_under_inference_mode():
 def test_statistic_levels_are_found_under_inference_mode():
     """FPN's three GroupNorm levels depend on one another; under inference_mode autograd
     saw no path and put every site on level 1 (was: 2 % of a staged COG's labels wrong)."""
-    from seg_at_scale.tiling.sites import site_levels
+    from seg_at_scale.tiling.statistic_layers import site_levels
 
     net = preset_model("fpn_test_resnet")
     x = torch.zeros(1, 4, 64, 64)
@@ -321,7 +321,7 @@ def test_the_heap_is_given_back_after_the_plan_and_every_stage(monkeypatch):
     The trim runs after the probes and after each stage; on glibc it reports that it ran."""
     import platform
 
-    import seg_at_scale.tiling.staged as staged
+    import seg_at_scale.tiling.staged.stages as staged
 
     ran: list[int] = []
     real = staged.give_back_heap

@@ -21,7 +21,7 @@ from seg_at_scale.errors import ConfigError, OutputExistsError
 from seg_at_scale.io import read_raster
 from seg_at_scale.models import UNet
 from seg_at_scale.prediction import PredictOptions, predict_raster
-from seg_at_scale.prediction.staged import check_staged
+from seg_at_scale.prediction.staged_raster import check_staged
 from seg_at_scale.tiling import predict_full
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -169,7 +169,7 @@ def test_disk_bytes_is_the_peak_the_map_files_reach(tmp_path, monkeypatch):
     """The space a staged run is checked for, ``StagePlan.disk_bytes``, is exactly the most
     its map files hold at one time (a U-Net keeps its skip maps until its decoder)."""
     import seg_at_scale.prediction.raster as raster
-    import seg_at_scale.tiling.staged as staged
+    import seg_at_scale.tiling.staged.stages as staged
 
     folder = tmp_path / ".pred.tif.staged"
     seen: list[int] = []
@@ -195,7 +195,7 @@ def test_disk_bytes_is_the_peak_the_map_files_reach(tmp_path, monkeypatch):
     predict_raster(net, image, tmp_path / "pred.tif",
                    PredictOptions(q=2, staged=True, stage_memory_mb=1, progress=False),
                    normalizer=DATA)
-    from seg_at_scale.models.smp_stages import smp_stages
+    from seg_at_scale.models.smp_stage_split import smp_stages
 
     assert len(own) == len(smp_stages(net))  # one file per stage
     assert planned == [max(seen)]
@@ -236,7 +236,7 @@ def test_a_disk_that_fills_during_the_stages_loses_nothing_and_a_rerun_completes
     """A real write limit (RLIMIT_FSIZE, below the largest map) makes a map file fail mid-run:
     the error names that file, the map folder is removed, nothing is under the output's
     name; the rerun with room writes an uninterrupted run's labels."""
-    from seg_at_scale.models.smp_stages import smp_stages
+    from seg_at_scale.models.smp_stage_split import smp_stages
     from seg_at_scale.tiling.staged import plan_stages
 
     net = preset_model("fpn_test_resnet")

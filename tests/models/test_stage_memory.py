@@ -11,11 +11,11 @@ import torch
 from helpers.smp import lively
 from torch import nn
 
-import seg_at_scale.tiling.staged as staged
+import seg_at_scale.tiling.staged.stages as staged
 from seg_at_scale.models.smp import SMPModel
-from seg_at_scale.models.smp_stages import smp_stages
-from seg_at_scale.tiling.live import LiveMemory
+from seg_at_scale.models.smp_stage_split import smp_stages
 from seg_at_scale.tiling.staged import Chain, Stage, plan_stages, predict_staged
+from seg_at_scale.tiling.staged.peak_memory import LiveMemory
 
 
 class _Measured(nn.Module):
@@ -149,7 +149,7 @@ def test_a_convnext_unet_s_stage_tiles_hold_what_the_plan_says(monkeypatch):
 
 _HEAP_CHILD = r"""
 import ctypes, sys, torch
-from seg_at_scale.tiling.heap import large_tensors_mapped
+from seg_at_scale.tiling.staged.heap_return import large_tensors_mapped
 
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks "

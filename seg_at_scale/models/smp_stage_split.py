@@ -1,4 +1,4 @@
-"""An smp network as stages for :func:`seg_at_scale.tiling.staged.predict_staged`.
+"""An smp network as stages for :func:`seg_at_scale.tiling.staged.stages.predict_staged`.
 
 The encoder is a chain: each stage turns the previous feature map into the next one
 (smp's ResNet family: stem, pool + ``layer1``, ``layer2`` ... ; a timm ``tu-`` encoder:
@@ -42,9 +42,9 @@ from torch import Tensor, nn
 
 from seg_at_scale.devices import module_device
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.models.smp_exact import non_local_modules, pooling_first, refusal
-from seg_at_scale.tiling.core import Shrinking, computes_core, core_of, shrinks
+from seg_at_scale.models.smp_tileable import non_local_modules, pooling_first, refusal
 from seg_at_scale.tiling.staged import Chain, Stage, widest_tap
+from seg_at_scale.tiling.staged.core_only import Shrinking, computes_core, core_of, shrinks
 
 __all__ = ["smp_stages"]
 
@@ -212,8 +212,9 @@ class _AsppBranches(nn.Module):
     """Some of ASPP's branches (its own modules) on its input, concatenated in order.
 
     Branches with a whole-image statistic (the image pooling) run first. Dilated branches
-    compute only the tile's core (``computes_core``, :func:`~seg_at_scale.tiling.core.core_of`):
-    their pointwise convolution then runs on the core, not on the rate-36 halo around it.
+    compute only the tile's core (``computes_core``,
+    :func:`~seg_at_scale.tiling.staged.core_only.core_of`): their pointwise convolution then
+    runs on the core, not on the rate-36 halo around it.
     """
 
     def __init__(self, branches: list[nn.Module]) -> None:

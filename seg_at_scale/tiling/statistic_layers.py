@@ -14,7 +14,7 @@ not halo-tileable as it is: a tile sees its own statistic, not the whole image's
 Without a recorder or a fixed statistic a site is the layer it replaces (the untiled
 reference). Sites can depend on each other (a GroupNorm after another): :func:`site_levels`
 orders them into levels, each level's statistics needing only the levels before it; the
-passes of :mod:`seg_at_scale.tiling.passes` compute one level per pass over the tiles.
+passes of :mod:`seg_at_scale.tiling.statistic_passes` compute one level per pass over the tiles.
 
 >>> gn = GroupNormSite(2, 4)
 >>> x = torch.randn(1, 4, 8, 8)
@@ -167,7 +167,7 @@ def _site_levels(model: nn.Module, example: Tensor | list[Tensor]
     was_training = model.training
     try:
         model.eval()
-        if isinstance(example, list):  # a stage's windows (seg_at_scale.tiling.staged)
+        if isinstance(example, list):  # a stage's windows (seg_at_scale.tiling.staged.stages)
             model([x.detach().clone().requires_grad_(True) for x in example])
         else:
             model(example.detach().clone().requires_grad_(True))

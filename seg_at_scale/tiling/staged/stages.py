@@ -8,15 +8,15 @@ halo: a stem's halo is a few pixels, and the deep stages, whose maps are small, 
 one tile. The work approaches the untiled forward's (E near 1) while each stage's tile
 holds at most ``budget`` floats: its input windows and the most its forward holds at once
 (a ConvNeXt block's 4x MLP, a U-Net decoder's upsampled maps), measured per pixel when the
-stages are planned (:class:`~seg_at_scale.tiling.live.LiveMemory`).
+stages are planned (:class:`~seg_at_scale.tiling.staged.peak_memory.LiveMemory`).
 
 Exactness is the image tiles' rule applied to each stage: its windows start on its
 alignment (its deepest stride, in image pixels), read its halo past the core and stop at
 the map's edge, where the whole map's padding applies; so each stitched map equals the
 whole-map stage output, and the last one equals ``predict_full``. Whole-image statistics
 inside a stage (DeepLab's image pooling, GroupNorm) are taken by the statistic passes
-over that stage's tiles (:mod:`seg_at_scale.tiling.passes`); a stage that starts with its
-sites (DeepLab's ASPP, each of FPN's GroupNorms: :mod:`seg_at_scale.models.smp_stages`)
+over that stage's tiles (:mod:`seg_at_scale.tiling.statistic_passes`); a stage that starts with its
+sites (DeepLab's ASPP, each of FPN's GroupNorms: :mod:`seg_at_scale.models.smp_stage_split`)
 makes a pass cost almost nothing, as it reads a stored map instead of computing the
 network up to it again.
 
@@ -54,10 +54,10 @@ from torch import Tensor, nn
 from seg_at_scale.tiling.feature_files import DiskMap
 from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
 from seg_at_scale.tiling.halo import GLOBAL_SIZE, WholeImageDependency, structural_copy
-from seg_at_scale.tiling.heap import give_back_heap, large_tensors_mapped
-from seg_at_scale.tiling.live import LiveMemory
-from seg_at_scale.tiling.passes import fixed_statistics, has_statistics
 from seg_at_scale.tiling.predict import extend
+from seg_at_scale.tiling.staged.heap_return import give_back_heap, large_tensors_mapped
+from seg_at_scale.tiling.staged.peak_memory import LiveMemory
+from seg_at_scale.tiling.statistic_passes import fixed_statistics, has_statistics
 
 __all__ = ["Chain", "Map", "WindowMap", "give_back_heap", "read_map", "staged_maps", "Stage",
            "StagePlan", "plan_stages", "predict_staged", "stage_halo", "widest_tap"]
@@ -90,7 +90,7 @@ class Stage:
             takes ``core=(rows, cols)``, the slices of its output the tile keeps, and
             ``edges=(top, bottom, left, right)``, whether each side of the window is the
             map's edge, and returns the core alone, computing only what it needs
-            (:mod:`seg_at_scale.tiling.core`: an ASPP branch's pointwise convolution not
+            (:mod:`seg_at_scale.tiling.staged.core_only`: an ASPP branch's pointwise convolution not
             on the halo, each ConvNeXt block on a window shrinking to the core).
         inputs: indices of the maps it reads.
         stride: its output's downsampling factor from the image.
@@ -390,7 +390,7 @@ def predict_staged(stages: Sequence[Stage], image: Tensor, *, align: int,
     """Logits ``[B, K, H, W]`` of the staged network, equal to its untiled forward.
 
     Args:
-        stages: the network as stages (e.g. :func:`seg_at_scale.models.smp_stages.smp_stages`).
+        stages: the network as stages (e.g. :func:`seg_at_scale.models.smp_stage_split.smp_stages`).
         image: ``[B, C, H, W]``, normalised; extended to a multiple of ``align`` as
             ``predict_full`` extends it.
         align: the network's downsampling factor.

@@ -2,7 +2,7 @@
 
 A stage tile's memory is not its input and output maps alone: a ConvNeXt block's MLP
 holds a map four times as wide as the block's, and smp's U-Net decoder upsamples to the
-next stride before concatenating. :func:`~seg_at_scale.tiling.staged.plan_stages` runs
+next stride before concatenating. :func:`~seg_at_scale.tiling.staged.stages.plan_stages` runs
 each stage under :class:`LiveMemory` at two small sizes; the difference is what the stage
 holds per pixel, which sizes its tiles to the budget.
 

@@ -1,6 +1,6 @@
 """``seg-predict staged=true``: a raster predicted stage by stage, into the usual store.
 
-The stages (:mod:`seg_at_scale.tiling.staged`) read the image window by window from the
+The stages (:mod:`seg_at_scale.tiling.staged.stages`) read the image window by window from the
 raster (normalised and filled as the tile engine reads it), keep their feature maps and
 the logits in files in ``.<output name>.staged`` beside the output, and the logits of
 every tile the store still lacks are turned into labels (and probabilities) exactly as the

@@ -1,9 +1,9 @@
 """Exact tiling of networks with statistic sites, in one extra pass per level of sites.
 
-A network whose layers take whole-image statistics (:mod:`seg_at_scale.tiling.sites`:
+A network whose layers take whole-image statistics (:mod:`seg_at_scale.tiling.statistic_layers`:
 DeepLab's image pooling, FPN's GroupNorms) is tiled exactly in passes over the tiles:
 
-1. pass k (one per :func:`~seg_at_scale.tiling.sites.site_levels` level): the sites of
+1. pass k (one per :func:`~seg_at_scale.tiling.statistic_layers.site_levels` level): the sites of
    level k record the float64 sums of each tile's core pixels, the sites of the levels
    before are held at their whole-image statistics; the forward stops as soon as the
    level's sites have recorded (a level-1 pass of DeepLabV3+ runs only the encoder);
@@ -48,7 +48,7 @@ from seg_at_scale.tiling.predict import (  # noqa: F401 (predict_full: the docte
     read_window,
     tiled_backward,
 )
-from seg_at_scale.tiling.sites import (  # noqa: F401 (GroupNormSite: the doctest)
+from seg_at_scale.tiling.statistic_layers import (  # noqa: F401 (GroupNormSite: the doctest)
     GroupNormSite,
     StatisticSite,
     site_levels,
@@ -63,7 +63,7 @@ __all__ = ["has_statistics", "statistic_passes", "fixed_statistics", "predict_ti
 TileInputs = Callable[[], Iterable[tuple[Tile, Tensor | list[Tensor]]]]
 """Returns a fresh iterable of ``(tile, model input window [B, C, h, w])`` over a grid.
 
-A stage's module (:mod:`~seg_at_scale.tiling.staged`) takes the list of its input windows.
+A stage's module (:mod:`~seg_at_scale.tiling.staged.stages`) takes the list of its input windows.
 """
 
 
@@ -114,7 +114,7 @@ def _levels(model: nn.Module, grid: TileGrid, first: tuple[Tile, Any]
             ) -> list[list[StatisticSite]]:
     """The sites of each level, found on a probe shaped as the first tile's input.
 
-    The input is one window, or (a stage of :mod:`seg_at_scale.tiling.staged`) a list of
+    The input is one window, or (a stage of :mod:`seg_at_scale.tiling.staged.stages`) a list of
     windows at their own strides: each probe window keeps its stride from the tile's read.
     """
     a, (tile, example) = grid.footprint.align, first

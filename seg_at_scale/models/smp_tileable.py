@@ -3,9 +3,9 @@
 :func:`make_exact` changes an smp model in place, keeping every state-dict key:
 
 * **GroupNorm** (FPN's segmentation blocks) normalises over the whole image: it becomes a
-  :class:`~seg_at_scale.tiling.sites.GroupNormSite` (statistics from extra passes);
+  :class:`~seg_at_scale.tiling.statistic_layers.GroupNormSite` (statistics from extra passes);
 * **ASPP image pooling** (DeepLabV3 / V3+) averages the whole image: a
-  :class:`~seg_at_scale.tiling.sites.PooledMean` site (two-pass tiling, as Gated-SCNN's);
+  :class:`~seg_at_scale.tiling.statistic_layers.PooledMean` site (two-pass tiling, as Gated-SCNN's);
 * **bilinear upsampling with** ``align_corners=True`` (smp's segmentation heads, DeepLabV3+
   and FPN decoders) maps output pixel ``i`` to input ``i (n - 1) / (s n - 1)``: the
   position depends on the image's size ``n``, so no tile can reproduce it. It becomes the
@@ -33,7 +33,7 @@ from segmentation_models_pytorch.decoders.fpn.decoder import Conv3x3GNReLU
 from torch import Tensor, nn
 
 from seg_at_scale.tiling.layout import SharedNCHW
-from seg_at_scale.tiling.sites import GroupNormSite, PooledMean
+from seg_at_scale.tiling.statistic_layers import GroupNormSite, PooledMean
 
 __all__ = ["make_exact", "non_local_modules", "ASPPImagePool", "refusal", "skip_non_local",
            "pooling_first"]
@@ -117,7 +117,8 @@ def make_exact(net: nn.Module, *, align_corners: bool = False) -> None:
 def non_local_modules(net: nn.Module) -> list[tuple[str, str]]:
     """``(module name, what it does)`` for every operation that needs the whole input.
 
-    Sites (:mod:`seg_at_scale.tiling.sites`) are not listed: the passes tile them exactly.
+    Sites (:mod:`seg_at_scale.tiling.statistic_layers`) are not listed: the passes tile them
+    exactly.
     """
     found: list[tuple[str, str]] = []
     skip: list[str] = []
