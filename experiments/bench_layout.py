@@ -28,7 +28,7 @@ from common import save
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from prediction_helpers import make_image, make_model, make_run  # noqa: E402
+from helpers.prediction import make_image, make_model, make_run  # noqa: E402
 
 LAYOUTS = ("contiguous", "auto")
 

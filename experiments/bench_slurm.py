@@ -40,7 +40,7 @@ from common import save
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "slurm"), str(REPO / "tests")]
 from cluster import Cluster, unavailable  # noqa: E402
-from prediction_helpers import make_image, make_model, make_run  # noqa: E402
+from helpers.prediction import make_image, make_model, make_run  # noqa: E402
 
 SCRIPTS = REPO / "examples" / "slurm"
 TRAIN = ["logger=csv", "model=unet_small", "data.synthetic.height=1024",

@@ -150,7 +150,7 @@ def fake_run(folder: Path, levels: int = 4, base_width: int = 16) -> Path:
     from seg_at_scale.models import UNet
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from prediction_helpers import write_run
+    from helpers.prediction import write_run
 
     if (folder / "checkpoints" / "last.ckpt").exists():
         return folder

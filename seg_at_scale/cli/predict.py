@@ -557,5 +557,12 @@ def main() -> None:
     _main()
 
 
+def entry() -> None:
+    """``seg-predict`` as a command: :func:`main`, then the process ends at once."""
+    from seg_at_scale.cli.common import exit_now
+
+    exit_now(main)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

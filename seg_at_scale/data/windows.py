@@ -104,9 +104,18 @@ class RasterWindows:
         same bits as :meth:`read`, on torch's threads), then the batch takes the model's
         memory layout. ``keeps`` are the parts inside the image, in each window's frame.
         """
-        x = torch.cat(raws).to(torch.float32)  # [n, C, h, w]: per-band planes, fast below
+        n = sum(r.shape[0] for r in raws)
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        # one pass casts the samples into the model's layout; the arithmetic then runs in
+        # place on it (the order of operations, so the bits, are those of read())
+        x = torch.empty((n, *raws[0].shape[1:]), dtype=torch.float32, device=raws[0].device,
+                        memory_format=layout)
+        start = 0
+        for r in raws:
+            x[start : start + r.shape[0]].copy_(r)
+            start += r.shape[0]
         self.normalizer.apply_(x)
         if self.fill == "constant":
             for k, keep in enumerate(keeps):
                 zero_outside(x[k], keep)
-        return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+        return x

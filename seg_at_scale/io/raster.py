@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -305,7 +306,8 @@ class RasterReader:
                     self.bytes_read += out.nbytes
                 return out
             self._warn_if_wasteful(layout, r0, r1, c0, c1)
-            return layout.decode_box(self._read_bytes, decode, tables, r0, r1, c0, c1)
+            return layout.decode_box(self._read_bytes, decode, tables, r0, r1, c0, c1,
+                                     pool=decoders())
         except (ValueError, RuntimeError, OSError, tifffile.TiffFileError) as exc:
             raise InputError(f"cannot decode rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
                              f"{exc}. Re-copy or re-generate the file.") from exc
@@ -337,6 +339,23 @@ class RasterReader:
         if len(data) != count:
             raise OSError(f"short read at byte {offset}: {len(data)} of {count} bytes")
         return data
+
+
+_DECODERS: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def decoders() -> ThreadPoolExecutor:
+    """This process's pool of segment decoders (one thread per core, at most 16).
+
+    Made on first use and again after a fork (a child inherits no threads).
+    """
+    global _DECODERS
+    if _DECODERS is None or _DECODERS[0] != os.getpid():
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        threads = max(1, min(16, cores))
+        _DECODERS = (os.getpid(), ThreadPoolExecutor(threads, thread_name_prefix="decode"))
+    return _DECODERS[1]
 
 
 def _take(a: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:

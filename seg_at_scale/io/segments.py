@@ -18,6 +18,7 @@ segments into the box. Two ways to read a box:
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -118,15 +119,28 @@ class PageLayout:
 
     def decode_box(self, read_bytes: Callable[[int, int], bytes | None],
                    decode: Callable[..., Any], jpegtables: bytes | None,
-                   r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
-        """``[C, r1-r0, c1-c0]`` decoded from the segments the box touches."""
+                   r0: int, r1: int, c0: int, c1: int,
+                   pool: Executor | None = None) -> np.ndarray:
+        """``[C, r1-r0, c1-c0]`` decoded from the segments the box touches.
+
+        With ``pool``, the segments of a compressed page are decoded by its threads
+        (the codecs release the GIL; each segment fills its own part of the box).
+        """
         out = np.zeros((self.bands, r1 - r0, c1 - c0), self.dtype)
         index = sorted(self.segments(r0, r1, c0, c1), key=lambda k: self.offsets[k])
-        for k in index:
+
+        def one(k: int) -> None:
             data = read_bytes(self.offsets[k], self.counts[k])
             seg, (plane, _, y, x, _), _ = decode(data, k, jpegtables=jpegtables)
             if seg is not None:
                 self._place(out, seg, plane, y, x, r0, c0)
+
+        if pool is None or len(index) < 2 or not self.compressed:
+            for k in index:
+                one(k)
+        else:
+            for _ in pool.map(one, index):  # in order: the first error is raised
+                pass
         return out
 
     def _place(self, out: np.ndarray, seg: np.ndarray, plane: int, y: int, x: int,

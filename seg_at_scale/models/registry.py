@@ -25,6 +25,7 @@ seg_at_scale.errors.ConfigError: run: model._target_='torch.load' is not a seg_a
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import typing
@@ -52,7 +53,8 @@ class Family:
     Attributes:
         name: short name (``unet``), as in ``conf/model_family/<name>.yaml``.
         target: the dotted path configs write (``seg_at_scale.models.UNet``).
-        cls: the ``nn.Module`` subclass built from the keys.
+        source: the ``nn.Module`` subclass built from the keys, or ``"module:Class"``,
+            imported when the family is first used (a U-Net run never imports smp).
         aliases: other dotted paths of the same class (its defining module).
         weight_keys: keys that name pretrained weights files (and what only they give
             meaning, such as a band map): a checkpoint replaces every tensor they load.
@@ -60,9 +62,18 @@ class Family:
 
     name: str
     target: str
-    cls: type[nn.Module]
+    source: type[nn.Module] | str
     aliases: tuple[str, ...] = field(default=())
     weight_keys: tuple[str, ...] = field(default=())
+
+    @property
+    def cls(self) -> type[nn.Module]:
+        """The class (its module imported on first use)."""
+        if isinstance(self.source, str):
+            module, _, name = self.source.partition(":")
+            cls: type[nn.Module] = getattr(importlib.import_module(module), name)
+            return cls
+        return self.source
 
     def parameters(self) -> dict[str, inspect.Parameter]:
         """The constructor's keyword parameters (``self`` and ``**kwargs`` left out)."""
@@ -175,19 +186,19 @@ def without_weight_files(node: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _load_builtin() -> None:
-    """Register the project's own families (import here: their modules import torch)."""
+    """Register the project's own families, by name.
+
+    A family's module is imported, with what it needs, when a config names it.
+    """
     if {"unet", "uresnet", "gscnn", "smp"} <= _FAMILIES.keys():
         return
-    from seg_at_scale.models.gscnn import GSCNN
-    from seg_at_scale.models.smp import SMPModel
-    from seg_at_scale.models.unet import UNet
-    from seg_at_scale.models.uresnet import UResNet
-
-    register(Family("unet", "seg_at_scale.models.UNet", UNet, ("seg_at_scale.models.unet.UNet",)))
-    register(Family("uresnet", "seg_at_scale.models.UResNet", UResNet,
+    register(Family("unet", "seg_at_scale.models.UNet", "seg_at_scale.models.unet:UNet",
+                    ("seg_at_scale.models.unet.UNet",)))
+    register(Family("uresnet", "seg_at_scale.models.UResNet",
+                    "seg_at_scale.models.uresnet:UResNet",
                     ("seg_at_scale.models.uresnet.UResNet",)))
-    register(Family("gscnn", "seg_at_scale.models.GSCNN", GSCNN,
+    register(Family("gscnn", "seg_at_scale.models.GSCNN", "seg_at_scale.models.gscnn:GSCNN",
                     ("seg_at_scale.models.gscnn.GSCNN",), ("backbone_weights", "band_map")))
-    register(Family("smp", "seg_at_scale.models.SMPModel", SMPModel,
+    register(Family("smp", "seg_at_scale.models.SMPModel", "seg_at_scale.models.smp:SMPModel",
                     ("seg_at_scale.models.smp.SMPModel",),
                     ("encoder_weights", "weights", "band_map")))

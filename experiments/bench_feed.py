@@ -1,0 +1,166 @@
+"""Is the file path bound by the network? ``seg-predict`` against GDAL and against the bare model.
+
+    .venv/bin/python experiments/bench_feed.py            # 8192^2, 3 alternations
+    .venv/bin/python experiments/bench_feed.py --quick    # 1536^2, 1 alternation (smoke)
+
+Two comparisons, each alternated in one run so that the shared cores' drift cancels:
+
+1. ``gdal``: a near-free U-Net (2 levels of width 2: a few thousand multiply-adds per
+   pixel) predicts the 8192^2 4-band scene (256^2 zlib tiles, as satellite products come)
+   to a COG with ``seg-predict`` (the whole command, fast path), against GDAL copying the
+   same scene to a DEFLATE COG with all cores (``gdal_translate -of COG``). The ratio is
+   GDAL's seconds over ours: 1.0 means the prediction costs what reading the scene and
+   writing a COG costs; below, the pixels' way around the network costs more than GDAL's.
+2. ``bare``: the demo's U-Net (levels 4, width 16) through ``seg-predict`` against the same
+   network on the same tiles already in memory (normalised, channels-last, bf16, cores
+   cropped, labels made): the file path's throughput over the bare model's.
+
+Each ``seg-predict`` prints its own split (read, model, write, finalize seconds); the
+medians go into the JSON with the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import fake_run, save
+
+from seg_at_scale.data.sources.synthetic import write_scene
+from seg_at_scale.data.synthetic import SceneGenerator
+from seg_at_scale.data.windows import RasterWindows
+from seg_at_scale.io import RasterReader
+from seg_at_scale.models.trained import load_run
+from seg_at_scale.tiling import fill_of, footprint, make_grid
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "bench" / "feed"
+
+
+def scene(size: int) -> Path:
+    """The synthetic 4-band uint8 scene, 256^2 zlib tiles (written once)."""
+    image = DATA / f"scene{size}.tif"
+    if not image.exists():
+        DATA.mkdir(parents=True, exist_ok=True)
+        print(f"generating {image.name} ...", flush=True)
+        write_scene(image, image.with_name(image.stem + "_mask.tif"),
+                    SceneGenerator(0, size, size), overwrite=True)
+    return image
+
+
+def predict(run: Path, image: Path, out: Path, tile: int | None = None) -> dict[str, Any]:
+    """``seg-predict`` as a user runs it; wall time and its own split."""
+    for p in out.parent.glob(out.stem + "*"):
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.predict", f"run={run}", f"image={image}",
+           f"output={out}", "preview=false", "progress=false", "fast=true",
+           f"hydra.run.dir={out.parent / 'hydra'}"]
+    if tile is not None:
+        cmd.append(f"tile_size={tile}")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "CI": "true"})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"seg-predict failed: {proc.stderr[-2000:]}")
+    res = json.loads(proc.stdout[proc.stdout.index("{"):])
+    return {"wall_s": round(wall, 2), **{k: round(res[k], 2) for k in (
+        "seconds", "read_s", "read_wait_s", "model_s", "write_s", "finalize_s") if k in res}}
+
+
+def gdal_cog(image: Path, out: Path) -> float:
+    """GDAL's COG copy of the scene (DEFLATE, all cores); seconds."""
+    out.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    subprocess.run(["gdal_translate", "-q", "-of", "COG", "-co", "COMPRESS=DEFLATE",
+                    "-co", "NUM_THREADS=ALL_CPUS", str(image), str(out)], check=True)
+    return time.perf_counter() - t0
+
+
+def bare_seconds(run: Path, image: Path, tile: int) -> tuple[float, int]:
+    """The run's network on every tile of the grid, in memory (fast path); seconds, pixels."""
+    trained = load_run(run)
+    net = trained.model.to(memory_format=torch.channels_last).eval()
+    with RasterReader(image) as reader:
+        grid = make_grid(reader.height, reader.width, footprint(net), tile_size=tile,
+                         uniform=True)
+        src = RasterWindows(reader, trained.normalizer, fill_of(grid.footprint))
+        inputs = [torch.from_numpy(src.read(t.read)[0])[None].contiguous(
+            memory_format=torch.channels_last) for t in grid.tiles]
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            for t, x in zip(grid.tiles, inputs, strict=True):
+                c = t.crop
+                y = net(x)[:, :, c.row : c.row_end, c.col : c.col_end]
+                y.contiguous(memory_format=torch.channels_last).argmax(1).to(torch.uint8).numpy()
+        return time.perf_counter() - t0
+
+    once()  # oneDNN makes its kernels once per input size
+    return once(), grid.height * grid.width
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="1536 px, one alternation (smoke)")
+    p.add_argument("--size", type=int, default=0, help="scene side (default 8192)")
+    p.add_argument("--repeats", type=int, default=0, help="alternations (default 3)")
+    p.add_argument("--skip", default="", help="comma list of comparisons to skip: gdal,bare")
+    p.add_argument("--out", default="", help="result JSON (default results/bench_feed.json)")
+    args = p.parse_args(argv)
+    size = args.size or (1536 if args.quick else 8192)
+    repeats = args.repeats or (1 if args.quick else 3)
+    skip = set(filter(None, args.skip.split(",")))
+    if shutil.which("gdal_translate") is None and "gdal" not in skip:
+        sys.exit("gdal_translate not found: apt-get install gdal-bin, or --skip gdal")
+    image = scene(size)
+    work = DATA / "out"
+    work.mkdir(parents=True, exist_ok=True)
+    load = [list(os.getloadavg())]
+    figures: dict[str, Any] = {"size": size, "repeats": repeats, "torch_threads":
+                               torch.get_num_threads()}
+    if "gdal" not in skip:
+        tiny = fake_run(DATA / "tiny_unet_run", levels=2, base_width=2)
+        ours, gdal = [], []
+        for _ in range(repeats):
+            ours.append(predict(tiny, image, work / "tiny.tif"))
+            gdal.append(round(gdal_cog(image, work / "gdal.tif"), 2))
+        ours_s = statistics.median(r["wall_s"] for r in ours)
+        figures["gdal"] = {
+            "what": "seg-predict (U-Net 2 levels x width 2, fast) vs gdal_translate -of COG "
+                    "DEFLATE ALL_CPUS, same scene, alternated",
+            "ours": ours, "gdal_s": gdal, "ours_median_s": ours_s,
+            "gdal_median_s": statistics.median(gdal),
+            "gdal_over_ours": round(statistics.median(gdal) / ours_s, 3)}
+        load.append(list(os.getloadavg()))
+    if "bare" not in skip:
+        demo = fake_run(DATA / "demo_unet_run")
+        tile = 1024
+        files, bares = [], []
+        for _ in range(repeats):
+            files.append(predict(demo, image, work / "demo.tif", tile))
+            seconds, pixels = bare_seconds(demo, image, tile)
+            bares.append(round(seconds, 2))
+        file_s = statistics.median(r["wall_s"] for r in files)
+        figures["bare"] = {
+            "what": "seg-predict (demo U-Net, fast, tile 1024) vs the same network on the same "
+                    "tiles in memory, alternated",
+            "file": files, "bare_s": bares, "file_median_s": file_s,
+            "bare_median_s": statistics.median(bares),
+            "file_over_bare_throughput": round(statistics.median(bares) / file_s, 3),
+            "pixels": pixels}
+        load.append(list(os.getloadavg()))
+    figures["load_avg"] = load
+    save("bench_feed", figures, Path(args.out) if args.out else None)
+
+
+if __name__ == "__main__":
+    main()
