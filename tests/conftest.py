@@ -69,12 +69,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="module")
 def cli_case(tmp_path_factory):
     """A run folder (random 3-level same-padding U-Net) and a georeferenced scene for
-    ``seg-predict`` in a subprocess."""
-    from helpers.prediction import make_image, make_model, make_run
+    ``seg-predict`` in a subprocess: 263 x 377 (not a multiple of the alignment 8, nor of
+    the tile cores), 17 x 24 = 408 tiles of 64, enough for a kill to land mid-run."""
+    from helpers.prediction import CLI_SHAPE, make_image, make_model, make_run
 
     tmp = tmp_path_factory.mktemp("cli")
     run = make_run(tmp / "run", make_model("same", levels=3, width=8))
-    return run, make_image(tmp / "scene.tif")
+    return run, make_image(tmp / "scene.tif", *CLI_SHAPE)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from seg_at_scale.tiling import Footprint
 
 CLASSES = ["background", "vegetation", "water", "road", "building"]
 NORM = {"scale": 1 / 255, "mean": [0.5], "std": [0.25]}
+#: the height and width of the ``cli_case`` fixture's scene (tests/conftest.py)
+CLI_SHAPE = (263, 377)
 
 
 def make_model(padding: str = "same", levels: int = 3, width: int = 8, seed: int = 0) -> UNet:

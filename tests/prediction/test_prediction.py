@@ -15,6 +15,7 @@ import pytest
 import torch
 import zarr
 from helpers.prediction import (
+    CLI_SHAPE,
     CLASSES,
     NORM,
     chunks_written,
@@ -180,15 +181,15 @@ def test_second_writer_is_refused_and_first_completes(cli_case, tmp_path):
     stdout, stderr = first.communicate(timeout=300)
     assert first.returncode == 0, stderr[-2000:]
     assert json.loads(stdout[stdout.index("{"):])["tiles_computed"] > 0
-    assert read_raster(out).shape == (1, 517, 743)
+    assert read_raster(out).shape == (1, *CLI_SHAPE)
 
 
 def test_disk_full_leaves_nothing_under_the_final_name_and_reruns(cli_case, tmp_path):
     run, image = cli_case
     out = tmp_path / "mask.tif"
 
-    def limit() -> None:  # the COG's temporary plain TIFF (384 KB) cannot be written
-        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+    def limit() -> None:  # the COG's temporary plain TIFF (~99 KB) cannot be written
+        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
 
     proc = subprocess.run(predict_cmd(run, image, out, "tile_size=160"), env=env(),
                           capture_output=True, text=True, preexec_fn=limit, timeout=300)
@@ -196,7 +197,7 @@ def test_disk_full_leaves_nothing_under_the_final_name_and_reruns(cli_case, tmp_
     assert leftovers(tmp_path, out.name) == []
     res = seg_predict(run, image, out, "tile_size=160")
     assert res["tiles_computed"] == 0 and res["tiles_resumed"] == res["tiles"]
-    assert read_raster(out).shape == (1, 517, 743)
+    assert read_raster(out).shape == (1, *CLI_SHAPE)
 
 
 def test_a_store_of_another_model_is_refused(tmp_path, one_torch_thread):

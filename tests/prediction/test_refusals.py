@@ -145,7 +145,7 @@ def test_bad_input_found_after_the_work_before_is_refused_before(cli_case, truth
     out, extra = tmp_path / "out" / "m.tif", []
     if setup == "label9":
         labels = read_raster(truth)[0]
-        labels[300, 400] = 9
+        labels[200, 300] = 9
         extra = [f"mask={write_raster(tmp_path / 'bad.tif', labels, overwrite=True)}"]
     elif setup == "bands4":
         extra = [f"mask={write_raster(tmp_path / 'bad.tif', read_raster(image))}"]

@@ -24,6 +24,17 @@ CPU_CLUSTER = ["hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_tas
 
 
 @pytest.fixture(scope="module")
+def cli_case(tmp_path_factory):
+    """tests/conftest.py's run and a larger scene, 517 x 743: 1551 tiles of 64, so that the
+    rank killed after 20 finished tiles still has most of its share left."""
+    from helpers.prediction import make_image, make_model, make_run
+
+    tmp = tmp_path_factory.mktemp("cli")
+    run = make_run(tmp / "run", make_model("same", levels=3, width=8))
+    return run, make_image(tmp / "scene.tif", 517, 743)
+
+
+@pytest.fixture(scope="module")
 def reference(cli_case, tmp_path_factory) -> Path:
     """The one-process prediction of the test scene (a COG)."""
     run, image = cli_case
