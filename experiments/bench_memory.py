@@ -50,7 +50,7 @@ from seg_at_scale.memory import (
     find_largest_tile,
     measure_step,
 )
-from seg_at_scale.memory.tile_sides import legal_side
+from seg_at_scale.tiling.tile_sides import legal_side
 from seg_at_scale.models import UNET_SIZES, URESNET_SIZES, UNet, UResNet
 from seg_at_scale.models.smp import SMPModel
 from seg_at_scale.tiling import make_grid

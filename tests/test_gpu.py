@@ -31,7 +31,7 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import read_raster
 from seg_at_scale.memory import MemoryConfig, StepSpec, apply_memory_mode, find_largest_tile
 from seg_at_scale.memory.probe import StepMeasure, measure_step
-from seg_at_scale.memory.tile_sides import legal_side
+from seg_at_scale.tiling.tile_sides import legal_side
 from seg_at_scale.models import UNet
 from seg_at_scale.models.trained import load_run
 from seg_at_scale.parallel.launch import spawn

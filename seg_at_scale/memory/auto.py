@@ -24,8 +24,8 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.largest_tile import GIB, TileSearch, find_largest_tile
 from seg_at_scale.memory.modes import MemoryConfig
 from seg_at_scale.memory.probe import StepSpec
-from seg_at_scale.memory.tile_sides import core_side, legal_side, smallest_side
 from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.tile_sides import core_side, covering_side, smallest_side
 
 __all__ = ["memory_config", "auto_tile", "covering_side", "SEARCH_KEYS"]
 
@@ -37,12 +37,6 @@ def memory_config(values: Mapping[str, Any] | None) -> MemoryConfig:
     known = {f.name for f in fields(MemoryConfig)}
     values = known_keys("memory", values or {}, [*known, *SEARCH_KEYS])
     return MemoryConfig(**{k: v for k, v in values.items() if k in known})
-
-
-def covering_side(fp: Footprint, height: int, width: int) -> int:
-    """The legal window side whose single tile covers an ``height x width`` image."""
-    need = max(height, width) + 2 * fp.context + fp.align
-    return legal_side(fp, need)
 
 
 def auto_tile(model: nn.Module, fp: Footprint, memory: MemoryConfig, *,

@@ -7,7 +7,7 @@ to *propose* sides and measurements (:func:`~seg_at_scale.memory.probe.measure_s
 even that does not fit), then repeatedly fits the line through the two nearest
 measurements around the budget, jumps to the side it predicts, and keeps a bracket
 ``[largest side that fitted, smallest side that did not]`` until the bracket is narrower
-than ``rel_tol``. Sides are legal aligned window sides (:mod:`seg_at_scale.memory.tile_sides`);
+than ``rel_tol``. Sides are legal aligned window sides (:mod:`seg_at_scale.tiling.tile_sides`);
 steps that pass the budget are stopped early, so failed probes are cheap.
 
 The answer minimises the halo overhead E: fewer, larger tiles re-read less halo.
@@ -28,10 +28,10 @@ from torch import nn
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.probe import StepMeasure, StepSpec, measure_step
-from seg_at_scale.memory.tile_sides import legal_side, smallest_side
 from seg_at_scale.models.contract import SegmentationNetwork
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint
+from seg_at_scale.tiling.tile_sides import legal_side, smallest_side
 
 __all__ = ["TileSearch", "find_largest_tile", "activation_bytes_per_pixel", "GIB"]
 

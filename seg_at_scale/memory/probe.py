@@ -29,10 +29,10 @@ from torch import nn
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.modes import MemoryConfig, apply_memory_mode
 from seg_at_scale.memory.precision import normalize_precision
-from seg_at_scale.memory.tile_sides import smallest_side
 from seg_at_scale.models.contract import SegmentationNetwork
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint
+from seg_at_scale.tiling.tile_sides import smallest_side
 
 __all__ = ["StepSpec", "StepMeasure", "measure_step", "run_step", "peak_rss_bytes",
            "warmup_side"]

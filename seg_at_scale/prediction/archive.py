@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError, SegAtScaleError
+from seg_at_scale.io import RasterReader
 from seg_at_scale.models.trained import TrainedModel
 from seg_at_scale.parallel.launch import barrier, rank_world
 from seg_at_scale.prediction.checks import check_scene
@@ -46,6 +47,7 @@ from seg_at_scale.prediction.plan import (
     plan_raster,
     prediction_network,
     reusable,
+    with_tile,
 )
 from seg_at_scale.prediction.progress import progress_bar
 from seg_at_scale.prediction.raster import (
@@ -374,7 +376,10 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
     hashes = _input_hashes(scenes)
     plans = []
     for i, s in enumerate(scenes):
-        plans.append(plan_raster(s.image, s.output, options, fp=trained.footprint,
+        with RasterReader(s.image, nodata=options.nodata) as head:
+            scene_options = with_tile(options, model, trained.footprint, head.bands,
+                                      head.height, head.width, world)
+        plans.append(plan_raster(s.image, s.output, scene_options, fp=trained.footprint,
                                  normalizer=trained.normalizer, names=trained.class_names,
                                  weights=weights, device=device,
                                  exact=bool(trained.card.get("exact", True)),

@@ -46,13 +46,16 @@ DTYPE_HIGH_RATIO = 4.0  # a float image whose typical high is 4x off the trainin
 
 @dataclass(frozen=True)
 class SceneCheck:
-    """What the checks found: the image's size and type, the grid's tiles and batches."""
+    """What the checks found: the image's size and type, the grid's tiles and batches.
+
+    ``tiles`` and ``batches`` are None for ``tile_size=auto``, chosen later with the network.
+    """
 
     height: int
     width: int
     dtype: str
-    tiles: int
-    batches: int
+    tiles: int | None
+    batches: int | None
 
 
 def preview_path(output: Path) -> Path:
@@ -280,9 +283,12 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Map
         check_dtype(reader, data.get("input") or {}, source, strict=options.check_dtype)
         if mask is not None:
             _check_mask(mask, reader, int(data["num_classes"]), int(data["ignore_index"]))
+        if options.tile_size == "auto" and options.q is None:  # chosen with the network
+            return SceneCheck(reader.height, reader.width, str(reader.dtype), None, None)
         fp = Footprint(**card["footprint"])
-        grid = make_grid(reader.height, reader.width, fp, q=options.q,
-                         tile_size=options.tile_size, uniform=True)
+        tile = None if options.tile_size == "auto" else options.tile_size  # q wins
+        grid = make_grid(reader.height, reader.width, fp, q=options.q, tile_size=tile,
+                         uniform=True)
         batch = options.batch_size or default_batch_size(grid, "cuda" if cuda else "cpu")
         batches = plan_batches(grid.tiles, batch)
         if ranks > len(batches):

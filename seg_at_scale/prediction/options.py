@@ -38,7 +38,9 @@ class PredictOptions:
     """Settings of a prediction, shared by every scene it predicts.
 
     Attributes:
-        tile_size: largest input window per tile (pixels), or None with ``q``.
+        tile_size: largest input window per tile (pixels); ``auto``: the largest the
+            device's memory holds for this network, or the whole image as one tile
+            (:mod:`seg_at_scale.tiling.auto_tile`); None with ``q``.
         q: tiles per side (wins over ``tile_size``).
         batch_size: tiles per forward pass; None = 1 on CPU, ~16 Mpix on a GPU.
         fast: bf16 autocast + channels_last; False = the exact fp32 reference.
@@ -72,7 +74,7 @@ class PredictOptions:
         vector_classes: polygonize only these class ids (None: all).
     """
 
-    tile_size: int | None = 1024
+    tile_size: int | Literal["auto"] | None = "auto"
     q: int | None = None
     batch_size: int | None = None
     fast: bool = False  # exact by default: the fast path is asked for
@@ -100,8 +102,9 @@ class PredictOptions:
                     typing.get_type_hints(PredictOptions))
         _at_least("q", self.q, 1, "give tiles per side as a whole number >= 1 (1 = one tile), "
                   "or q=null to tile by tile_size")
-        _at_least("tile_size", self.tile_size, 1, "give the largest input window in pixels, "
-                  "a whole number >= 1 (e.g. tile_size=1024)")
+        if self.tile_size != "auto":
+            _at_least("tile_size", self.tile_size, 1, "give the largest input window in "
+                      "pixels, a whole number >= 1 (e.g. tile_size=1024), or auto")
         _at_least("batch_size", self.batch_size, 1, "give tiles per forward pass as a whole "
                   "number >= 1, or batch_size=null (1 on a CPU, about 16 Mpix on a GPU)")
         _at_least("stage_memory_mb", self.stage_memory_mb, 1, "give the megabytes of maps one "

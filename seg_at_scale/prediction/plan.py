@@ -13,8 +13,10 @@ set back, was taken for the old one (its finished output reused, its store resum
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +33,12 @@ from seg_at_scale.prediction.options import PredictOptions, default_batch_size, 
 from seg_at_scale.prediction.provenance import digest, file_sha256, finished
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, make_grid
+from seg_at_scale.tiling.auto_tile import TileMemory, fit_side, memory_budget, tile_memory
 from seg_at_scale.tiling.engine import Batch, plan_batches
+from seg_at_scale.tiling.tile_sides import legal_side
 
 __all__ = ["RasterPlan", "plan_raster", "model_digest", "prediction_network", "reusable",
-           "open_store", "input_id"]
+           "open_store", "input_id", "with_tile"]
 
 
 def model_digest(model: nn.Module) -> str:
@@ -64,6 +68,41 @@ def prediction_network(model: nn.Module, options: PredictOptions, bands: int,
     fmt = torch.channels_last if options.channels_last else torch.contiguous_format
     x = torch.zeros(1, bands, side, side, device=p.device).contiguous(memory_format=fmt)
     return fold_batchnorm(model, x)[0]
+
+
+#: what a window of each network holds, by (precision, layout, bands): measured once
+_MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], TileMemory]] = \
+    weakref.WeakKeyDictionary()
+
+
+def with_tile(options: PredictOptions, model: nn.Module, fp: Footprint, bands: int,
+              height: int, width: int, processes: int = 1) -> PredictOptions:
+    """``options`` with ``tile_size=auto`` made a side for this network, device and image.
+
+    The largest tile the device's memory holds (:mod:`seg_at_scale.tiling.auto_tile`), or
+    the whole image as one tile; one tile per forward unless ``batch_size`` is given; with
+    several processes, a side small enough that each has a batch. Anything else is
+    returned as it is.
+    """
+    if options.tile_size != "auto" or options.q is not None:
+        return options
+    key = (options.autocast, options.channels_last, bands)
+    per_model = _MEASURED.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = tile_memory(model, bands, fp, autocast=options.autocast,
+                                     channels_last=options.channels_last)
+    device = next(model.parameters()).device
+    batch = options.batch_size or 1
+    local = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", processes))
+    side = fit_side(fp, height, width, per_model[key], memory_budget(device, local),
+                    batch=batch)
+    while processes > 1 and side > fp.align and len(plan_batches(make_grid(
+            height, width, fp, tile_size=side, uniform=True).tiles, batch)) < processes:
+        smaller = legal_side(fp, side * 3 // 4)
+        if smaller >= side:
+            break
+        side = smaller
+    return replace(options, tile_size=side, batch_size=batch)
 
 
 @dataclass
@@ -115,8 +154,13 @@ def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footp
             archive's ranks share the hashing of its scenes).
     """
     kind = output_kind(output)
+    tile = options.tile_size
+    if tile == "auto":
+        if options.q is None:
+            raise ValueError("plan_raster: tile_size=auto is resolved by with_tile first")
+        tile = None  # q wins
     reader = RasterReader(image, nodata=options.nodata)
-    grid = make_grid(reader.height, reader.width, fp, q=options.q, tile_size=options.tile_size,
+    grid = make_grid(reader.height, reader.width, fp, q=options.q, tile_size=tile,
                      uniform=True)
     batches = plan_batches(grid.tiles, options.batch_size or default_batch_size(grid, device))
     nodata = reader.nodata

@@ -45,6 +45,7 @@ from seg_at_scale.prediction.plan import (
     plan_raster,
     prediction_network,
     reusable,
+    with_tile,
 )
 from seg_at_scale.prediction.progress import progress_bar
 from seg_at_scale.prediction.staged_raster import check_staged, plan_staged, predict_staged_raster
@@ -139,6 +140,9 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     fp = fp or footprint(model)
     device = next(model.parameters()).device
     norm = normalizer or Normalizer()
+    if o.tile_size == "auto" and o.q is None:
+        with RasterReader(image, nodata=o.nodata) as head:
+            o = with_tile(o, model, fp, head.bands, head.height, head.width, world)
     plan = plan_raster(image, out_path, o, fp=fp, normalizer=norm,
                        names=_names(model, image, fp, class_names), weights=model_digest(model),
                        device=device, exact=exact)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.tiling.auto_tile import fit_side, memory_budget, tile_memory
 from seg_at_scale.tiling.blend import predict_blended
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as model_footprint
@@ -37,6 +38,7 @@ from seg_at_scale.tiling.predict import predict_full, predict_full_tta, predict_
 from seg_at_scale.tiling.statistic_layers import StatisticSite
 from seg_at_scale.tiling.statistic_passes import has_statistics, predict_tiled_exact
 from seg_at_scale.tiling.statistics import ImagePooled, predict_tiled_two_pass, uses_image_pool
+from seg_at_scale.tiling.tile_sides import covering_side
 
 __all__ = ["infer", "Method", "METHODS", "choose_method", "refuse_inexact_layers"]
 
@@ -87,7 +89,8 @@ def choose_method(model: nn.Module, *, tiled: bool) -> str:
 @torch.no_grad()
 def infer(model: nn.Module, image: Tensor, *, method: Method = "auto",
           q: int | tuple[int, int] | None = None,
-          tile_size: int | tuple[int, int] | None = None, overlap: float = 0.25,
+          tile_size: int | tuple[int, int] | Literal["auto"] | None = None,
+          overlap: float = 0.25,
           fp: Footprint | None = None, autocast: torch.dtype | None = None,
           channels_last: bool = False, tta: str | None = None,
           out_dtype: torch.dtype = torch.float32) -> Tensor:
@@ -99,7 +102,9 @@ def infer(model: nn.Module, image: Tensor, *, method: Method = "auto",
         method: ``auto`` (the exact method the network allows; the default), or one by
             name: ``untiled``, ``tiled``, ``passes``, ``two_pass``, ``blended`` (inexact).
         q: tiles per side, or
-        tile_size: the largest input window of a tile (``blended``: the window).
+        tile_size: the largest input window of a tile (``blended``: the window), or
+            ``auto``: the largest the device's memory holds for this network, or none
+            (untiled) when the whole image fits (:mod:`seg_at_scale.tiling.auto_tile`).
         overlap: ``blended`` only: the fraction of a window shared with its neighbour.
         fp: the footprint; computed from the network when omitted.
         autocast: run under ``torch.autocast`` with this dtype (the fast path; not bit-exact).
@@ -117,14 +122,26 @@ def infer(model: nn.Module, image: Tensor, *, method: Method = "auto",
     """
     if method not in METHODS:
         raise ConfigError(f"infer: method={method!r} is not one of {', '.join(METHODS)}")
+    x = image if image.dim() == 4 else image[None]
+    if tile_size == "auto":
+        tile_size = None if q is not None else _auto_side(model, x, fp, autocast, channels_last)
     tiled = q is not None or tile_size is not None
     chosen = choose_method(model, tiled=tiled) if method == "auto" else method
     if chosen != "untiled" and not tiled:
         raise ConfigError(f"infer: method={chosen!r} tiles the image: give q or tile_size")
-    x = image if image.dim() == 4 else image[None]
     out = _run(chosen, model, x, q=q, tile_size=tile_size, overlap=overlap, fp=fp,
                autocast=autocast, channels_last=channels_last, tta=tta, out_dtype=out_dtype)
     return out if image.dim() == 4 else out[0]
+
+
+def _auto_side(model: nn.Module, x: Tensor, fp: Footprint | None,
+               autocast: torch.dtype | None, channels_last: bool) -> int | None:
+    """``tile_size=auto``: the side the device's memory holds, None when the image fits."""
+    fp = fp or model_footprint(model)
+    height, width = x.shape[-2:]
+    memory = tile_memory(model, x.shape[1], fp, autocast=autocast, channels_last=channels_last)
+    side = fit_side(fp, height, width, memory, memory_budget(x.device), batch=x.shape[0])
+    return None if side >= covering_side(fp, height, width) else side
 
 
 def _run(chosen: str, model: nn.Module, x: Tensor, *, q: int | tuple[int, int] | None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from seg_at_scale.tiling.geometry import Footprint
 
-__all__ = ["smallest_side", "legal_side", "core_side"]
+__all__ = ["smallest_side", "legal_side", "core_side", "covering_side"]
 
 
 def smallest_side(fp: Footprint) -> int:
@@ -34,3 +34,9 @@ def legal_side(fp: Footprint, side: int) -> int:
 def core_side(fp: Footprint, side: int) -> int:
     """Core (output pixels kept) of an interior tile with this window side."""
     return side - 2 * fp.context - (fp.out_residue % fp.align if fp.padding == "valid" else 0)
+
+
+def covering_side(fp: Footprint, height: int, width: int) -> int:
+    """The legal window side whose single tile covers an ``height x width`` image."""
+    need = max(height, width) + 2 * fp.context + fp.align
+    return legal_side(fp, need)
