@@ -40,6 +40,12 @@ class LiveMemory(TorchDispatchMode):
     ``peak`` is the most ``live`` has been since the mode was entered.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ to keep torch.compile out of it, which
+        # imports torch._dynamo on the first operation (1.3 s); nothing here is compiled
+        return False
+
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
