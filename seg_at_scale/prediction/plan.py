@@ -33,7 +33,13 @@ from seg_at_scale.prediction.options import PredictOptions, default_batch_size, 
 from seg_at_scale.prediction.provenance import digest, file_sha256, finished
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, make_grid
-from seg_at_scale.tiling.auto_tile import TileMemory, fit_side, memory_budget, tile_memory
+from seg_at_scale.tiling.auto_tile import (
+    TileMemory,
+    device_cap,
+    fit_side,
+    memory_budget,
+    tile_memory,
+)
 from seg_at_scale.tiling.engine import Batch, plan_batches
 from seg_at_scale.tiling.tile_sides import legal_side
 
@@ -95,7 +101,7 @@ def with_tile(options: PredictOptions, model: nn.Module, fp: Footprint, bands: i
     batch = options.batch_size or 1
     local = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", processes))
     side = fit_side(fp, height, width, per_model[key], memory_budget(device, local),
-                    batch=batch)
+                    batch=batch, cap=device_cap(fp, device))
     while processes > 1 and side > fp.align and len(plan_batches(make_grid(
             height, width, fp, tile_size=side, uniform=True).tiles, batch)) < processes:
         smaller = legal_side(fp, side * 3 // 4)

@@ -6,7 +6,9 @@ measured once per network, precision and layout by two forwards at small sides: 
 ``torch.cuda.max_memory_allocated``, on the CPU every tensor the forward creates
 (:class:`~seg_at_scale.tiling.staged.peak_memory.LiveMemory`). The tile is then the largest
 legal side whose window fits a share of the device's memory; when the window covering the
-whole image fits, the image runs as one tile, untiled.
+whole image fits, the image runs as one tile, untiled. On a CPU the tile grows only until
+its halo costs 10 % more work (:func:`enough_side`): per-pixel work gains nothing from a
+larger tile there, which only costs fresh pages and the overlap of reading with computing.
 
 The share is of the device's *total* memory (a GPU's, or the host's RAM under its cgroup
 limit, split between the processes of a host), not of what happens to be free: the same
@@ -40,7 +42,7 @@ from seg_at_scale.tiling.staged.peak_memory import LiveMemory
 from seg_at_scale.tiling.tile_sides import covering_side, legal_side, smallest_side
 
 __all__ = ["TileMemory", "tile_memory", "device_memory", "memory_budget", "fit_side",
-           "CPU_SHARE", "GPU_SHARE", "STEP"]
+           "enough_side", "device_cap", "CPU_SHARE", "GPU_SHARE", "STEP"]
 
 #: the share of the host's RAM one prediction's tiles may take (the reader's windows, the
 #: store's chunks and the rest of the process live beside them)
@@ -49,13 +51,19 @@ CPU_SHARE = 0.25
 GPU_SHARE = 0.6
 #: sides above 4 x STEP are rounded down to a multiple of it
 STEP = 256
+#: on a CPU, the tile stops growing once its halo costs at most 10 % more work ...
+CPU_OVERHEAD = 1.1
+#: ... or at this side, whichever is larger (see :func:`enough_side`)
+CPU_FLOOR = 1024
 
 
 @dataclass(frozen=True)
 class TileMemory:
-    """Bytes a square window of ``side`` takes: ``fixed + per_side * side + per_pixel *
-    side**2`` for a batch of 1 (a valid-padding network's maps shrink by a few pixels per
-    layer: the linear term)."""
+    """Bytes a square window takes: ``fixed + per_side * side + per_pixel * side**2``.
+
+    For a batch of 1; a valid-padding network's maps shrink by a few pixels per layer (the
+    linear term).
+    """
 
     fixed: float
     per_side: float
@@ -131,6 +139,11 @@ def device_memory(device: torch.device | str) -> int:
     return int(total)
 
 
+def device_cap(fp: Footprint, device: torch.device | str) -> int | None:
+    """The largest side worth taking on ``device``: :func:`enough_side` on a CPU, else none."""
+    return None if torch.device(device).type == "cuda" else enough_side(fp)
+
+
 def memory_budget(device: torch.device | str, processes_per_device: int = 1) -> int:
     """Bytes one process's tiles may take on ``device`` (see :data:`CPU_SHARE`)."""
     device = torch.device(device)
@@ -138,17 +151,33 @@ def memory_budget(device: torch.device | str, processes_per_device: int = 1) -> 
     return int(device_memory(device) * share / max(1, processes_per_device))
 
 
+def enough_side(fp: Footprint, overhead: float = CPU_OVERHEAD, floor: int = CPU_FLOOR) -> int:
+    """The smallest legal side whose halo costs at most ``overhead`` - 1 of the work.
+
+    An interior tile computes ``(side / core) ** 2`` times its core; at least ``floor``.
+    On a CPU the work is per pixel: a larger tile saves no time, its maps only cost fresh
+    pages (and the reading of the next tile no longer overlaps the network).
+    """
+    ratio = math.sqrt(overhead)
+    want = max(floor, math.ceil(2 * fp.context * ratio / (ratio - 1)))
+    side = legal_side(fp, want)
+    return side if side >= want else side + fp.align  # legal sides step by align
+
+
 def fit_side(fp: Footprint, height: int, width: int, memory: TileMemory, budget: int, *,
-             batch: int = 1) -> int:
+             batch: int = 1, cap: int | None = None) -> int:
     """The tile side for an ``height x width`` image within ``budget`` bytes.
 
-    The side covering the whole image when its window fits, else the largest legal side
-    that fits (rounded down to :data:`STEP` when large).
+    The side covering the whole image when its window fits (and is at most ``cap``), else
+    the largest legal side that fits, at most ``cap`` (rounded down to :data:`STEP` when
+    large).
 
     Raises:
         ConfigError: not even the smallest tile fits the budget.
     """
     cover = covering_side(fp, height, width)
+    if cap is not None and cap < cover:
+        budget = min(budget, int(memory.bytes(cap, batch=batch)))
     rows, cols = min(cover, height + 2 * fp.context + fp.align), \
         min(cover, width + 2 * fp.context + fp.align)
     if memory.bytes(rows, cols, batch) <= budget:

@@ -98,3 +98,19 @@ def test_prediction_options_take_auto_and_give_each_process_a_batch(monkeypatch)
     assert len(plan_batches(grid.tiles, 1)) >= 2
     assert with_tile(PredictOptions(q=3), net, fp, 4, 517, 743).tile_size == "auto"  # q wins
     assert with_tile(PredictOptions(tile_size=96), net, fp, 4, 517, 743).tile_size == 96
+
+
+@pytest.mark.parametrize("halo", [8, 46, 94, 837])
+def test_a_cpu_tile_stops_growing_once_its_halo_costs_a_tenth(halo):
+    from seg_at_scale.tiling import Footprint
+    from seg_at_scale.tiling.tile_sides import core_side
+
+    fp = Footprint(halo=halo, align=8)
+    side = auto.enough_side(fp)
+    assert side >= auto.CPU_FLOOR and side == legal_side(fp, side)
+    assert (side / core_side(fp, side)) ** 2 <= auto.CPU_OVERHEAD
+    smaller = side - fp.align
+    assert smaller < auto.CPU_FLOOR or (smaller / core_side(fp, smaller)) ** 2 > auto.CPU_OVERHEAD
+    mem = auto.TileMemory(0.0, 0.0, 100.0)
+    assert auto.fit_side(fp, 60_000, 60_000, mem, 1 << 40, cap=side) <= side  # CPU: capped
+    assert auto.fit_side(fp, 60_000, 60_000, mem, 1 << 40) > side  # no cap: the memory's
