@@ -24,7 +24,8 @@ import contextlib
 import glob
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -402,11 +403,12 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
     show = options.progress if options.progress is not None else not os.environ.get("CI")
     total = sum(len(b.tiles) for _, b in units)
     per_tile = sum(r.megapixels for r in records) * 1e6 / max(1, sum(r.tiles for r in records))
-    with progress_bar(total, show and rank == 0, per_tile, world, "archive") as bar:
+    with progress_bar(total, show and rank == 0, per_tile, world, "archive") as bar, \
+            _Finisher() as finisher:
         for i in _in_order(mine):
             batches = [b for j, b in mine if j == i]
             _run_scene(trained, model, scenes[i], plans[i], stores[i], batches, options,
-                       records[i], bar, on_error)
+                       records[i], bar, on_error, finisher)
     barrier()
     return _gather(records, plans, stores, scenes, trained, options, on_error)
 
@@ -475,30 +477,91 @@ def _everyone(mine: dict[int, str]) -> dict[int, str]:
     return {k: v for part in every for k, v in part.items()}
 
 
+class _Finisher:
+    """Finalises completed scenes on one background thread while the next scene runs.
+
+    One scene at a time: submitting the next waits for the one before (bounded memory,
+    errors surface in order); leaving waits for the last. A scene's COG, overviews and
+    companions are written while the network already reads the next scene's tiles.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="finish")
+        self._pending: Future[None] | None = None
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self.wait()
+        self._pending = self._pool.submit(fn)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def __enter__(self) -> _Finisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if exc[0] is None:
+                self.wait()
+            elif self._pending is not None:  # unwinding: let the finaliser end, quietly
+                self._pending.exception()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
 def _run_scene(trained: TrainedModel, model: torch.nn.Module, scene: ArchiveScene,
                plan: RasterPlan, store: PredictionStore | None, batches: list[Any],
-               options: PredictOptions, record: SceneRecord, bar: Any, on_error: str) -> None:
-    """This rank's batches of one scene; then finalise it if this rank completed it."""
+               options: PredictOptions, record: SceneRecord, bar: Any, on_error: str,
+               finisher: _Finisher) -> None:
+    """This rank's batches of one scene, then its finalisation if this rank completed it.
+
+    The finalisation runs on the finisher's thread, beside the next scene's batches.
+    """
     from seg_at_scale.data.windows import RasterWindows
 
     if store is None or record.status == "failed":
+        plan.reader.close()
         return
     stats = PredictionStats(plan.output, plan.grid.height, plan.grid.width, len(plan.grid),
                             plan.grid.efficiency)
     t0 = time.perf_counter()
+    finishing = False
     try:
         source = RasterWindows(plan.reader, trained.normalizer, fill_of(trained.footprint))
-        predict_batches(model, source, batches, plan.grid, store, options, stats, bar)
+        try:
+            predict_batches(model, source, batches, plan.grid, store, options, stats, bar)
+        finally:
+            record.tiles_computed += stats.tiles_computed
+            record.seconds += time.perf_counter() - t0  # before the finisher adds its own
         if all(store.done(t) for t in plan.grid.tiles) and _claim(plan):
-            _finish(trained, scene, plan, store, options, record, stats)
+            finisher.submit(lambda: _finish_guarded(trained, scene, plan, store, options,
+                                                    record, stats, on_error))
+            finishing = True
+    except (SegAtScaleError, OSError) as exc:
+        if on_error == "stop" or _disk_full(exc):
+            raise
+        record.status, record.reason = "failed", str(exc)
+    finally:
+        if not finishing:
+            plan.reader.close()
+
+
+def _finish_guarded(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,
+                    store: PredictionStore, options: PredictOptions, record: SceneRecord,
+                    stats: PredictionStats, on_error: str) -> None:
+    """:func:`_finish` on the finisher's thread: a failure recorded, or raised to stop."""
+    t0 = time.perf_counter()
+    try:
+        _finish(trained, scene, plan, store, options, record, stats)
     except (SegAtScaleError, OSError) as exc:
         if on_error == "stop" or _disk_full(exc):
             raise
         record.status, record.reason = "failed", str(exc)
     finally:
         plan.reader.close()
-    record.tiles_computed += stats.tiles_computed
-    record.seconds += time.perf_counter() - t0
+        record.seconds += time.perf_counter() - t0
 
 
 def _disk_full(exc: BaseException) -> bool:
