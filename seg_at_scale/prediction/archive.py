@@ -39,6 +39,7 @@ from seg_at_scale.models.trained import TrainedModel
 from seg_at_scale.parallel.launch import barrier, rank_world
 from seg_at_scale.prediction.checks import check_scene
 from seg_at_scale.prediction.finalize import finalize
+from seg_at_scale.prediction.layout_choice import with_layout
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.plan import (
     RasterPlan,
@@ -54,6 +55,7 @@ from seg_at_scale.prediction.progress import progress_bar
 from seg_at_scale.prediction.raster import (
     PredictionStats,
     agreed,
+    on_rank0,
     predict_batches,
     raised_everywhere,
 )
@@ -370,6 +372,7 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
     """The global work queue (module docstring); the merged records on rank 0."""
     rank, world = rank_world()
     model = trained.model.eval()
+    options = with_layout(options, model, trained.bands, decide=on_rank0)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
     device = next(model.parameters()).device

@@ -53,10 +53,10 @@ class PredictOptions:
         progress: a progress bar on rank 0 (None: on unless ``CI`` is set).
         keep_store: keep the working Zarr store beside a ``.tif`` output.
         check_dtype: refuse an image whose sample type differs from the training data's.
-        layout: the tiles' memory layout: ``auto`` or ``channels_last`` (NHWC, fp32 and bf16
-            alike: 1.1-2.6x faster convolutions on CPU for most networks) or ``contiguous``
-            (NCHW; faster for DeepLabV3+'s dilated convolutions here); the labels are the
-            same either way.
+        layout: the tiles' memory layout: ``channels_last`` (NHWC), ``contiguous`` (NCHW), or
+            ``auto``: the faster of the two for this network on this device, timed once
+            and kept in the user's cache (:mod:`seg_at_scale.prediction.layout_choice`);
+            the labels are the same either way up to float rounding.
         staged: run an smp network stage by stage, each stage tiled over the whole scene's
             feature maps with its own halo (:mod:`seg_at_scale.tiling.staged.stages`): near the
             untiled forward's work instead of the whole network's halo on every tile. The

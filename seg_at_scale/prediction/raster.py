@@ -66,7 +66,7 @@ from seg_at_scale.tiling.statistics import (
     uses_image_pool,
 )
 
-__all__ = ["PredictionStats", "predict_raster"]
+__all__ = ["PredictionStats", "predict_raster", "on_rank0"]
 
 
 @dataclass
@@ -157,7 +157,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
                             processes=world, store=str(plan.working))
     lock = output_lock(out_path) if rank == 0 else contextlib.nullcontext()
     with lock:
-        reused = _on_rank0(lambda: reusable(plan, o.overwrite))
+        reused = on_rank0(lambda: reusable(plan, o.overwrite))
         if reused is not None:  # this very prediction finished before: nothing to compute
             stats.tiles_resumed, stats.class_pixels, stats.reused = len(grid), reused, True
             stats.total_s = time.perf_counter() - t_start
@@ -167,7 +167,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         stage_plan = (plan_staged(stages, grid, plan.reader.bands, out_path, o)
                       if stages is not None else None)
         opened: list[PredictionStore] = []
-        _on_rank0(lambda: opened.append(open_store(plan, o)))
+        on_rank0(lambda: opened.append(open_store(plan, o)))
         store = opened[0] if rank == 0 else PredictionStore.attach(plan.working)
         todo = [b for b in batches if not all(store.done(t) for t in b.tiles)]
         barrier()  # nobody writes before every rank has listed what is left
@@ -325,7 +325,7 @@ def raised_everywhere(exc: BaseException) -> bool:
     return bool(getattr(exc, "all_ranks", False)) or rank_world()[1] == 1
 
 
-def _on_rank0(fn: Any) -> Any:
+def on_rank0(fn: Any) -> Any:
     """``fn()`` on rank 0; its result on every rank, or its refusal raised on every rank."""
     if rank_world()[1] == 1:
         return fn()

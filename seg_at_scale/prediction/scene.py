@@ -35,6 +35,7 @@ from seg_at_scale.prediction.checks import (
     preview_path,
     probabilities_path,
 )
+from seg_at_scale.prediction.layout_choice import with_layout
 from seg_at_scale.prediction.lock import scene_lock
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.provenance import (
@@ -44,7 +45,7 @@ from seg_at_scale.prediction.provenance import (
     mark_png,
     vector_record,
 )
-from seg_at_scale.prediction.raster import PredictionStats, predict_raster
+from seg_at_scale.prediction.raster import PredictionStats, on_rank0, predict_raster
 from seg_at_scale.vectors import write_vectors
 
 __all__ = ["predict_scene", "companions", "vector_record"]
@@ -92,6 +93,7 @@ def _predict_scene(trained: TrainedModel, model: torch.nn.Module, image: Path, o
         check_scene(image, output, options, card=trained.card, source=trained.source,
                     model_files=model_files or {}, mask=mask, ranks=ranks, cuda=cuda,
                     vector=vector)
+    options = with_layout(options, model, trained.bands, decide=on_rank0)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
     exact = bool(trained.card.get("exact", True))
