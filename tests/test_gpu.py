@@ -51,7 +51,8 @@ GPU_TESTS = {"test_tiled_prediction_equals_untiled", "test_bf16_fast_path_agrees
              "test_host_copy_is_complete_when_it_returns",
              "test_pipe_on_one_device_equals_plain_model",
              "test_sample_parallel_gradient_equals_whole_image",
-             "test_auto_tile_fits_and_the_next_size_does_not", "test_cli_train_resume_predict"}
+             "test_auto_tile_fits_and_the_next_size_does_not", "test_cli_train_resume_predict",
+             "test_prediction_tile_auto_predicts_its_memory_and_runs_a_fitting_scene_whole"}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: shared CPU cores
 MODES = [MemoryConfig("checkpoint", "level"), MemoryConfig("checkpoint", "block"),
          MemoryConfig("checkpoint", "layers", every=3),
@@ -350,6 +351,37 @@ def test_auto_tile_fits_and_the_next_size_does_not(device):
     assert 2 * fp.context + fp.align < search.side < 768
     assert measure(search.side).peak_bytes <= limit
     assert measure(search.side + fp.align).peak_bytes > limit
+
+
+def test_prediction_tile_auto_predicts_its_memory_and_runs_a_fitting_scene_whole(device):
+    """``tile_size=auto`` on the device: three small forwards predict a larger window's peak
+    (CUDA's ``max_memory_allocated``, the CPU's live tensors) within 5 %; a scene whose
+    window fits is one tile, and the prediction equals the untiled forward."""
+    from seg_at_scale.tiling import infer
+    from seg_at_scale.tiling.auto_tile import tile_memory
+    from seg_at_scale.tiling.staged.peak_memory import LiveMemory
+
+    net = unet(levels=3, width=8).to(device).eval()
+    fp = footprint(net)
+    mem = tile_memory(net, 3, fp)
+    side = legal_side(fp, 1003)
+    with torch.inference_mode():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            y = torch.zeros(1, 3, side, side, device=device)
+            net(y)
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
+        else:
+            with LiveMemory() as live:
+                net(torch.zeros(1, 3, side, side))
+            peak = live.peak
+    assert abs(mem.bytes(side) - peak) <= 0.05 * peak
+    image = torch.randn(1, 3, 517, 389, device=device)
+    ref = predict_full(net, image)
+    assert torch.equal(infer(net, image, tile_size="auto"), ref)  # fits: untiled
 
 
 # ----- the CLI end to end ------------------------------------------------------------------
