@@ -31,7 +31,6 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import read_raster
 from seg_at_scale.memory import MemoryConfig, StepSpec, apply_memory_mode, find_largest_tile
 from seg_at_scale.memory.probe import StepMeasure, measure_step
-from seg_at_scale.tiling.tile_sides import legal_side
 from seg_at_scale.models import UNet
 from seg_at_scale.models.trained import load_run
 from seg_at_scale.parallel.launch import spawn
@@ -39,6 +38,7 @@ from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, close_pipe
 from seg_at_scale.parallel.strategy import all_reduce_gradients
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import extend, footprint, predict_full, predict_tiled, tiled_backward
+from seg_at_scale.tiling.tile_sides import legal_side
 
 HAS_CUDA = torch.cuda.is_available()
 NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False): run `make test-gpu` on a GPU"
