@@ -26,9 +26,9 @@ from seg_at_scale.memory import (
 )
 from seg_at_scale.memory import probe as probe_mod
 from seg_at_scale.memory.probe import StepMeasure, run_step
-from seg_at_scale.tiling.tile_sides import smallest_side
 from seg_at_scale.models import UNet
 from seg_at_scale.tiling import footprint, make_grid
+from seg_at_scale.tiling.tile_sides import smallest_side
 
 # ----- the largest tile within a budget ----------------------------------------------------
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import zarr
 from helpers.prediction import (
-    CLI_SHAPE,
     CLASSES,
+    CLI_SHAPE,
     NORM,
     chunks_written,
     env,

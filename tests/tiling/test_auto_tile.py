@@ -13,8 +13,8 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import UNet
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.plan import with_tile
-from seg_at_scale.tiling import footprint, infer, make_grid, predict_full
 from seg_at_scale.tiling import auto_tile as auto
+from seg_at_scale.tiling import footprint, infer, make_grid, predict_full
 from seg_at_scale.tiling.engine import plan_batches
 from seg_at_scale.tiling.staged.peak_memory import LiveMemory
 from seg_at_scale.tiling.tile_sides import covering_side, legal_side
