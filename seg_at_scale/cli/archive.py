@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.trained import TrainedModel
 from seg_at_scale.parallel.launch import rank_world
 from seg_at_scale.prediction.archive import (
@@ -41,7 +42,7 @@ class ArchiveWork:
     refused: list[SceneRecord]
 
 
-def archive_work(job: PredictJob, card: dict[str, Any], source: str,
+def archive_work(job: PredictJob, card: ModelCard, source: str,
                  files: dict[str, Path], cuda: bool) -> ArchiveWork:
     """List and check every scene of ``job.images`` (see the module docstring)."""
     output_dir = Path(job.output_dir)  # type: ignore[arg-type]

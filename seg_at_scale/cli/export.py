@@ -46,8 +46,8 @@ def export(cfg: DictConfig) -> dict[str, object]:
     trained = load_run(run, values["ckpt"], trust=bool(values["trust_run"]))
     path = write_model(trained, output, overwrite=bool(values["overwrite"]))
     return {"model": str(path), "from": trained.source, "checkpoint": str(trained.checkpoint),
-            "family": trained.card["model"].get("family"),
-            "footprint": trained.card["footprint"], "metrics": trained.card.get("metrics")}
+            "family": trained.card.family,
+            "footprint": trained.card.raw["footprint"], "metrics": trained.card.metrics}
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="export")

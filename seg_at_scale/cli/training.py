@@ -51,6 +51,7 @@ from seg_at_scale.memory import (
     memory_config,
     pipe_checkpoint_mode,
 )
+from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.checkpoint import load_checkpoint
 from seg_at_scale.models.registry import build_model
 from seg_at_scale.models.trained import (
@@ -138,7 +139,8 @@ def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_di
                  loggers: list[Any]) -> list[dict[str, Any]]:
     """Predict each test scene whole (streaming, tiled) and score it against its mask."""
     results = []
-    trained = TrainedModel(task.model, card_of_config(cfg, fp), f"run '{out_dir}'", cfg)
+    trained = TrainedModel(task.model, ModelCard.of(card_of_config(cfg, fp)),
+                           f"run '{out_dir}'", cfg)
     options = predict_options(cfg)
     for scene in dm.scenes_of("test"):
         res = predict_scene(trained, scene.image,

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.segmodel import read_card, read_model
 from seg_at_scale.models.trained import (
     RUN_CONFIG,
@@ -50,7 +51,7 @@ def model_files(run: str | os.PathLike[str] | None, model: str | os.PathLike[str
 
 
 def peek_card(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] | None,
-              ckpt: str = "best") -> tuple[dict[str, Any], str]:
+              ckpt: str = "best") -> tuple[ModelCard, str]:
     """A model's card and name without building the network or loading weights.
 
     The launching process of a multi-process prediction checks every input with it before
@@ -61,7 +62,7 @@ def peek_card(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] 
     if (run is None) == (model is None):
         load_trained(run, model)  # the same refusal
     if model is not None:
-        return read_card(Path(model)), f"model '{model}'"
+        return ModelCard.of(read_card(Path(model))), f"model '{model}'"
     assert run is not None
     cfg = read_run_config(Path(run))
     pick_checkpoint(Path(run), ckpt)
@@ -72,4 +73,4 @@ def peek_card(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] 
     fp = Footprint(int(c["halo"]), int(c["align"]),
                    cast(Padding, str(c["padding"])),  # Footprint checks it
                    int(c["out_residue"]))
-    return card_of_config(cfg, fp), f"run '{run}'"
+    return ModelCard.of(card_of_config(cfg, fp)), f"run '{run}'"

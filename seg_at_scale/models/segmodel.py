@@ -51,6 +51,7 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 
 from seg_at_scale.errors import InputError, OutputExistsError, SegAtScaleError
+from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.contract import ApproximateFootprint
 from seg_at_scale.models.registry import build_model, without_weight_files
 from seg_at_scale.models.trained import CARD_FORMAT, TrainedModel, load_weights, weights_mismatch
@@ -104,7 +105,7 @@ def _parts(trained: TrainedModel) -> dict[str, bytes]:
     state = {k: v.detach().cpu().contiguous().clone()
              for k, v in trained.model.state_dict().items()}
     weights = save_tensors(state, metadata={"format": CARD_FORMAT})
-    card = {**trained.card, "weights": {"file": WEIGHTS, "tensors": len(state),
+    card = {**trained.card.raw, "weights": {"file": WEIGHTS, "tensors": len(state),
                                         "bytes": len(weights)}}
     files = {CARD: (json.dumps(card, indent=2, allow_nan=False) + "\n").encode(),
              WEIGHTS: weights}
@@ -451,4 +452,4 @@ def read_model(path: str | os.PathLike[str], *, trust: bool = False) -> TrainedM
     load_weights(model, state, where)
     model.eval()
     _check_network(card, model, where)
-    return TrainedModel(model, card, where)
+    return TrainedModel(model, ModelCard.of(card), where)

@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -32,15 +32,16 @@ from seg_at_scale.config_check import resolved
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io.preview import default_palette
+from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.checkpoint import load_checkpoint, model_state
 from seg_at_scale.models.contract import ApproximateFootprint
 from seg_at_scale.models.registry import build_model, family_of, without_weight_files
-from seg_at_scale.tiling.geometry import Footprint, Padding
+from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as measured_footprint
 
 __all__ = ["TrainedModel", "load_run", "footprint_with_halo", "pick_checkpoint",
            "card_of_config", "tiling_footprint", "load_weights", "weights_mismatch",
-           "normalizer_of_card", "read_run_config", "RUN_CONFIG", "CARD_FORMAT"]
+           "read_run_config", "RUN_CONFIG", "CARD_FORMAT"]
 
 log = logging.getLogger(__name__)
 
@@ -54,60 +55,47 @@ class TrainedModel:
 
     Attributes:
         model: the network, weights loaded, eval mode, on the CPU.
-        card: the model card (see :func:`card_of_run`); the rest is read from it.
+        card: the model card (:class:`~seg_at_scale.models.card.ModelCard`; its data:
+            :func:`card_of_run`); the rest is read from it.
         source: where it came from, for messages (``run 'runs/x'``).
         config: the run's config (run folders only; None for a model file).
         checkpoint: the checkpoint file read (run folders only).
     """
 
     model: nn.Module
-    card: dict[str, Any]
+    card: ModelCard
     source: str
     config: DictConfig | None = None
     checkpoint: Path | None = None
 
     @property
     def footprint(self) -> Footprint:
-        f = self.card["footprint"]
-        return Footprint(int(f["halo"]), int(f["align"]),
-                         cast(Padding, str(f["padding"])),  # Footprint checks it
-                         int(f["out_residue"]))
+        return self.card.footprint
 
     @property
     def normalizer(self) -> Normalizer:
-        return normalizer_of_card(self.card, self.source)
+        return self.card.normalizer(self.source)
 
     @property
     def num_classes(self) -> int:
-        return int(self.card["data"]["num_classes"])
+        return self.card.num_classes
 
     @property
     def class_names(self) -> list[str]:
-        return list(self.card["data"]["class_names"])
+        return list(self.card.class_names)
 
     @property
     def ignore_index(self) -> int:
-        return int(self.card["data"]["ignore_index"])
+        return self.card.ignore_index
 
     @property
     def bands(self) -> int:
-        return int(self.card["data"]["bands"])
+        return self.card.bands
 
     @property
     def input(self) -> dict[str, Any]:
         """The training imagery: ``dtype`` and ``high`` (mean + 3 std, raw), where recorded."""
-        return dict(self.card["data"].get("input") or {})
-
-
-def normalizer_of_card(card: dict[str, Any], source: str) -> Normalizer:
-    """The card's input normalisation; a scale or std that is not > 0 is refused."""
-    n = card["data"]["normalization"]
-    bad = [i for i, v in enumerate(n["std"]) if not v > 0]
-    if bad or not n["scale"] > 0:
-        what = f"std {n['std'][bad[0]]} for band {bad[0]}" if bad else f"scale {n['scale']}"
-        raise InputError(f"{source}: the normalisation has {what}, which must be > 0 (it "
-                         "divides); the config was edited: restore it")
-    return Normalizer(float(n["scale"]), tuple(n["mean"]), tuple(n["std"]))
+        return dict(self.card.input)
 
 
 def footprint_with_halo(model: nn.Module, halo: Any) -> Footprint:
@@ -301,6 +289,6 @@ def load_run(run: str | os.PathLike[str], ckpt: str = "best", *,
     model.eval()
     fp = tiling_footprint(model, cfg.get("tiling") or {})
     card = card_of_run(cfg, fp, run, path, data)
-    return TrainedModel(model, card, where, cfg, path)
+    return TrainedModel(model, ModelCard.of(card), where, cfg, path)
 
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError, SegAtScaleError
 from seg_at_scale.io import RasterReader
+from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.trained import TrainedModel
 from seg_at_scale.parallel.launch import barrier, rank_world
 from seg_at_scale.prediction.checks import check_scene
@@ -254,7 +255,7 @@ def _option_fix(*keys: str) -> str:
 
 
 def check_archive(scenes: Sequence[ArchiveScene], options: PredictOptions, *,
-                  card: dict[str, Any], source: str, model_files: dict[str, Path],
+                  card: ModelCard, source: str, model_files: dict[str, Path],
                   cuda: bool, on_error: str) -> list[SceneRecord]:
     """Check every scene before any tile; the bad ones as ``skipped`` records.
 
@@ -386,7 +387,7 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
         plans.append(plan_raster(s.image, s.output, scene_options, fp=trained.footprint,
                                  normalizer=trained.normalizer, names=trained.class_names,
                                  weights=weights, device=device,
-                                 exact=bool(trained.card.get("exact", True)),
+                                 exact=trained.card.exact,
                                  input_hash=hashes.get(i)))
         plans[-1].reader.close()  # reopened by the rank that reads it: one file open at once
     if plans:

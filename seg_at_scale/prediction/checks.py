@@ -32,8 +32,9 @@ import numpy as np
 from seg_at_scale.data.scenes import check_mask_covers, class_histogram
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError
 from seg_at_scale.io import RasterReader
+from seg_at_scale.models.card import ModelCard
 from seg_at_scale.prediction.options import PredictOptions, default_batch_size, output_kind
-from seg_at_scale.tiling import Footprint, make_grid
+from seg_at_scale.tiling import make_grid
 from seg_at_scale.tiling.engine import plan_batches
 
 __all__ = ["SceneCheck", "check_scene", "check_outputs", "same_path", "scene_outputs",
@@ -237,7 +238,7 @@ def check_dtype(reader: RasterReader, trained: Mapping[str, Any], source: str, *
                              f"{high:.4g}; {fix}")
 
 
-def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Mapping[str, Any],
+def check_scene(image: Path, output: Path, options: PredictOptions, *, card: ModelCard,
                 source: str, model_files: Mapping[str, Path], mask: Path | None = None,
                 ranks: int = 1, cuda: bool = False, vector: Path | None = None) -> SceneCheck:
     """All checks of one scene before any tile (see the module docstring).
@@ -259,9 +260,7 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Map
         raise InputError(f"image='{image}' does not exist; give the path of a raster to "
                          "predict" if not image.exists() else f"image='{image}' is a folder; "
                          "give a raster file (images=<folder> predicts every raster in it)")
-    from seg_at_scale.models.trained import normalizer_of_card
-
-    normalizer_of_card(dict(card), source)  # a std or scale that is not > 0
+    card.normalizer(source)  # a std or scale that is not > 0
     inputs = {"image": image, **model_files, **({"mask": mask} if mask is not None else {})}
     if vector is not None:
         from seg_at_scale.vectors.polygonize import check_options
@@ -270,22 +269,21 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Map
         vector_format(vector, "vector")
         check_options(options.vector_connectivity, options.vector_classes, None)
     check_outputs(scene_outputs(output, options, vector), inputs, overwrite=options.overwrite)
-    data = card["data"]
     with RasterReader(image, nodata=options.nodata) as reader:
         if reader.height == 0 or reader.width == 0:
             raise InputError(f"image '{image}' is {reader.height}x{reader.width} pixels: "
                              "there is nothing to predict; give a non-empty raster")
-        if reader.bands != int(data["bands"]):
+        if reader.bands != card.bands:
             raise InputError(f"image '{image}' has {reader.bands} bands but {source} was "
-                             f"trained on {data['bands']}; predict an image with "
-                             f"{data['bands']} bands")
+                             f"trained on {card.bands}; predict an image with "
+                             f"{card.bands} bands")
         check_nodata_fits(options.nodata, reader.dtype, image)
-        check_dtype(reader, data.get("input") or {}, source, strict=options.check_dtype)
+        check_dtype(reader, card.input, source, strict=options.check_dtype)
         if mask is not None:
-            _check_mask(mask, reader, int(data["num_classes"]), int(data["ignore_index"]))
+            _check_mask(mask, reader, card.num_classes, card.ignore_index)
         if options.tile_size == "auto" and options.q is None:  # chosen with the network
             return SceneCheck(reader.height, reader.width, str(reader.dtype), None, None)
-        fp = Footprint(**card["footprint"])
+        fp = card.footprint
         tile = None if options.tile_size == "auto" else options.tile_size  # q wins
         grid = make_grid(reader.height, reader.width, fp, q=options.q, tile_size=tile,
                          uniform=True)

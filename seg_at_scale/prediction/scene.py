@@ -96,7 +96,7 @@ def _predict_scene(trained: TrainedModel, model: torch.nn.Module, image: Path, o
     options = with_layout(options, model, trained.bands, decide=on_rank0)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    exact = bool(trained.card.get("exact", True))
+    exact = trained.card.exact
     if not exact:
         log.warning("%s was trained with tiling.exact=false: '%s' is approximate (overlapping "
                     "tiles, halo %d), not the whole-image forward", trained.source, output,
@@ -175,10 +175,10 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
                   *(["vectors"] if vector is not None else [])}
         if rewritten or _assets(item) != assets:
             _may_write("stac", item, output, options)
-            model = {"source": trained.source, "family": trained.card["model"].get("family"),
+            model = {"source": trained.source, "family": trained.card.family,
                      "fingerprint": done}
             doc = stac_item(output, source_image=image, class_names=trained.class_names,
-                            colours=trained.card["data"].get("colours"), model=model,
+                            colours=trained.card.colours, model=model,
                             probabilities=tif_probs, vectors=vector)
             tmp = temporary_path(output, "item")  # its Item: beside it, renamed when marked
             try:
