@@ -153,7 +153,7 @@ def measure(name: str, run: Path, folder: Path, megapixels: float) -> dict[str, 
     return figures
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenes", type=int, default=200)
     p.add_argument("--side", type=int, default=1000)
@@ -163,7 +163,7 @@ def main() -> None:
     p.add_argument("--out", help="JSON path (default experiments/results/bench_archive.json)")
     p.add_argument("--large-only", action="store_true",
                    help="only the large scene's comparison, merged into the --out JSON")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.scenes, args.side, args.large = 8, 400, 1200
     folder = scenes(args.scenes, args.side, args.large)

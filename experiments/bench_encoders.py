@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import RESULTS, peak_rss_self_mib, run_isolated, save
+from common import RESULTS, add_harness_args, peak_rss_self_mib, run_isolated, save
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.synthetic import SceneGenerator
@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
                         "2048 / 3072 / 4096 with E <= 2.5")
     p.add_argument("--models", nargs="*", default=list(MODELS))
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--name", default="bench_encoders")
+    p.add_argument("--name", default="bench_encoders", help="the result's benchmark name")
+    add_harness_args(p, "1024^2, Unet-ResNet34, one run of each kind")
     p.add_argument("--budget", type=int, default=1 << 27,
                    help="staged runs: floats one stage tile holds (windows and inner maps)")
     p.add_argument("--store", default=None,
@@ -332,6 +333,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--merge", type=Path, default=None,
                    help="a results JSON of other models (an earlier run) to include")
     args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.models = 1024, ["unet_resnet34"]
+        args.runs = args.runs or ["untiled_fp32", "ours_fp32_cl", "ours_staged_fp32_cl",
+                                  "staged_fp32_cl", "monai_512_0.25"]
+    out = args.out or RESULTS / f"{args.name}.json"
+    partial = out.with_name(f"{out.stem}_partial.json")
     torch.set_num_threads(args.threads)
     workdir = Path(tempfile.mkdtemp(prefix="bench_encoders_"))
     base = {"size": args.size, "tile": args.tile, "threads": args.threads,
@@ -345,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     loads = earlier.get("loadavg", []) + loads
     for k, m in enumerate(args.models):
         results[m] = bench_model(m, base, loads, contiguous=k == 0 and not results)
-        save(f"{args.name}_partial", {"models": results, "loadavg": loads})  # a crash keeps it
+        save(args.name, {"models": results, "loadavg": loads}, partial)  # a crash keeps it
     save(args.name, {
         "what": "smp networks: exact tiled prediction (predict_raster, file to file) vs the "
                 "untiled forward and MONAI's Gaussian sliding window, same model, same run",
@@ -354,8 +361,8 @@ def main(argv: list[str] | None = None) -> None:
         "method": __doc__.split("Setup:")[1].strip(),
         "config": {k: v for k, v in base.items() if k not in ("image", "workdir")},
         "wall_s": round(time.perf_counter() - t0) + earlier.get("wall_s", 0),
-        "loadavg": loads, "models": results})
-    (RESULTS / f"{args.name}_partial.json").unlink(missing_ok=True)
+        "loadavg": loads, "models": results}, out)
+    partial.unlink(missing_ok=True)
     shutil.rmtree(workdir)
 
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import random_feature_init, save
+from common import add_harness_args, random_feature_init, save
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -162,12 +162,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--quick", action="store_true", help="1024^2 matmul, 128^2 U-Net input")
-    p.add_argument("--name", default="bench_flops", help="results/<name>.json")
+    p.add_argument("--name", default="bench_flops", help="the result's benchmark name")
+    add_harness_args(p, "1024^2 matmul, 128^2 U-Net input, batch 1, 2 rounds")
     args = p.parse_args(argv)
     if args.quick:
         args.matmul, args.size, args.batches, args.repeats, args.warmup = 1024, 128, [1], 2, 2
-        args.name += "_quick"
     return args
 
 
@@ -213,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                 r["modes"]["bf16_autocast_channels_last"]["labels_identical_to_fp32"]
                 for r in results),
         },
-    })
+    }, args.out)
 
 
 if __name__ == "__main__":

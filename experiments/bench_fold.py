@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 import torch
-from common import save
+from common import add_harness_args, save
 
 from seg_at_scale.models.fold import fold_batchnorm
 from seg_at_scale.models.smp import SMPModel
@@ -69,8 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--models", nargs="*", default=list(MODELS))
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--name", default="bench_fold")
+    p.add_argument("--name", default="bench_fold", help="the result's benchmark name")
+    add_harness_args(p, "256 x 256, Unet-ResNet34, 2 rounds")
     args = p.parse_args(argv)
+    if args.quick:
+        args.size, args.repeats, args.models = 256, 2, ["unet_resnet34"]
     torch.set_num_threads(args.threads)
     out: dict[str, Any] = {}
     for name in args.models:
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         print(name, {k: out[name][k] for k in ("pairs_folded", "speedup_median",
                                                "labels_off_pct")}, flush=True)
     save(args.name, {"what": "fp32 channels-last forward, BatchNorm folded vs as written",
-                     "config": vars(args), "models": out})
+                     "config": vars(args), "models": out}, args.out)
 
 
 if __name__ == "__main__":

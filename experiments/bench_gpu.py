@@ -2,7 +2,7 @@
 
     python experiments/bench_gpu.py                          # a CUDA device, full sizes
     python experiments/bench_gpu.py --sections largest_tile,offload_cost
-    python experiments/bench_gpu.py --device cpu --quick     # harness check, < 1 min
+    python experiments/bench_gpu.py --device cpu --quick     # harness check on a CPU, minutes
     make gpu-check    # on a lent GPU: make test-gpu, then prediction / encoders / training
 
 Sections (each catches its own exception and records its text, so a GPU run gives every
@@ -23,7 +23,9 @@ figure it can; an out-of-memory step is a figure, ``fits: false``):
 * ``pipeline``: fairscale Pipe with one stage vs the plain model (torchgpipe: 0.858x), and
   the planner's predicted step vs the measured one for 1 and 2 stages on the device.
 
-Without a CUDA device and without ``--quick`` it says so and writes nothing. After each
+Without a CUDA device it prints ``skipped: needs CUDA ...``, writes nothing and exits 0
+(``--device cpu --quick`` runs every section on tiny sizes on the CPU: the harness
+check). After each
 section the figures so far are in ``<out>.partial.json`` (removed when the run completes).
 """
 
@@ -42,7 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import RESULTS, machine, save
+from common import RESULTS, add_harness_args, machine, save, skip
 from gpu_common import (
     Sizes,
     attempt,
@@ -64,6 +66,7 @@ from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, close_pipe
 from seg_at_scale.parallel.planner import balance_by, predict
 from seg_at_scale.parallel.profile import profile_layers
 from seg_at_scale.prediction import PredictOptions, predict_raster
+from seg_at_scale.prediction.plan import with_tile
 from seg_at_scale.tiling import make_grid
 
 TIMES = ("total_s", "model_s", "read_s", "write_s", "finalize_s")  # PredictionStats fields
@@ -156,6 +159,24 @@ def prediction(dev: torch.device, sz: Sizes) -> dict[str, Any]:
                                    PredictOptions(tile_size=tile, fast=True, overwrite=True),
                                    normalizer=Normalizer())
             runs.append(stats)
+        # tile_size=auto (the default): the device chooses; a scene that fits is one tile
+        auto_opts = with_tile(PredictOptions(fast=True, overwrite=True), net, net.footprint(),
+                              4, side, side)
+        autos = [predict_raster(net, image, Path(tmp) / f"auto{k}.tif", auto_opts,
+                                normalizer=Normalizer()) for k in range(2)]
+    best_auto = max(autos, key=lambda s: s.mpix_per_s)
+    auto_grid = make_grid(side, side, net.footprint(), tile_size=auto_opts.tile_size,
+                          uniform=True)
+    auto_bare = attempt(lambda: {"mpix_per_s": _bare_model(net, auto_grid, dev, 1,
+                                                           sz.repeats)})
+    out["auto"] = {"tile_size": auto_opts.tile_size, "tiles": best_auto.tiles,
+                   "untiled": best_auto.tiles == 1,
+                   "mpix_per_s": round(best_auto.mpix_per_s, 3), "bare": auto_bare,
+                   **{k: round(getattr(best_auto, k), 3) for k in TIMES
+                      if hasattr(best_auto, k)}}
+    if auto_bare.get("mpix_per_s"):
+        out["auto"]["streaming_vs_bare"] = round(best_auto.mpix_per_s
+                                                 / auto_bare["mpix_per_s"], 4)
     best = max(runs, key=lambda s: s.mpix_per_s)
     out["streaming"] = {"mpix_per_s": round(best.mpix_per_s, 3),
                         **{k: round(getattr(best, k), 3) for k in TIMES if hasattr(best, k)}}
@@ -264,30 +285,31 @@ def gpu_tests(timeout: int) -> dict[str, Any]:
     return {**result, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="auto", help="auto | cuda | cuda:<i> | cpu")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
     ap.add_argument("--sections", default=None, help="comma-separated subset")
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend (default inductor; aot_eager with --quick on "
                          "a CPU, where inductor compiles C++ for ~20 s per model)")
     ap.add_argument("--budget-gib", type=float, default=None, help="largest_tile budget")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default results/)")
+    add_harness_args(ap, "tiny sizes (with --device cpu: the harness check on a CPU)")
     ap.add_argument("--tests", action="store_true",
                     help="first run `pytest -m gpu` (make test-gpu) and record its summary in "
                          "the same JSON (make gpu-check)")
     ap.add_argument("--tests-timeout", type=int, default=240, help="seconds for --tests")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.device == "auto" and not torch.cuda.is_available():
+        skip("needs CUDA (bench_gpu: no CUDA device here; `--device cpu --quick` checks the "
+             "harness on this CPU in a few minutes)")
+        return
     tests = gpu_tests(args.tests_timeout) if args.tests else None
-    auto = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(auto if args.device == "auto" else args.device)
+    dev = torch.device("cuda" if args.device == "auto" else args.device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type != "cuda" and not args.quick:
-        print("bench_gpu: no CUDA device here; the GPU figures need one. "
-              "`--device cpu --quick` checks the harness on this CPU.")
+        skip("needs CUDA (bench_gpu: --device cpu runs with --quick only: the harness check)")
         return
     threads = args.threads or (1 if dev.type == "cpu" else None)  # shared cores: no spinning
     if threads:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
-from common import run_isolated, save
+from common import add_harness_args, run_isolated, save
 
 from seg_at_scale.data.sources.streets import canny_band, render_street
 from seg_at_scale.models import GSCNN
@@ -110,23 +110,23 @@ def _variant(kind: str, q: int, side: int, size: str, repeats: int, out: str,
             "tiles": len(grid), "efficiency": round(grid.efficiency, 3)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--side", type=int, default=800)
     ap.add_argument("--size", default="small")
     ap.add_argument("--q", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-train", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="400^2, tiny preset, q=2")
-    ap.add_argument("--name", default="bench_gscnn")
+    ap.add_argument("--name", default="bench_gscnn", help="the result's benchmark name")
+    add_harness_args(ap, "200^2, tiny preset, q=2")
     ap.add_argument("--mmap-threshold", type=int, default=None,
                     help="glibc MALLOC_MMAP_THRESHOLD_ for the children (e.g. 131072): big "
                          "buffers go back to the OS when freed, so RSS tracks live memory")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.mmap_threshold:  # read by glibc when each spawned child starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     if args.quick:
-        args.side, args.size, args.q, args.name = 400, "tiny", [2], "bench_gscnn_quick"
+        args.side, args.size, args.q = 200, "tiny", [2]
     load_before = os.getloadavg()
     fp = GSCNN.from_preset(args.size, in_channels=4, num_classes=CLASSES).footprint()
     kinds = [("untiled", 1)] + [(k, q) for q in args.q for k in ("tiled_one_pass",
@@ -154,7 +154,7 @@ def main() -> None:
         "halo": fp.halo, "context": fp.context, "align": fp.align,
         "malloc_mmap_threshold": args.mmap_threshold,
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-        "rows": rows, "summary": _summary(rows)})
+        "rows": rows, "summary": _summary(rows)}, args.out)
 
 
 def _compare(rows: list[dict[str, Any]], outputs: dict[tuple[str, int], torch.Tensor]) -> None:

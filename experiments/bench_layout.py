@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import rasterio
-from common import save
+from common import add_harness_args, save
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -42,12 +42,15 @@ def predict(run: Path, image: Path, out: Path, layout: str, tile: int) -> dict[s
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--side", type=int, default=2048, help="raster side")
     ap.add_argument("--tile", type=int, default=1024, help="tile_size")
     ap.add_argument("--repeats", type=int, default=3, help="runs per layout")
-    args = ap.parse_args()
+    add_harness_args(ap, "512^2 raster, tile 256, one run per layout")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.side, args.tile, args.repeats = 512, 256, 1
     with tempfile.TemporaryDirectory(prefix="bench-layout-") as name:
         tmp = Path(name)
         run = make_run(tmp / "run", make_model("same", levels=4, width=16))
@@ -68,7 +71,8 @@ def main() -> None:
         "runs": runs, "median": median,
         "speedup_seconds": round(median["contiguous"]["seconds"] / median["auto"]["seconds"], 3),
         "speedup_model": round(median["contiguous"]["model_s"] / median["auto"]["model_s"], 3),
-        "labels_differing": int(np.count_nonzero(labels["contiguous"] != labels["auto"]))})
+        "labels_differing": int(np.count_nonzero(labels["contiguous"] != labels["auto"]))},
+        args.out)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Run it::
 
     python experiments/bench_memory.py                        # small + medium U-Net, 6 GiB
-    python experiments/bench_memory.py --models small --rel-tol 0.15 --name bench_memory_quick
+    python experiments/bench_memory.py --quick --out /tmp/r.json  # smoke run, seconds
     python experiments/bench_memory.py --models uresnet_cosmic --name bench_memory_uresnet
     python experiments/bench_memory.py --models smp:Unet:resnet34 --modes none,checkpoint,\
         checkpoint:block --no-search --time-side 1024 --name bench_memory_smp
@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 import torch
-from common import save
+from common import add_harness_args, save
 
 from seg_at_scale.memory import (
     GIB,
@@ -50,10 +50,10 @@ from seg_at_scale.memory import (
     find_largest_tile,
     measure_step,
 )
-from seg_at_scale.tiling.tile_sides import legal_side
 from seg_at_scale.models import UNET_SIZES, URESNET_SIZES, UNet, UResNet
 from seg_at_scale.models.smp import SMPModel
 from seg_at_scale.tiling import make_grid
+from seg_at_scale.tiling.tile_sides import legal_side
 
 DEFAULT_TILE = 512  # conf/tiling/random.yaml tile_size
 
@@ -160,7 +160,7 @@ def halo_overhead(net: UNet, found: dict[str, Any], image: int, default: StepMea
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="small,medium")
     p.add_argument("--modes", default="none,checkpoint,checkpoint:strips,offload,"
@@ -181,8 +181,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-search", dest="search", action="store_false",
                    help="time and measure at --time-side only (no largest-tile search)")
-    p.add_argument("--name", default="bench_memory")
-    args = p.parse_args()
+    p.add_argument("--name", default="bench_memory", help="the result's benchmark name")
+    add_harness_args(p, "tiny U-Net, none and checkpoint, 1 GiB, sides up to 256, 2 probes")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.modes, args.budget_gb, args.max_side = "tiny", "none,checkpoint", 1, 256
+        args.max_probes, args.rel_tol, args.time_side, args.rounds = 2, 0.5, 64, 1
+        args.image = 1024
     modes = args.modes.split(",")
     spec = {"channels_last": True, "threads": args.threads, "strip_rows": args.strip_rows,
             "strip_cols": args.strip_cols or None}
@@ -224,7 +229,7 @@ def main() -> None:
         "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
         "wall_s": round(time.perf_counter() - t0, 1), "results": results,
         "goals": {"checkpoint_side_vs_none": ">= 2", "checkpoint_time_vs_none": "<= 1.35",
-                  "offload_time_vs_none": "< 1.30"}})
+                  "offload_time_vs_none": "< 1.30"}}, args.out)
 
 
 if __name__ == "__main__":

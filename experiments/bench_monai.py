@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import peak_rss_self_mib, random_feature_init, run_isolated, save
+from common import add_harness_args, peak_rss_self_mib, random_feature_init, run_isolated, save
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.synthetic import SceneGenerator
@@ -183,12 +183,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--workdir", type=Path, default=None, help="default: a temporary folder")
     p.add_argument("--keep", action="store_true", help="keep the images in --workdir")
-    p.add_argument("--quick", action="store_true", help="2048^2 image, 512 tiles")
-    p.add_argument("--name", default="bench_monai", help="results/<name>.json")
+    p.add_argument("--name", default="bench_monai", help="the result's benchmark name")
+    add_harness_args(p, "1024^2 image, 512 tiles, 256^2 crop")
     args = p.parse_args(argv)
     if args.quick:
-        args.size, args.tile, args.crop, args.modes = 2048, 512, 512, ["constant"]
-        args.name += "_quick"
+        args.size, args.tile, args.crop, args.modes = 1024, 512, 256, ["constant"]
     return args
 
 
@@ -262,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         "noise": "2 shared cores: other jobs may run beside this one; loadavg per run below",
         "config": cfg, "loadavg_before_and_after_each_run": loads, "runs": runs,
         "distance_from_exact": distance, "summary": summary,
-    })
+    }, args.out)
     if not args.keep and args.workdir is None:
         shutil.rmtree(workdir)
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import peak_rss_self_mib, run_isolated, save
+from common import add_harness_args, peak_rss_self_mib, run_isolated, save
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.sources.synthetic import write_scene
@@ -155,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep (and reuse) the big files")
     p.add_argument("--run", default="", help="a trained run folder (e.g. the demo's); "
                    "default: the untrained tiny U-Net")
-    p.add_argument("--quick", action="store_true", help="4096 px smoke run")
+    add_harness_args(p, "4096 px scene, 1024-row strip, tile 1024")
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.strip_rows, args.probe_rows, args.tile_sizes = 4096, 1024, 256, [1024]
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> None:
                    "speedup_needed": round(best["total_s"] / (args.target_min * 60), 2)},
         "load_avg_start_end": [load0, os.getloadavg()],
     }
-    name = "bench_moonshot" + ("_quick" if args.quick else "") + ("_trained" if args.run else "")
-    save(name, figures)
+    name = "bench_moonshot" + ("_trained" if args.run else "")
+    save(name, figures, args.out)
     if not args.keep:
         for path in made:
             for f in path.parent.glob(path.stem + "*"):

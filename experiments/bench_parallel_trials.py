@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import save
+from common import add_harness_args, save
 
 from seg_at_scale.data.sources.synthetic import make_dataset
 from seg_at_scale.sweeps.launcher import available_cores
@@ -41,11 +41,17 @@ TRIAL = ["model=unet_tiny", "logger=csv", "trainer.enable_progress_bar=false",
          "tiling.batch_size=8", "tiling.samples_per_epoch=64", "tiling.tile_size=256",
          "trainer.max_epochs=2", "predict.tile_size=256", "hydra.sweep.subdir=${hydra.job.num}",
          "task.optimizer.lr=0.001,0.002,0.005,0.01"]
+QUICK = [*(t for t in TRIAL[:-1] if not t.startswith(("data.synthetic.", "tiling.samples",
+                                                      "trainer.max_epochs"))),
+         "data.synthetic.height=256", "data.synthetic.width=256",
+         "data.synthetic.splits={train:4,val:1,test:1}", "tiling.samples_per_epoch=32",
+         "trainer.max_epochs=1", "task.optimizer.lr=0.001,0.01"]
 
 
-def sweep(data: Path, folder: Path, n_jobs: int, cores: int) -> dict[str, Any]:
-    """Run the 4-trial sweep with ``n_jobs`` at a time; wall time, load, per-trial records."""
-    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "-m", *TRIAL,
+def sweep(data: Path, folder: Path, n_jobs: int, cores: int,
+          trial: list[str] = TRIAL) -> dict[str, Any]:
+    """Run the sweep with ``n_jobs`` at a time; wall time, load, per-trial records."""
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "-m", *trial,
            "hydra/launcher=local_parallel", f"hydra.launcher.n_jobs={n_jobs}",
            f"hydra.launcher.cores={cores}", f"hydra.sweep.dir={folder}"]
     env = {**os.environ, "SEG_DATA_DIR": str(data), "WANDB_MODE": "offline"}
@@ -64,28 +70,31 @@ def sweep(data: Path, folder: Path, n_jobs: int, cores: int) -> dict[str, Any]:
                         "val_miou": r.objective} for r in report.rows]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=1, help="pairs of runs (order alternates)")
-    args = parser.parse_args()
+    add_harness_args(parser, "2 trials of one 32-sample epoch, 256 x 256 scenes")
+    args = parser.parse_args(argv)
+    trial, side = (QUICK, 256) if args.quick else (TRIAL, SIDE)
     cores = available_cores()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
-        make_dataset(data / f"synthetic_{SIDE}x{SIDE}_s0", splits=SPLITS, height=SIDE,
-                     width=SIDE, seed=0)  # made once, outside the timed runs
+        make_dataset(data / f"synthetic_{side}x{side}_s0", splits=SPLITS, height=side,
+                     width=side, seed=0)  # made once, outside the timed runs
         runs = []
         for r in range(args.repeats):
             order = (1, 2) if r % 2 == 0 else (2, 1)
             for n in order:
-                runs.append(sweep(data, Path(tmp) / f"sweep_{r}_{n}", n, cores))
+                runs.append(sweep(data, Path(tmp) / f"sweep_{r}_{n}", n, cores, trial))
                 print(f"n_jobs={n}: {runs[-1]['wall_s']} s, load {runs[-1]['load_avg_after']}")
     seq = [x["wall_s"] for x in runs if x["n_jobs"] == 1]
     par = [x["wall_s"] for x in runs if x["n_jobs"] == 2]
     save("bench_parallel_trials", {
-        "sweep": "4 trials (grid over task.optimizer.lr), hydra/launcher=local_parallel",
-        "trial": " ".join(TRIAL[:-1]), "cores": cores,
+        "sweep": f"{len(trial[-1].split(','))} trials (grid over task.optimizer.lr), "
+                 "hydra/launcher=local_parallel",
+        "trial": " ".join(trial[:-1]), "cores": cores,
         "sequential_wall_s": seq, "parallel_wall_s": par,
-        "speedup": round(min(seq) / min(par), 2), "runs": runs})
+        "speedup": round(min(seq) / min(par), 2), "runs": runs}, args.out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 import torch
-from common import save
+from common import add_harness_args, save
 
 from seg_at_scale.models import UNet
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, close_pipe
@@ -112,7 +112,7 @@ def gpu_plans(args: argparse.Namespace) -> dict[str, Any]:
     return plans
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--chunks", type=int, default=4)
@@ -122,13 +122,17 @@ def main() -> None:
     ap.add_argument("--probe-tile", type=int, default=256)
     ap.add_argument("--plan-batch", type=int, default=8)
     ap.add_argument("--plan-only", action="store_true")
-    args = ap.parse_args()
+    add_harness_args(ap, "64 px tiles, batch 4, 2 chunks, one timed step (the plans as in "
+                         "the full run: a smaller probe tile overstates the scaled memory)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tile, args.batch, args.chunks, args.repeats = 64, 4, 2, 1
     torch.set_num_threads(args.threads)
     figures: dict[str, Any] = {"threads": args.threads}
     if not args.plan_only:
         figures["cpu"] = cpu_figures(args)
     figures["plans"] = gpu_plans(args)
-    save("bench_pipeline" + ("_plans" if args.plan_only else ""), figures)
+    save("bench_pipeline" + ("_plans" if args.plan_only else ""), figures, args.out)
 
 
 if __name__ == "__main__":

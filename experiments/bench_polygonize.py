@@ -187,15 +187,16 @@ def before(labels: np.ndarray, connectivity: int) -> dict:
             "regions": len(out)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="smoke run: the small cases only")
     parser.add_argument("--before", action="store_true",
                         help="also time the pre-#39 polygonizer on checkerboard 100^2 and "
                              "noise50 300^2 with 8-connectivity (minutes)")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result JSON (default experiments/results/bench_polygonize.json)")
+    args = parser.parse_args(argv)
     ours(checkerboard(8), 8)  # imports (scipy.sparse, shapely) out of the timings
     reference(checkerboard(8), 8)
     figures: dict = {"load_average_before": [round(x, 2) for x in os.getloadavg()],

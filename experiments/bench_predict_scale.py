@@ -43,7 +43,7 @@ from typing import Any
 
 import psutil
 import torch
-from common import fake_run, save
+from common import add_harness_args, fake_run, save
 
 from seg_at_scale.data.sources.synthetic import write_scene
 from seg_at_scale.data.synthetic import SceneGenerator
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", type=int, default=20000)
     p.add_argument("--tile", type=int, default=1024)
     p.add_argument("--run", default="", help="a trained run folder (the demo's)")
-    p.add_argument("--quick", action="store_true", help="3000 px smoke run")
+    add_harness_args(p, "3000 px scene, tile 512")
     args = p.parse_args(argv)
     if args.quick:
         args.size, args.tile = 3000, 512
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                            f"{round((one['tiles'] * per_tile + serial) / max(serial, 1e-9), 1)}x)",
         "load_avg_start_end": [load0, os.getloadavg()],
     }
-    save("bench_predict_scale_quick" if args.quick else "bench_predict_scale", figures)
+    save("bench_predict_scale", figures, args.out)
     for f in work.glob("*"):
         if f.is_file():
             f.unlink()

@@ -3,6 +3,7 @@
 Run it::
 
     python experiments/bench_preflight.py            # demo data + a 20000^2 scene under data/
+    python experiments/bench_preflight.py --quick --out /tmp/r.json   # 256^2 scenes, seconds
 
 1. Preflight of the demo data (8 + 2 + 1 scenes of 1024^2, uint8) and of one 20000^2
    4-band uint8 tiled scene: cold (no cache: headers + a full pass over every mask) and
@@ -18,6 +19,7 @@ The load average is recorded: the machine is shared, and only ratios within a ru
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import subprocess
@@ -29,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytorch_lightning as pl
 import tifffile
-from common import save
+from common import add_harness_args, save
 
 from seg_at_scale.data.band_stats import sample_sums
 from seg_at_scale.data.preflight import CACHE_NAME, preflight
@@ -64,9 +66,9 @@ def timed_preflight(root: Path, splits: list[str]) -> dict[str, float]:
             "megapixels": round(sum(h * w for h, w in report.shapes.values()) / 1e6, 1)}
 
 
-def big_scene(side: int = 20000) -> Path:
-    """A ``side^2`` 4-band uint8 tiled scene (+ mask) under data/, written once."""
-    root = DATA / f"preflight_{side}"
+def big_scene(side: int = 20000, data: Path = DATA) -> Path:
+    """A ``side^2`` 4-band uint8 tiled scene (+ mask) under ``data``, written once."""
+    root = data / f"preflight_{side}"
     image = root / "train" / "scene_0_image.tif"
     if not image.exists():
         (root / "train").mkdir(parents=True, exist_ok=True)
@@ -88,17 +90,18 @@ class EpochClock(pl.Callback):
         self.on_train_epoch_start(trainer, pl_module)
 
 
-def demo_epoch_s(epochs: int = 3) -> dict[str, object]:
+def demo_epoch_s(epochs: int = 3, data: Path = DATA, overrides: tuple[str, ...] = ()
+                 ) -> dict[str, object]:
     """Seconds per demo epoch (training + validation), timed inside one ``seg-train`` run."""
     with tempfile.TemporaryDirectory() as run:
         stamps = Path(run) / "epochs.txt"
         cmd = [sys.executable, "-m", "seg_at_scale.cli.train", f"hydra.run.dir={run}/run",
                f"trainer.max_epochs={epochs}", "predict_after_fit=false", "logger=csv",
                "trainer.enable_progress_bar=false",
-               "+callbacks.clock._target_=bench_preflight.EpochClock"]
+               "+callbacks.clock._target_=bench_preflight.EpochClock", *overrides]
         path = os.pathsep.join([str(ROOT), str(ROOT / "experiments")])
         subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT,
-                       env={**os.environ, "SEG_DATA_DIR": str(DATA), "PYTHONPATH": path,
+                       env={**os.environ, "SEG_DATA_DIR": str(data), "PYTHONPATH": path,
                             "BENCH_EPOCH_LOG": str(stamps)})
         times = [float(t) for t in stamps.read_text().split()]
     gaps = np.diff(times)
@@ -133,14 +136,31 @@ def strip_reads(height: int = 20000, width: int = 1024, side: int = 512) -> dict
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_harness_args(p, "256^2 demo scenes (2 + 1 + 1), a 2000^2 scene, 2 epochs, 2000-row strip")
+    args = p.parse_args(argv)
     load_before = os.getloadavg()
-    make_dataset(DEMO, splits={"train": 8, "val": 2, "test": 1}, height=1024, width=1024, seed=0)
-    demo = timed_preflight(DEMO, ["train", "val", "test"])
-    big = timed_preflight(big_scene(), ["train"])
-    epoch = demo_epoch_s()
-    reads = strip_reads()
+    side, big_side, strip_rows, epochs, overrides = 1024, 20000, 20000, 3, ()
+    data, splits = DATA, {"train": 8, "val": 2, "test": 1}
+    tmp = None
+    if args.quick:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_preflight_")
+        side, big_side, strip_rows, epochs, data = 256, 2000, 2000, 2, Path(tmp.name)
+        splits = {"train": 2, "val": 1, "test": 1}
+        overrides = ("data.synthetic.height=256", "data.synthetic.width=256",
+                     "data.synthetic.splits={train:2,val:1,test:1}",
+                     "tiling.samples_per_epoch=16")
+    demo_root = data / f"synthetic_{side}x{side}_s0"
+    make_dataset(demo_root, splits=splits, height=side, width=side, seed=0)
+    demo = timed_preflight(demo_root, ["train", "val", "test"])
+    big = timed_preflight(big_scene(big_side, data), ["train"])
+    epoch = demo_epoch_s(epochs, data, overrides)
+    reads = strip_reads(strip_rows)
+    if tmp is not None:
+        tmp.cleanup()
     figures = {
+        "quick": args.quick,
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "demo": demo, "scene_20000": big, "demo_epoch": epoch,
@@ -151,7 +171,7 @@ def main() -> None:
             "scene_20000_warm": round(big["warm_s"] / epoch["one_epoch_s"], 4)},
         "strip_reads_20000x1024": reads,
     }
-    save("bench_preflight", figures)
+    save("bench_preflight", figures, args.out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Model: same-padding U-Net, 4 levels, base width 16 (``small``), fp32, seeded.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import save
+from common import add_harness_args, save
 
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.models import UNet
@@ -64,12 +63,15 @@ def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
                for x, y in zip(a, b))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--side", type=int, default=1536)
     ap.add_argument("--q", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    add_harness_args(ap, "256^2 scene, q 2, one timed step")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.side, args.q, args.repeats = 256, 2, 1
     res: dict[str, Any] = {"side": args.side, "q": args.q, "tiles": args.q**2}
     with tempfile.TemporaryDirectory() as tmp:
         runs = {}
@@ -90,8 +92,7 @@ def main() -> None:
     ref = [p.grad for p in net.parameters()]
     res["grad_rel_diff_2proc_vs_untiled_float64"] = rel(runs[2]["grads"], ref)
     res["grad_rel_diff_1proc_vs_untiled_float64"] = rel(runs[1]["grads"], ref)
-    print(json.dumps(res, indent=2))
-    save("bench_sample_parallel", res)
+    save("bench_sample_parallel", res, args.out)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import save
+from common import add_harness_args, save, skip
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "slurm"), str(REPO / "tests")]
@@ -49,6 +49,9 @@ TRAIN = ["logger=csv", "model=unet_small", "data.synthetic.height=1024",
          "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
          "trainer.log_every_n_steps=1", "task.optimizer._target_=torch.optim.SGD",
          "~task.optimizer.weight_decay", "task.optimizer.lr=0.05", "task.scheduler=null"]
+QUICK = [{"model=unet_small": "model=unet_tiny", "data.synthetic.height=1024":
+          "data.synthetic.height=256", "data.synthetic.width=1024": "data.synthetic.width=256",
+          "trainer.max_epochs=3": "trainer.max_epochs=2"}.get(k, k) for k in TRAIN]
 CONSOLE = ('#!{python}\nimport sys\nfrom {module} import main\nif __name__ == "__main__":\n'
            '    sys.exit(main())\n')
 
@@ -113,17 +116,20 @@ def weights(run: Path) -> dict[str, torch.Tensor]:
     return ckpt["state_dict"]
 
 
-def bench_training(cluster: Cluster, env: dict[str, str], tmp: Path) -> dict[str, Any]:
+def bench_training(cluster: Cluster, env: dict[str, str], tmp: Path,
+                   train: list[str] = TRAIN) -> dict[str, Any]:
     res: dict[str, Any] = {"problem": "2 images 1024x1024 x 4 tiles (q=2), unet_small, SGD, "
-                           "3 epochs; steps of epochs 2-3"}
+                           "3 epochs; steps of epochs 2-3" if train is TRAIN else
+                           "2 images 256x256 x 4 tiles (q=2), unet_tiny, SGD, 2 epochs; "
+                           "steps of epoch 2"}
     before = load()
     wall1, _ = one_process([sys.executable, "-m", "seg_at_scale.cli.train",
-                            f"hydra.run.dir={tmp / 'train1'}", *TRAIN], env, tmp)
+                            f"hydra.run.dir={tmp / 'train1'}", *train], env, tmp)
     res["one_process"] = {"image_step_s": statistics.median(image_steps(tmp / "train1", 2)),
                           "wall_s": round(wall1, 1), "load_before": before,
                           "load_after": load()}
     before = load()
-    wall2, _ = two_nodes(cluster, "train.sbatch", [f"hydra.run.dir={tmp / 'train2'}", *TRAIN],
+    wall2, _ = two_nodes(cluster, "train.sbatch", [f"hydra.run.dir={tmp / 'train2'}", *train],
                          env, tmp, "train2")
     res["two_nodes"] = {"image_step_s": statistics.median(image_steps(tmp / "train2", 2)),
                         "wall_s": round(wall2, 1), "load_before": before, "load_after": load()}
@@ -159,25 +165,33 @@ def bench_prediction(cluster: Cluster, env: dict[str, str], tmp: Path, side: int
     return res
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--side", type=int, default=4096, help="prediction raster side")
     ap.add_argument("--repeats", type=int, default=2, help="prediction pairs")
-    args = ap.parse_args()
+    add_harness_args(ap, "tiny U-Net on 2 images of 256^2 for 2 epochs; one 512^2 prediction")
+    args = ap.parse_args(argv)
     reason = unavailable()
+    if reason and args.quick:
+        skip(f"needs Slurm ({reason})")
+        return
     if reason:
         raise SystemExit(f"bench_slurm: {reason}")
+    train = QUICK if args.quick else TRAIN
+    if args.quick:
+        args.side, args.repeats = 512, 1
     with tempfile.TemporaryDirectory(prefix="bench-slurm-", dir="/tmp") as name:
         tmp = Path(name)
         os.chmod(tmp, 0o755)
-        cluster = Cluster.create(tmp / "cluster")
+        # its own name and job ids: the rendezvous ports differ from a test cluster's
+        cluster = Cluster.create(tmp / "cluster", name="segbench", first_job_id=8001)
         cluster.start()
         try:
             env = env_of(tmp, bin_dir(tmp))
             version = cluster.client("sinfo", "-V").stdout.strip()
             figures: dict[str, Any] = {"cluster": "2 slurmd (1 CPU each) on this host, "
                                        f"{version}", "started": datetime.now().isoformat()}
-            figures["training"] = bench_training(cluster, env, tmp)
+            figures["training"] = bench_training(cluster, env, tmp, train)
             print(json.dumps(figures["training"], indent=2), flush=True)
             figures["prediction"] = bench_prediction(cluster, env, tmp, args.side, args.repeats)
         finally:
@@ -185,7 +199,7 @@ def main() -> None:
         figures["left_running_after_stop"] = left
         import lightning_fabric
         figures["versions"] = {"lightning": lightning_fabric.__version__}
-    save("bench_slurm", figures)
+    save("bench_slurm", figures, args.out)
 
 
 if __name__ == "__main__":

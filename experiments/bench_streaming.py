@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import peak_rss_self_mib, run_isolated, save
+from common import add_harness_args, peak_rss_self_mib, run_isolated, save
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.sources.synthetic import write_scene
@@ -146,10 +146,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tile-sizes", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--probe-rows", type=int, default=2048, help="rows of the probe strip")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per baseline")
-    p.add_argument("--quick", action="store_true", help="2048 px smoke run")
+    add_harness_args(p, "1024 px scene (fp32: 512 px), tile 512, one timed call")
     args = p.parse_args(argv)
     if args.quick:
-        args.size, args.fp32_size, args.tile_sizes = 2048, 1024, [512, 1024]
+        args.size, args.fp32_size, args.tile_sizes = 1024, 512, [512]
         args.probe_rows, args.repeats = 512, 1
     return args
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         r["streaming_over_baseline"] = round(r["mpix_per_s"] / b["image_mpix_per_s"], 3)
         r["peak_rss_ok"] = r["peak_rss_mib"] <= RSS_LIMIT_MIB
     fast = full["bf16_channels_last"]
-    save("bench_streaming_quick" if args.quick else "bench_streaming", {
+    save("bench_streaming", {
         "model": "UNet(4 bands, 5 classes, levels=3, convs_per_level=2, base_width=8, same)",
         "footprint": str(tiny_model(False).footprint()),
         "input": {"path": str(image.relative_to(DATA.parents[1])), "generated_s": gen_s,
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
                                 and args.size >= 20000)},
         "baseline": base, "probe": probes, "chosen_tile_size": best, "full": full,
         "threads": torch.get_num_threads(), "load_avg_start_end": [load0, os.getloadavg()],
-    })
+    }, args.out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import random_feature_init, save
+from common import add_harness_args, random_feature_init, save
 
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.models import UNet
@@ -125,12 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paddings", nargs="+", default=["same", "valid"],
                    choices=["same", "valid"])
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--quick", action="store_true", help="512 x 512, small tiles, 1 round")
-    p.add_argument("--name", default="bench_tiled_inference", help="results/<name>.json")
+    p.add_argument("--name", default="bench_tiled_inference", help="the result's benchmark name")
+    add_harness_args(p, "384 x 384, U-Net levels 3 width 8, tile 192, q 2, 1 round")
     args = p.parse_args(argv)
     if args.quick:
-        args.size, args.tile_sizes, args.q, args.repeats = 512, [256], [2], 1
-        args.name += "_quick"
+        args.size, args.tile_sizes, args.q, args.repeats = 384, [192], [2], 1
+        args.levels, args.width = 3, 8
     return args
 
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             "min_labels_identical_fraction": min(r["labels_identical_fraction"] for r in tiled),
             "all_bit_identical": all(r["bit_identical"] for r in tiled),
         },
-    })
+    }, args.out)
 
 
 if __name__ == "__main__":

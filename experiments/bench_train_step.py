@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
-from common import RESULTS, peak_rss_self_mib, run_isolated, save
+from common import RESULTS, add_harness_args, peak_rss_self_mib, run_isolated, save
 
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.models import UNet
@@ -248,11 +248,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="side of the float64 tiled-vs-untiled exactness check")
     p.add_argument("--skip-scaling", action="store_true",
                    help="carry the memory-scaling sections over from the saved results")
-    p.add_argument("--quick", action="store_true", help="512 px smoke run")
+    add_harness_args(p, "256 px comparison at q 2, scaling runs up to 384 px")
     args = p.parse_args(argv)
     if args.quick:
-        args.side, args.untiled_sides, args.tiled_sides = 512, [256, 384, 512], [512, 1024]
-        args.scale_tile, args.exact_side = 256, 128
+        args.side, args.q, args.untiled_sides = 256, [2], [128, 192, 256]
+        args.tiled_sides, args.scale_tile, args.exact_side, args.f64_q = [256, 384], 256, 64, 2
     return args
 
 
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     load0 = os.getloadavg()
     cmp = compare(args)
     exact = exactness_f64(args.exact_side, args.q)
-    name = "bench_train_step_quick" if args.quick else "bench_train_step"
+    name = "bench_train_step"
     if args.skip_scaling:
         old = json.loads((RESULTS / f"{name}.json").read_text())
         note = f"carried over from the run of {old['date']} (--skip-scaling)"
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
         "side": args.side, "compare": cmp, "exactness_float64": exact, **scaling,
         "load_avg_start_end": [load0, os.getloadavg()],
     }
-    save(name, figures)
+    save(name, figures, args.out)
 
 
 if __name__ == "__main__":

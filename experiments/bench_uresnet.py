@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
-from common import run_isolated, save
+from common import add_harness_args, run_isolated, save
 
 from seg_at_scale.data.sources.cosmic import downsample_event, read_cosmic_h5, synthetic_event
 from seg_at_scale.models import URESNET_SIZES, UResNet
@@ -57,10 +57,11 @@ def _event(ds: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.from_numpy(ev.labels.astype(np.int64))[None])
 
 
-def train_steps(ds: int, steps: int, q: tuple[int, int] | None) -> dict[str, Any]:
+def train_steps(ds: int, steps: int, q: tuple[int, int] | None,
+                preset: str = "cosmic") -> dict[str, Any]:
     """Child process: ``steps`` timed exact whole-image steps after one warm-up."""
     torch.manual_seed(0)
-    net = UResNet(**URESNET_SIZES["cosmic"].kwargs(), batch_norm=False)
+    net = UResNet(**URESNET_SIZES[preset].kwargs(), batch_norm=False)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     loss = CosmicLoss(3, 3, "light")
     x, t = _event(ds)
@@ -95,7 +96,8 @@ def _fit(rows: list[dict[str, Any]], key: str) -> tuple[float, float] | None:
 
 def _variant(name: str, ds: int, steps: int, q: tuple[int, int] | None, pixels: int,
              rows: list[dict[str, Any]], max_gib: float,
-             computed_pixels: int | None = None, free_frac: float = 0.7) -> dict[str, Any]:
+             computed_pixels: int | None = None, free_frac: float = 0.7,
+             preset: str = "cosmic") -> dict[str, Any]:
     """One row; ``pixels``: the largest forward (memory), ``computed_pixels``: all (time)."""
     mem_fit, time_fit = _fit(rows, "peak_rss_mib"), _fit(rows, "s_per_step")
     predicted = _predict_mib(mem_fit, pixels)
@@ -111,7 +113,7 @@ def _variant(name: str, ds: int, steps: int, q: tuple[int, int] | None, pixels: 
                 "why": f"predicted {predicted / 1024:.1f} GiB > --max-gib {max_gib} or "
                        f"{free_frac:.0%} of the {free_mib / 1024:.1f} GiB free"}
     else:
-        out = run_isolated(train_steps, ds, steps, q)
+        out = run_isolated(train_steps, ds, steps, q, preset)
         if out["status"] != "ok":
             raise RuntimeError(f"{name}: {out['result']}")
         row |= {"peak_rss_mib": round(out["peak_rss_mib"]), **out["result"]}
@@ -124,19 +126,24 @@ def throughput(args: argparse.Namespace) -> None:
     load0 = os.getloadavg()
     torch.set_num_threads(os.cpu_count() or 1)
     rows: list[dict[str, Any]] = []
-    for ds, steps in ((4, 2), (2, 1), (1, 1)):
+    # --quick: the tiny preset, downsampled 16 / 8 / 4 untiled, the tiled step at 4
+    preset, top = ("tiny", 4) if args.quick else ("cosmic", 1)
+    steps_of = ((16, 1), (8, 1), (4, 1)) if args.quick else ((4, 2), (2, 1), (1, 1))
+    for ds, steps in steps_of:
         px = FULL[0] * FULL[1] // ds**2
         rows.append(_variant(f"untiled_ds{ds}", ds, steps, None, px, rows, args.max_gib,
-                             free_frac=args.free_frac))
-    net = UResNet(**URESNET_SIZES["cosmic"].kwargs(), batch_norm=False)
+                             free_frac=args.free_frac, preset=preset))
+    net = UResNet(**URESNET_SIZES[preset].kwargs(), batch_norm=False)
     fp = net.footprint()
-    grid = make_grid(*FULL, fp, q=(1, 2))
+    grid = make_grid(FULL[0] // top, FULL[1] // top, fp, q=(1, 2))
     tile_px = max(t.read.area for t in grid)
-    tiled = _variant("tiled_full_q1x2", 1, 1, (1, 2), tile_px, rows, args.max_gib,
-                     computed_pixels=sum(t.read.area for t in grid), free_frac=args.free_frac)
+    tiled = _variant("tiled_full_q1x2", top, 1, (1, 2), tile_px, rows, args.max_gib,
+                     computed_pixels=sum(t.read.area for t in grid), free_frac=args.free_frac,
+                     preset=preset)
     untiled = rows[-1]
     save("bench_uresnet", {
-        "model": {"preset": "cosmic", **URESNET_SIZES["cosmic"].kwargs(),
+        "quick": args.quick,
+        "model": {"preset": preset, **URESNET_SIZES[preset].kwargs(),
                   "growth": "additive", "batch_norm": False,
                   "parameters": sum(p.numel() for p in net.parameters()),
                   "halo": fp.halo, "context": fp.context, "align": fp.align},
@@ -151,7 +158,7 @@ def throughput(args: argparse.Namespace) -> None:
                     "the width is the only useful split, so tiling saves little at 1280 x 2048"},
         "reference": "CosmicTagger reports ~3.4 images/s per A100 (DDP) at full resolution",
         "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-    })
+    }, args.out)
 
 
 # ----- the learning run --------------------------------------------------------------------
@@ -222,10 +229,10 @@ def learn(args: argparse.Namespace) -> None:
         "passed": best >= 0.7 and wall <= 15 * 60 + 120,
         "real_file_ds4_smoke_test": real,
         "note": args.note, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-    })
+    }, args.out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-gib", type=float, default=8.0,
                     help="run a variant only if its predicted peak memory is below this")
@@ -238,7 +245,8 @@ def main() -> None:
     ap.add_argument("--run", help="summarise this finished run folder instead of training")
     ap.add_argument("--workdir", default="/tmp/bench_uresnet_runs",
                     help="data and run folders of the learning run (outside the repo)")
-    args = ap.parse_args()
+    add_harness_args(ap, "the tiny preset on the event downsampled by 16, 8 and 4 (tiled)")
+    args = ap.parse_args(argv)
     learn(args) if args.train else throughput(args)
 
 

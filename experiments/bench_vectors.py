@@ -161,11 +161,16 @@ def versions() -> dict:
             "geopandas": geopandas.__version__}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[10000, 20000])
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="smoke run: one 1000^2 scene")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result JSON (default experiments/results/bench_vectors.json)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes = [1000]
     if args.child:
         print(json.dumps(child(*args.child)))
         return
@@ -189,7 +194,7 @@ def main() -> None:
     figures["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     from common import save  # imports torch: not in the measured children
 
-    save("bench_vectors", figures)
+    save("bench_vectors", figures, args.out)
 
 
 if __name__ == "__main__":

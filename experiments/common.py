@@ -6,6 +6,7 @@ together with :func:`machine`, so a number always travels with the machine it ca
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing as mp
 import os
@@ -69,10 +70,32 @@ def save(name: str, figures: dict[str, Any], path: Path | None = None) -> Path:
            "machine": machine(), "loadavg_at_save": list(os.getloadavg()), **figures}
     path = path or RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2, default=float) + "\n")
-    print(json.dumps(doc, indent=2, default=float))
+    path.write_text(json.dumps(doc, indent=2, default=_plain) + "\n")
+    print(json.dumps(doc, indent=2, default=_plain))
     print(f"saved {path}")
     return path
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what ``json`` lacks: paths as text, numbers (numpy, tensors) as floats."""
+    return str(value) if isinstance(value, Path) else float(value)
+
+
+def add_harness_args(parser: argparse.ArgumentParser, quick: str) -> argparse.ArgumentParser:
+    """``--quick`` (a smoke run of seconds: ``quick`` says what it shrinks) and ``--out``.
+
+    Every benchmark takes both (``experiments/bench.py`` passes them through); the quick run
+    takes the same code path and writes the same schema, on tiny sizes.
+    """
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result JSON (default experiments/results/<name>.json)")
+    return parser
+
+
+def skip(reason: str) -> None:
+    """The one line a benchmark prints when this machine cannot run it (it writes nothing)."""
+    print(f"skipped: {reason}", flush=True)
 
 
 def _child(fn: Callable[..., Any], args: tuple, queue: mp.Queue) -> None:

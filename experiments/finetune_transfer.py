@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import RESULTS, save
+from common import RESULTS, add_harness_args, save
 from safetensors.torch import save_file
 
 from seg_at_scale.data.synthetic import SceneGenerator
@@ -159,12 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--name", default="finetune_transfer")
+    p.add_argument("--name", default="finetune_transfer", help="the result's benchmark name")
+    add_harness_args(p, "32 pretraining tiles, 1 + 2 epochs, 1 seed")
     args = p.parse_args(argv)
     if args.quick:
         args.pretrain_tiles, args.pretrain_epochs, args.epochs, args.seeds = 32, 1, 2, 1
-        args.name += "_quick"
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     load = [os.getloadavg()]
@@ -183,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         curves["from scratch"].append(train(unet(4), few, args.epochs, 4, 1e-3,
                                             evaluate=lambda m: miou(m, held), seed=seed))
         load.append(os.getloadavg())
-    png = RESULTS / f"{args.name}.png"
+    png = args.out.with_suffix(".png") if args.out else RESULTS / f"{args.name}.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(curves, png)
     final = {k: float(np.mean([c[-1] for c in v])) for k, v in curves.items()}
@@ -196,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         "method": "Both domains" + __doc__.split("Both domains")[1].rstrip(),
         "config": vars(args), "pretrain_val_miou_domain_a": pre_miou,
         "miou_by_epoch": curves, "final_mean_miou": final, "plot": str(png.name),
-        "loadavg": load, "wall_s": round(time.perf_counter() - t0)})
+        "loadavg": load, "wall_s": round(time.perf_counter() - t0)}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The synthetic cosmic task learned on this CPU in a fixed wall-time budget (issue 5).
 
     .venv/bin/python experiments/learn_cosmic.py                      # experiment=cosmic_quick
-    .venv/bin/python experiments/learn_cosmic.py --out probe task.optimizer.lr=0.01
+    .venv/bin/python experiments/learn_cosmic.py --name probe task.optimizer.lr=0.01
+    .venv/bin/python experiments/learn_cosmic.py --quick --out /tmp/r.json   # smoke run
 
 Launches ``seg-train experiment=cosmic_quick`` (plus any extra Hydra overrides) in a child
 process and measures it from outside: wall time, the child's CPU time (user + sys, from
@@ -10,7 +11,9 @@ the wall time at which each epoch's validation row appears in the run's ``metric
 Then it scores the best checkpoint on the real CosmicTagger file's 5 events at the same
 downsampling when the file named by ``COSMIC_H5`` (default
 ``data/cosmic_tagging_light.h5``) exists (a smoke test, not a result) and prints and
-saves ``results/<--out>.json`` (default ``bench_uresnet_learn``).
+saves ``results/<--name>.json`` (default ``bench_uresnet_learn``; ``--out`` names another
+path). ``--quick`` trains a depth-3 network for one epoch on 2 + 1 events generated in a
+temporary folder: the same command and figures, seconds instead of minutes.
 
 The synthetic events are generated once under ``--data-root`` (outside the repo); if they
 are not there yet, generating them is part of the child's wall time (reported apart as
@@ -24,17 +27,20 @@ import csv
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-from common import save
+from common import add_harness_args, save
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.7
 BUDGET_S = 15 * 60
+QUICK = ["data.synthetic.splits={train:2,val:1}", "trainer.max_epochs=1", "model.depth=3"]
 
 
 def _val_rows(run: Path) -> list[dict[str, str]]:
@@ -70,17 +76,22 @@ class Watcher(threading.Thread):
                 self.first_step_s = round(now, 1)  # the CSV logger writes from step 10 on
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for seg-train")
     ap.add_argument("--experiment", default="cosmic_quick")
     ap.add_argument("--data-root", default="/tmp/cos_learn/data",
                     help="synthetic events (generated on first use, outside the repo)")
     ap.add_argument("--workdir", default="/tmp/cos_learn", help="run folders go here")
-    ap.add_argument("--out", default="bench_uresnet_learn", help="results/<out>.json")
+    ap.add_argument("--name", default="bench_uresnet_learn", help="the result's benchmark name")
     ap.add_argument("--note", default="")
     ap.add_argument("--no-real", action="store_true", help="skip the real-file smoke test")
-    args = ap.parse_args()
+    add_harness_args(ap, "depth 3, one epoch of 2 events (+ 1 validation), no real file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.workdir = tempfile.mkdtemp(prefix="learn_cosmic_quick_")
+        args.data_root, args.no_real = str(Path(args.workdir) / "data"), True
+        args.overrides = [*QUICK, *args.overrides]
 
     run = Path(args.workdir) / f"{args.experiment}_{time.strftime('%H%M%S')}"
     had_data = (Path(args.data_root) / "manifest.json").exists()
@@ -126,7 +137,7 @@ def main() -> None:
                  ["parameters"]["downsample"])
         real = evaluate_real(run, summary["checkpoint"], ds) if REAL.exists() else None
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
-    save(args.out, {
+    save(args.name, {
         "command": "seg-train " + " ".join(overrides),
         "run_dir": str(run),
         "wall_s": round(wall, 1),
@@ -149,7 +160,9 @@ def main() -> None:
         "passed": bool(reached and reached["wall_s"] <= BUDGET_S),
         "real_file_smoke_test": real,
         "note": args.note,
-    })
+    }, args.out)
+    if args.quick:
+        shutil.rmtree(args.workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
