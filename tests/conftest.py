@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
+# OpenMP threads that finish their share of an op spin-wait for the next one (libgomp's
+# default, ~0.2 s): on a loaded machine (the workers, their subprocesses and DDP ranks on 2
+# cores) that burns the CPU the others need: a tiny seg-train took 13 CPU-s, 6 when its
+# threads wait passively (same threads, same results). Set before torch is imported here,
+# and passed on to every subprocess, including those the tests give a bare environment.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+_popen_init = subprocess.Popen.__init__
 
-import seg_at_scale.cli  # noqa: F401  (registers the configs' resolvers, as the commands do)
-from seg_at_scale.io import example_geotags, write_raster
+
+def _passive_openmp(self, args, *more, env=None, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    if env is not None and "OMP_WAIT_POLICY" not in env:
+        env = {**env, "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
+    _popen_init(self, args, *more, env=env, **kwargs)
+
+
+subprocess.Popen.__init__ = _passive_openmp  # type: ignore[method-assign]
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import seg_at_scale.cli  # noqa: F401, E402  (registers the configs' resolvers, as the commands do)
+from seg_at_scale.io import example_geotags, write_raster  # noqa: E402
 
 
 @pytest.fixture()
@@ -64,6 +83,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return FIRST.index(name) if name in FIRST else len(FIRST)
 
     items.sort(key=rank)  # stable: the rest keep their order
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadscope`` (``make test``) with every Slurm module in one scope.
+
+    A module's tests share one worker and its module fixtures, as with ``loadscope``; the
+    Slurm modules run together on one worker, which starts one test cluster and one
+    one-process reference (``tests/slurm``) and mostly waits on the cluster while the other
+    workers use the CPU. (``--dist loadgroup`` would do it with ``xdist_group`` marks, but
+    pytest-xdist 3.8 renames the items through an attribute pytest 9 no longer reads.)
+    """
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlurmTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/slurm" if nodeid.startswith("tests/slurm/") else \
+                super()._split_scope(nodeid)
+
+    return SlurmTogether(config, log)
 
 
 @pytest.fixture(scope="module")
