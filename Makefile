@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all test-gpu gpu-check test-slurm slurm-up slurm-down lint bench clean-data install
+.PHONY: demo test test-all test-gpu gpu-check test-slurm slurm-up slurm-down lint bench bench-smoke clean-data install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,9 +56,15 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-## benchmark scripts (JSON under experiments/results/)
+## every benchmark at full size, one after another (JSON under experiments/results/; hours;
+## `experiments/bench.py list` names them, `experiments/bench.py <name>` runs one)
 bench: $(STAMP)
-	for b in experiments/bench_*.py; do $(PY) $$b || exit 1; done
+	for b in $$($(PY) experiments/bench.py list | cut -d' ' -f1); do \
+	    $(PY) experiments/bench.py $$b || exit 1; done
+
+## each benchmark's quick smoke run (seconds each; tests/test_benchmarks.py, -m bench)
+bench-smoke: $(STAMP)
+	$(PY) -m pytest -q -m bench tests/test_benchmarks.py -n auto
 
 clean-data:
 	rm -rf data runs multirun outputs

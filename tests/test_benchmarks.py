@@ -1,0 +1,84 @@
+"""Every benchmark of ``experiments/`` runs its quick smoke run and writes the one schema.
+
+``make bench-smoke`` (``-m bench``; the default run leaves these out). Each test runs
+``experiments/bench.py <name> --quick --out <tmp>/r.json`` in a subprocess, as a person
+would, and checks the exit status and the JSON: the keys ``common.save`` writes, and at
+least one figure beyond them. A benchmark this machine cannot run (``bench_gpu`` without
+CUDA, ``bench_slurm`` without Slurm) must say ``skipped: ...`` on one line, exit 0 and
+write nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "experiments" / "bench.py"
+SCHEMA = ("benchmark", "commit", "date", "machine", "loadavg_at_save")
+
+
+def _names() -> list[str]:
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench
+    finally:
+        sys.path.pop(0)
+    return list(bench.benchmarks())
+
+
+def _cannot_run(name: str) -> str | None:
+    """Why this machine cannot run benchmark ``name``, or None."""
+    if name == "bench_gpu":
+        import torch
+
+        return None if torch.cuda.is_available() else "needs CUDA"
+    if name == "bench_slurm":
+        sys.path.insert(0, str(ROOT / "tests" / "slurm"))
+        try:
+            from cluster import unavailable
+        finally:
+            sys.path.pop(0)
+        return unavailable()
+    return None
+
+
+def test_list_names_every_benchmark_with_its_description() -> None:
+    out = subprocess.run([sys.executable, str(BENCH), "list"], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    listed = {line.split()[0]: line.split(None, 1)[1] for line in out}
+    assert list(listed) == _names()
+    assert {"bench_feed", "bench_gpu", "finetune_transfer", "learn_cosmic"} <= set(listed)
+    assert "gpu_common" not in listed and "common" not in listed  # helpers, not benchmarks
+    assert all(len(what) > 10 for what in listed.values())
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("name", _names())
+def test_quick_run_writes_the_schema(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    env = {**os.environ, "CI": "true"}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(BENCH), name, "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    seconds = time.perf_counter() - t0
+    print(f"{name} --quick: {seconds:.1f} s")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    reason = _cannot_run(name)
+    if reason:
+        skips = [line for line in proc.stdout.splitlines() if line.startswith("skipped: ")]
+        assert len(skips) == 1, proc.stdout[-2000:]
+        assert not out.exists()
+        return
+    doc = json.loads(out.read_text())
+    assert list(doc)[:len(SCHEMA)] == list(SCHEMA)
+    assert isinstance(doc["benchmark"], str) and doc["benchmark"]
+    assert isinstance(doc["machine"], dict) and doc["machine"]["cores"]
+    assert len(doc["loadavg_at_save"]) == 3
+    assert set(doc) - set(SCHEMA), "no figures beyond the schema"
