@@ -134,7 +134,8 @@ def large_scene(name: str, run: Path, folder: Path, work: Path, repeats: int = 2
             "archive_vs_alone": round(t_alone / t_arch, 3)}
 
 
-def measure(name: str, run: Path, folder: Path, megapixels: float) -> dict[str, Any]:
+def measure(name: str, run: Path, folder: Path, megapixels: float,
+            large_repeats: int = 2) -> dict[str, Any]:
     work = DATA / "out" / folder.name / name  # one folder per archive size
     print(f"[{name}] shell loop ...", flush=True)
     t_loop = loop(run, folder, work / "loop")
@@ -149,7 +150,7 @@ def measure(name: str, run: Path, folder: Path, megapixels: float) -> dict[str, 
             "vs_loop": round(t_loop / t, 2),
             "identical_to_loop": same_bytes(work / "loop", work / f"archive_{processes}"),
             "large_tiles_by_rank": json.loads(large["tiles_by_rank"])}
-    figures["large"] = large_scene(name, run, folder, work)
+    figures["large"] = large_scene(name, run, folder, work, large_repeats)
     return figures
 
 
@@ -159,13 +160,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--side", type=int, default=1000)
     p.add_argument("--large", type=int, default=8000)
     p.add_argument("--run", help="a trained run of the demo's small U-Net (default: random)")
-    p.add_argument("--quick", action="store_true", help="8 x 400^2 + 1200^2: a harness check")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 x 256^2 + 768^2, the tiny U-Net only, the large scene once")
     p.add_argument("--out", help="JSON path (default experiments/results/bench_archive.json)")
     p.add_argument("--large-only", action="store_true",
                    help="only the large scene's comparison, merged into the --out JSON")
     args = p.parse_args(argv)
     if args.quick:
-        args.scenes, args.side, args.large = 8, 400, 1200
+        args.scenes, args.side, args.large = 2, 256, 768
     folder = scenes(args.scenes, args.side, args.large)
     megapixels = 0.0
     for image in folder.glob("*.tif"):
@@ -185,7 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         save("bench_archive", {k: v for k, v in doc.items() if k not in ("benchmark",
                                                                            "machine")}, path)
         return
-    figures = {name: measure(name, run, folder, megapixels) for name, run in runs.items()}
+    if args.quick:
+        runs.pop("small_unet")
+    figures = {name: measure(name, run, folder, megapixels, 1 if args.quick else 2)
+               for name, run in runs.items()}
     save("bench_archive", {
         "scenes": args.scenes, "side": args.side, "large": args.large,
         "megapixels": round(megapixels, 1), "small_unet_trained": bool(args.run),

@@ -122,11 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--probe-tile", type=int, default=256)
     ap.add_argument("--plan-batch", type=int, default=8)
     ap.add_argument("--plan-only", action="store_true")
-    add_harness_args(ap, "64 px tiles, batch 4, 2 chunks, one timed step (the plans as in "
-                         "the full run: a smaller probe tile overstates the scaled memory)")
+    add_harness_args(ap, "64 px tiles, batch 4, 2 chunks, one timed step; plans profiled on "
+                         "128 px (below that the scaled profile fits no plan)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.tile, args.batch, args.chunks, args.repeats = 64, 4, 2, 1
+        args.tile, args.batch, args.chunks, args.repeats, args.probe_tile = 64, 4, 2, 1, 128
     torch.set_num_threads(args.threads)
     figures: dict[str, Any] = {"threads": args.threads}
     if not args.plan_only:

@@ -206,10 +206,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", type=int, default=20000)
     p.add_argument("--tile", type=int, default=1024)
     p.add_argument("--run", default="", help="a trained run folder (the demo's)")
-    add_harness_args(p, "3000 px scene, tile 512")
+    add_harness_args(p, "2048 px scene, tile 512")
     args = p.parse_args(argv)
     if args.quick:
-        args.size, args.tile = 3000, 512
+        args.size, args.tile = 2048, 512
     load0 = os.getloadavg()
     image = scene(args.size)
     run = Path(args.run) if args.run else fake_run(DATA / "small_unet_run")

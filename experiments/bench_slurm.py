@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--side", type=int, default=4096, help="prediction raster side")
     ap.add_argument("--repeats", type=int, default=2, help="prediction pairs")
-    add_harness_args(ap, "tiny U-Net on 2 images of 256^2 for 2 epochs; one 512^2 prediction")
+    add_harness_args(ap, "tiny U-Net on 2 images of 256^2 for 2 epochs; one 1024^2 prediction")
     args = ap.parse_args(argv)
     reason = unavailable()
     if reason and args.quick:
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench_slurm: {reason}")
     train = QUICK if args.quick else TRAIN
     if args.quick:
-        args.side, args.repeats = 512, 1
+        args.side, args.repeats = 1024, 1
     with tempfile.TemporaryDirectory(prefix="bench-slurm-", dir="/tmp") as name:
         tmp = Path(name)
         os.chmod(tmp, 0o755)
