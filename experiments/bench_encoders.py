@@ -27,7 +27,7 @@ normalised as ``(x / 255 - 0.5) / 0.25``. Runs, each a fresh process, one after 
 * *staged* (``--budget``): the image loaded in memory, ``predict_staged``: each stage of
   the network (the encoder's stages, then decoder + head) tiled over the whole feature maps
   with its own halo, tiles of at most ``budget`` floats: input windows and what the
-  stage's forward holds at once (since stop 35; before, input and output maps only) (deep
+  stage's forward holds at once (deep
   stages: one tile); fp32 channels_last and bf16; the stage plan (probe) is timed apart;
   the maps between stages in memory, or with ``--store`` in files read by window;
 * *MONAI*: the image loaded in memory, ``sliding_window_inference`` with Gaussian blending
