@@ -382,8 +382,10 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
     plans = []
     for i, s in enumerate(scenes):
         with RasterReader(s.image, nodata=options.nodata) as head:
-            scene_options = with_tile(options, model, trained.footprint, head.bands,
-                                      head.height, head.width, world)
+            bands, height, width = head.bands, head.height, head.width
+        scene_options = on_rank0(  # rank 0 measures, every rank takes its tile
+            lambda b=bands, h=height, w=width: with_tile(options, model, trained.footprint,
+                                                         b, h, w, world))
         plans.append(plan_raster(s.image, s.output, scene_options, fp=trained.footprint,
                                  normalizer=trained.normalizer, names=trained.class_names,
                                  weights=weights, device=device,

@@ -140,9 +140,11 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     fp = fp or footprint(model)
     device = next(model.parameters()).device
     norm = normalizer or Normalizer()
-    if o.tile_size == "auto" and o.q is None:
+    if o.tile_size == "auto" and o.q is None:  # rank 0 measures; every rank takes its tile
         with RasterReader(image, nodata=o.nodata) as head:
-            o = with_tile(o, model, fp, head.bands, head.height, head.width, world)
+            bands, height, width = head.bands, head.height, head.width
+        auto = o
+        o = on_rank0(lambda: with_tile(auto, model, fp, bands, height, width, world))
     plan = plan_raster(image, out_path, o, fp=fp, normalizer=norm,
                        names=_names(model, image, fp, class_names), weights=model_digest(model),
                        device=device, exact=exact)
