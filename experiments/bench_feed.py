@@ -34,10 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import fake_run, save
+from common import fake_run, save, synthetic_scene
 
-from seg_at_scale.data.sources.synthetic import write_scene
-from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.data.windows import RasterWindows
 from seg_at_scale.io import RasterReader
 from seg_at_scale.models.trained import load_run
@@ -51,14 +49,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "bench" / "feed"
 
 
 def scene(size: int) -> Path:
-    """The synthetic 4-band uint8 scene, 256^2 zlib tiles (written once)."""
-    image = DATA / f"scene{size}.tif"
-    if not image.exists():
-        DATA.mkdir(parents=True, exist_ok=True)
-        print(f"generating {image.name} ...", flush=True)
-        write_scene(image, image.with_name(image.stem + "_mask.tif"),
-                    SceneGenerator(0, size, size), overwrite=True)
-    return image
+    return synthetic_scene(DATA, size, compression="zlib")
 
 
 def predict(run: Path, image: Path, out: Path, tile: int | None = None) -> dict[str, Any]:

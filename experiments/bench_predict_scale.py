@@ -43,10 +43,8 @@ from typing import Any
 
 import psutil
 import torch
-from common import add_harness_args, fake_run, save
+from common import add_harness_args, fake_run, save, synthetic_scene
 
-from seg_at_scale.data.sources.synthetic import write_scene
-from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.data.windows import RasterWindows
 from seg_at_scale.io import RasterReader
 from seg_at_scale.models.trained import load_run
@@ -57,13 +55,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "bench" / "predict_scale"
 
 
 def scene(size: int) -> Path:
-    image = DATA / f"scene{size}.tif"
-    if not image.exists():
-        DATA.mkdir(parents=True, exist_ok=True)
-        print(f"generating {image.name} ...", flush=True)
-        write_scene(image, image.with_name(image.stem + "_mask.tif"),
-                    SceneGenerator(0, size, size), compression=None, overwrite=True)
-    return image
+    return synthetic_scene(DATA, size, compression=None)
 
 
 @contextlib.contextmanager

@@ -184,3 +184,17 @@ def fake_run(folder: Path, levels: int = 4, base_width: int = 16) -> Path:
     data = {"bands": 4, "num_classes": 5, "class_names": None, "ignore_index": 255,
             "nodata": None, "scale": 1 / 255, "mean": [0.5], "std": [0.25]}
     return write_run(folder, node, net, data)
+
+
+def synthetic_scene(folder: Path, size: int, compression: str | None = "zlib") -> Path:
+    """The synthetic 4-band uint8 scene of ``size``^2 in 256^2 tiles, written once."""
+    from seg_at_scale.data.sources.synthetic import write_scene
+    from seg_at_scale.data.synthetic import SceneGenerator
+
+    image = folder / f"scene{size}.tif"
+    if not image.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        print(f"generating {image.name} ...", flush=True)
+        write_scene(image, image.with_name(image.stem + "_mask.tif"),
+                    SceneGenerator(0, size, size), compression=compression, overwrite=True)
+    return image
