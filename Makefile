@@ -22,12 +22,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m seg_at_scale.cli.train $(ARGS)
 
-## the fast test suite, in parallel (slow tests: `make test-all`)
+## the fast test suite, in parallel (slow tests, and every command started fresh: `make test-all`)
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist loadscope --no-loadscope-reorder $(ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m "" $(ARGS)
+	SEG_TEST_COLD=1 $(PY) -m pytest -q -m "" $(ARGS)
 
 ## the CUDA paths on a GPU (tests/test_gpu.py; each skips with the reason where CUDA is absent)
 test-gpu: $(STAMP)

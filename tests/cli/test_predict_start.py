@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers import warm
 from helpers.prediction import chunks_written, env, make_image, make_model, make_run, predict_cmd
 
 from seg_at_scale.io import read_raster
@@ -59,8 +60,8 @@ def small_case(tmp_path_factory):
     run = make_run(tmp / "run", make_model("same", levels=3, width=8))
     image = make_image(tmp / "scene.tif", height=200, width=300)
     ref = tmp / "one" / "mask.tif"
-    out = subprocess.run(predict_cmd(run, image, ref, "tile_size=64"), capture_output=True,
-                         text=True, env=env(), timeout=300)
+    out = warm.run(predict_cmd(run, image, ref, "tile_size=64"), capture_output=True,
+                   text=True, env=env(), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return run, image, ref
 
@@ -70,16 +71,16 @@ def test_the_first_command_holds_the_lock_before_torch_and_the_second_is_refused
     run, image, ref = small_case
     out = tmp_path / "busy" / "mask.tif"
     lock = lock_path(out)
-    first = subprocess.Popen(_spied(predict_cmd(run, image, out, "tile_size=64")), env=env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = warm.popen(_spied(predict_cmd(run, image, out, "tile_size=64")), env=env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while not lock.exists() and first.poll() is None and time.time() < deadline:
             time.sleep(0.01)
         assert lock.exists(), "the first command never took the output lock"
         t0 = time.perf_counter()
-        second = subprocess.run(_spied(predict_cmd(run, image, out, "tile_size=64")), env=env(),
-                                capture_output=True, text=True, timeout=60)
+        second = warm.run(_spied(predict_cmd(run, image, out, "tile_size=64")), env=env(),
+                          capture_output=True, text=True, timeout=60)
         refused_s = time.perf_counter() - t0
         stdout, stderr = first.communicate(timeout=300)
     finally:
@@ -107,8 +108,8 @@ def test_an_archive_takes_its_own_lock_before_torch(small_case, tmp_path):
            f"images={scenes}", f"output_dir={out}"]
     with output_lock(out / "archive") as lock:  # another archive writing the same output_dir
         t0 = time.perf_counter()
-        res = subprocess.run(_spied(cmd), env=env(), capture_output=True, text=True,
-                             timeout=60)
+        res = warm.run(_spied(cmd), env=env(), capture_output=True, text=True,
+                       timeout=60)
         refused_s = time.perf_counter() - t0
     assert res.returncode == 2, res.stderr[-3000:]
     assert res.stderr.strip().splitlines() == [
@@ -129,8 +130,8 @@ def test_a_killed_rank_ends_the_run_at_once_naming_it_and_the_rerun_completes(sm
     run, image, ref = small_case
     out = tmp_path / "killed" / "mask.tif"
     cmd = predict_cmd(run, image, out, "tile_size=64", "processes=2")
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = warm.popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)
     ranks = []
     try:
         store = out.with_name(".mask.tif.zarr")
@@ -159,7 +160,7 @@ def test_a_killed_rank_ends_the_run_at_once_naming_it_and_the_rerun_completes(sm
     psutil.wait_procs(ranks, timeout=20)
     assert not out.exists() and not lock_path(out).exists()
     done = chunks_written(store)
-    again = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
+    again = warm.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     res = json.loads(again.stdout[again.stdout.index("{"):])
     assert res["tiles_resumed"] >= done - 2 and res["tiles_computed"] > 0

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from helpers import warm
 from helpers.cli import run_train, seg_train_here
 from omegaconf import OmegaConf
 
@@ -34,8 +35,8 @@ def seg_train(tmp: Path, *overrides: str, env: dict[str, str] | None = None
               ) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", *overrides]
     base = {"SEG_DATA_DIR": str(tmp / "data"), "PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"}
-    return subprocess.run(cmd, capture_output=True, text=True, env={**base, **(env or {})},
-                          timeout=300)
+    return warm.run(cmd, capture_output=True, text=True, env={**base, **(env or {})},
+                    timeout=300)
 
 
 @pytest.fixture(scope="module")

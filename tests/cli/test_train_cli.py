@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import warm
 from helpers.cli import CONF, TINY, run_train
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -85,7 +85,7 @@ def test_exact_grid_training_runs_and_multirun_sweeps(tmp_path):
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "-m", *TINY, "tiling=grid",
            "tiling.q=1,2", "predict_after_fit=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     env = {"SEG_DATA_DIR": str(tmp_path / "data"), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    out = warm.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(summaries) == 2

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import warm
 from helpers.cli import run_train, seg_train_here
 
 from seg_at_scale.data.config import data_config
@@ -42,8 +43,8 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def _train(tmp: Path, run: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(run, *overrides), capture_output=True, text=True,
-                          env=_env(tmp), timeout=300)
+    return warm.run(_cmd(run, *overrides), capture_output=True, text=True,
+                    env=_env(tmp), timeout=300)
 
 
 def _epoch(path: Path) -> int:
@@ -82,8 +83,8 @@ def test_resume_takes_the_newest_checkpoint_that_loads_or_refuses_naming_what_is
 
 def test_a_second_seg_train_into_the_same_folder_is_refused(tmp_path):
     run = tmp_path / "run"
-    first = subprocess.Popen(_cmd(run, "trainer.max_epochs=500"), env=_env(tmp_path),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = warm.popen(_cmd(run, "trainer.max_epochs=500"), env=_env(tmp_path),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (run / "checkpoints" / "last.ckpt").exists():  # the first one is training
         assert first.poll() is None and time.time() < deadline, first.stderr.read()[-2000:]
@@ -125,9 +126,9 @@ def test_a_zero_std_is_named_with_its_band():
 
 
 def _synth(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "seg_at_scale.cli.synth", *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    return warm.run([sys.executable, "-m", "seg_at_scale.cli.synth", *args],
+                    capture_output=True, text=True, timeout=timeout,
+                    env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
 
 
 def test_a_killed_dataset_synthesis_is_completed_by_the_same_command(tmp_path):
@@ -135,8 +136,8 @@ def test_a_killed_dataset_synthesis_is_completed_by_the_same_command(tmp_path):
     root = tmp_path / "ds"
     args = ["--out", str(root), "--height", "600", "--width", "600", "--train", "4", "--val",
             "1", "--test", "1"]
-    proc = subprocess.Popen([sys.executable, "-m", "seg_at_scale.cli.synth", *args],
-                            env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    proc = warm.popen([sys.executable, "-m", "seg_at_scale.cli.synth", *args],
+                      env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120
     while not list(root.glob("train/scene_0_mask.tif")):
         assert proc.poll() is None and time.time() < deadline

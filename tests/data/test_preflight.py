@@ -3,12 +3,12 @@ data and tiling groups validated; normalisation worked out from the data."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import warm
 from helpers.data import group
 from omegaconf import OmegaConf
 
@@ -94,8 +94,8 @@ def test_seg_train_stops_on_a_nan_before_training(tmp_path, scene_files) -> None
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "data=tiff", f"data.root={root}",
            "data.bands=4", "data.num_classes=5", "logger=csv", "model=unet_tiny",
            f"hydra.run.dir={tmp_path / 'run'}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={"PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"})
+    out = warm.run(cmd, capture_output=True, text=True, timeout=300,
+                   env={"PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"})
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"seg-train: error: '{root / 'val' / 's1_image.tif'}' has NaN pixels")

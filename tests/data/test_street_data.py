@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import cv2
 import numpy as np
 import pytest
 import pytorch_lightning as pl
+from helpers import warm
 from helpers.sources import CS_EXPECTED, write_cityscapes, write_taco
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -226,7 +226,7 @@ def test_train_cli_on_streets_predicts_the_test_scene(tmp_path):
            "tiling.samples_per_epoch=4", "tiling.batch_size=2", "tiling.tile_size=400",
            "predict.tile_size=400", f"hydra.run.dir={tmp_path / 'run'}"]
     env = {**os.environ, "SEG_DATA_DIR": str(tmp_path / "data"), "WANDB_MODE": "offline"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    out = warm.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert 0.0 <= summary["test"][0]["miou"] <= 1.0

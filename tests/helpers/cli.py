@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from helpers import warm
+
 #: the training configs (seg_at_scale/conf)
 CONF = str(Path(__file__).resolve().parents[2] / "seg_at_scale" / "conf")
 #: the smallest training run the CLI tests share: a tiny U-Net on 157 x 189 scenes
@@ -45,7 +47,7 @@ def run_train(tmp: Path, run: str, *overrides: str, timeout: int = 400,
            *overrides]
     env = {**(env or {}), "SEG_DATA_DIR": str(tmp / "data"), "PATH": "/usr/bin:/bin",
            "WANDB_MODE": "offline"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    out = warm.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     # Lightning's "`weights_only` was not set, defaulting to `False`" (a save of the
     # resume state, read by users as a load that runs code): every save says what it keeps

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from helpers import warm
 from seg_at_scale.io import example_geotags, write_raster
 from seg_at_scale.models import UNet
 from seg_at_scale.tiling import Footprint
@@ -85,8 +86,8 @@ def env() -> dict[str, str]:
 
 def seg_predict(run: Path, image: Path, output: Path, *overrides: str,
                 timeout: int = 300, check: bool = True) -> dict | subprocess.CompletedProcess:
-    out = subprocess.run(predict_cmd(run, image, output, *overrides), capture_output=True,
-                         text=True, env=env(), timeout=timeout)
+    out = warm.run(predict_cmd(run, image, output, *overrides), capture_output=True,
+                   text=True, env=env(), timeout=timeout)
     if not check:
         return out
     assert out.returncode == 0, out.stderr[-3000:]

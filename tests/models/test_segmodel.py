@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import warm
 from helpers.prediction import env, make_image, make_model, make_run, seg_predict
 
 from seg_at_scale.errors import InputError, OutputExistsError
@@ -19,7 +20,7 @@ from seg_at_scale.models.trained import load_run
 def seg_export(run: Path, output: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "seg_at_scale.cli.export", f"run={run}", f"output={output}",
            *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=120)
+    return warm.run(cmd, capture_output=True, text=True, env=env(), timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def test_predicting_with_the_exported_model_equals_the_run_byte_for_byte(exporte
     res_run = seg_predict(run, image, a / f"pred{suffix}", "ckpt=last", *opts)
     cmd_model = [sys.executable, "-m", "seg_at_scale.cli.predict", f"model={model}",
                  f"image={image}", f"output={b / f'pred{suffix}'}", "progress=false", *opts]
-    out = subprocess.run(cmd_model, capture_output=True, text=True, env=env(), timeout=300)
+    out = warm.run(cmd_model, capture_output=True, text=True, env=env(), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert res_run["tiles"] > 4
     files_a = {k: v for p in sorted(a.iterdir()) for k, v in _files(p).items()}

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import warm
 from helpers.prediction import make_image
 from helpers.smp import preset_model
 from test_smp_files import DATA, check_labels
@@ -89,7 +90,7 @@ def _start_staged_child(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path, P
     code = CHILD.format(here=str(HERE), tests=str(HERE.parent), image=str(image),
                         out=str(out))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    proc = warm.popen([sys.executable, "-c", code], env=env)
     deadline = time.monotonic() + 120
     while not (folder.exists() and any(folder.iterdir())):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -253,9 +254,9 @@ def test_a_disk_that_fills_during_the_stages_loses_nothing_and_a_rerun_completes
         import resource
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=small_disk,
-                          timeout=300)
+    proc = warm.run([sys.executable, "-c", code], capture_output=True, text=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=small_disk,
+                    timeout=300)
     assert proc.returncode == 1
     assert re.search(r"OSError: \[Errno 27\] File too large: '.*\.pred\.tif\.staged/map\d+"
                      r"\.bin'", proc.stderr), proc.stderr[-2000:]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import warm
 from helpers.cli import run_train
 from helpers.prediction import env, make_image, make_model, make_run, seg_predict
 from omegaconf import OmegaConf
@@ -116,8 +116,8 @@ def test_resuming_into_a_run_whose_checkpoint_carries_a_payload_is_refused(tmp_p
     before = sorted(p.name for p in (run / ".hydra").iterdir())
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", f"hydra.run.dir={run}", *tiny,
            "trainer.max_epochs=2"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**env(), "SEG_DATA_DIR": str(tmp_path / "data"),
+    out = warm.run(cmd, capture_output=True, text=True, timeout=300,
+                   env={**env(), "SEG_DATA_DIR": str(tmp_path / "data"),
                               "WANDB_MODE": "offline"})
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("seg-train: error: checkpoint")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from helpers import warm
 from helpers.cli import run_train
 
 from seg_at_scale.models import UNet
@@ -59,7 +59,7 @@ def test_bad_pipeline_is_refused_before_training(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", *TINY, "trainer=fast",
            f"hydra.run.dir={tmp_path / 'run'}", "pipeline=manual", "pipeline.balance=[5,5]"]
     env = {"SEG_DATA_DIR": str(tmp_path / "data"), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    out = warm.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode != 0
     assert "pipeline.balance=[5, 5] sums to 10, but the model has 27 layers" in out.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()

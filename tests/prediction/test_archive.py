@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import rasterio
+from helpers import warm
 from helpers.prediction import env, make_model, make_run, seg_predict_here
 from rasterio.windows import from_bounds
 
@@ -62,8 +63,8 @@ def _archive(run: Path, *args: str, processes: int = 1) -> dict:
     if processes == 1:
         res = seg_predict_here(f"run={run}", *OPTS, *args)
     else:
-        res = subprocess.run(_cmd(run, *args, f"processes={processes}"), capture_output=True,
-                             text=True, env=env(), timeout=300)
+        res = warm.run(_cmd(run, *args, f"processes={processes}"), capture_output=True,
+                       text=True, env=env(), timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout[res.stdout.index("{"):])
 
@@ -119,8 +120,8 @@ def test_a_killed_archive_reruns_only_what_is_left_and_a_new_scene_alone(archive
     for stem in SIZES:
         (scenes / f"{stem}.tif").write_bytes((tmp / "scenes" / f"{stem}.tif").read_bytes())
     out = tmp_path / "out"
-    proc = subprocess.Popen(_cmd(run, f"images={scenes}", f"output_dir={out}", "tile_size=64"),
-                            env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = warm.popen(_cmd(run, f"images={scenes}", f"output_dir={out}", "tile_size=64"),
+                      env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 240
     while not (out / "s0.tif").exists():  # the first scene is finished
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-2000:]

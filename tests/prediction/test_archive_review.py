@@ -6,12 +6,12 @@ import csv
 import hashlib
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import warm
 from helpers.prediction import env, make_model, make_run, seg_predict_here
 
 from seg_at_scale.io import example_geotags, write_raster
@@ -59,9 +59,9 @@ def test_an_error_raised_on_rank_1_only_is_printed_once(run, tmp_path):
     _scene(scenes / "a.tif", 60, 50, 0)
     _scene(scenes / "b.tif", 60, 50, 1, k=1)
     _corrupt_first_tile(scenes / "b.tif")
-    res = subprocess.run(_cmd(run, f"images={scenes}", f"output_dir={tmp_path / 'out'}",
+    res = warm.run(_cmd(run, f"images={scenes}", f"output_dir={tmp_path / 'out'}",
                               "processes=2"),
-                         capture_output=True, text=True, env=env(), timeout=300)
+                   capture_output=True, text=True, env=env(), timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("seg-predict: error:")]
     assert len(errors) == 1, res.stderr[-2000:]
@@ -85,18 +85,18 @@ def test_a_leftover_store_of_another_prediction_fails_its_scene_on_every_rank(ru
         (out / f"{stem}.tif").unlink()
         shutil.rmtree(out / f".{stem}.tif.zarr")
     # s1's store is opened by rank 1 (scene 1 of 2 ranks): its refusal must reach rank 0
-    skip = subprocess.run(_cmd(run, f"images={scenes}", f"output_dir={out}", "processes=2",
+    skip = warm.run(_cmd(run, f"images={scenes}", f"output_dir={out}", "processes=2",
                                "on_error=skip"),
-                          capture_output=True, text=True, env=env(), timeout=300)
+                    capture_output=True, text=True, env=env(), timeout=300)
     assert skip.returncode == 0, skip.stderr[-2000:]
     rows = _rows(out)
     assert rows["s1"]["status"] == "failed" and not (out / "s1.tif").exists()
     assert "'" + str(out / ".s1.tif.zarr") + "' was made by another prediction" in \
         rows["s1"]["reason"]
     assert rows["s0"]["status"] == rows["s2"]["status"] == "done"
-    stop = subprocess.run(_cmd(run, f"images={scenes}", f"output_dir={out}", "processes=2",
+    stop = warm.run(_cmd(run, f"images={scenes}", f"output_dir={out}", "processes=2",
                                "overwrite=false"),
-                          capture_output=True, text=True, env=env(), timeout=300)
+                    capture_output=True, text=True, env=env(), timeout=300)
     errors = [ln for ln in stop.stderr.splitlines() if ln.startswith("seg-predict: error:")]
     assert stop.returncode == 2 and len(errors) == 1, stop.stderr[-2000:]
     assert "s1.tif.zarr' was made by another prediction (differs in: " in errors[0]
@@ -126,9 +126,9 @@ def test_an_archive_of_more_scenes_than_open_files_allowed(run, tmp_path):
     scenes, limit = tmp_path / "scenes", 20
     for k in range(30):  # each scene's input was held open from planning to the end
         _scene(scenes / f"s{k:02d}.tif", 24, 24, k, k)
-    res = subprocess.run(_cmd(run, f"images={scenes}", f"output_dir={tmp_path / 'out'}"),
-                         capture_output=True, text=True, env=env(), timeout=300,
-                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+    res = warm.run(_cmd(run, f"images={scenes}", f"output_dir={tmp_path / 'out'}"),
+                   capture_output=True, text=True, env=env(), timeout=300,
+                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
                                                                (limit, limit)))
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout[res.stdout.index("{"):])["done"] == 30

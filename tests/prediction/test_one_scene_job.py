@@ -15,6 +15,7 @@ import numpy as np
 import pyogrio
 import pytest
 import zarr
+from helpers import warm
 from helpers.prediction import env, make_model, make_run, predict_cmd, seg_predict_here
 
 from seg_at_scale.io import example_geotags, write_raster
@@ -56,8 +57,8 @@ def _run(cmd_args: list[str], processes: int, run: Path) -> subprocess.Completed
     if processes == 1:
         return seg_predict_here(f"run={run}", *BASE, *cmd_args)
     cmd = predict_cmd(run, Path("unused"), Path("unused"))[:3]  # python -m seg_at_scale.cli.predict
-    return subprocess.run([*cmd, f"run={run}", *BASE, *cmd_args, f"processes={processes}"],
-                          capture_output=True, text=True, env=env(), timeout=300)
+    return warm.run([*cmd, f"run={run}", *BASE, *cmd_args, f"processes={processes}"],
+                    capture_output=True, text=True, env=env(), timeout=300)
 
 
 def _outputs(folder: Path, zarr_out: bool, vector: bool) -> dict[str, object]:

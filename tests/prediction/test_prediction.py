@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from helpers import warm
 from helpers.prediction import (
     CLASSES,
     CLI_SHAPE,
@@ -140,8 +141,8 @@ def test_killed_prediction_resumes_to_the_uninterrupted_output(cli_case, cli_ref
     ref = cli_reference
     out = tmp_path / "killed" / "mask.tif"
     out.parent.mkdir()
-    proc = subprocess.Popen(predict_cmd(run, image, out, "tile_size=64"), env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = warm.popen(predict_cmd(run, image, out, "tile_size=64"), env=env(),
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     store = out.with_name(".mask.tif.zarr")
     deadline = time.time() + 120
     while chunks_written(store) < 6 and time.time() < deadline and proc.poll() is None:
@@ -165,8 +166,8 @@ def test_killed_prediction_resumes_to_the_uninterrupted_output(cli_case, cli_ref
 def test_second_writer_is_refused_and_first_completes(cli_case, tmp_path):
     run, image = cli_case
     out = tmp_path / "mask.tif"
-    first = subprocess.Popen(predict_cmd(run, image, out, "tile_size=64"), env=env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = warm.popen(predict_cmd(run, image, out, "tile_size=64"), env=env(),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     store = out.with_name(".mask.tif.zarr")
     while chunks_written(store) < 1 and first.poll() is None:
         time.sleep(0.01)
@@ -191,8 +192,8 @@ def test_disk_full_leaves_nothing_under_the_final_name_and_reruns(cli_case, tmp_
     def limit() -> None:  # the COG's temporary plain TIFF (~99 KB) cannot be written
         resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
 
-    proc = subprocess.run(predict_cmd(run, image, out, "tile_size=160"), env=env(),
-                          capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    proc = warm.run(predict_cmd(run, image, out, "tile_size=160"), env=env(),
+                    capture_output=True, text=True, preexec_fn=limit, timeout=300)
     assert proc.returncode != 0 and not out.exists()
     assert leftovers(tmp_path, out.name) == []
     res = seg_predict(run, image, out, "tile_size=160")

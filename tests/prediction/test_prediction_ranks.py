@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+from helpers import warm
 from helpers.prediction import chunks_written, env, predict_cmd, seg_predict
 
 from seg_at_scale.io import read_raster
@@ -35,15 +36,15 @@ def test_forked_ranks_run_openmp_and_equal_one_process(cli_case, tmp_path):
     run, image = cli_case
     ref = tmp_path / "one" / "mask.zarr"  # one process with each rank's 2 threads: oneDNN's
     # float32 sums may round differently with another thread count (seen on AMD EPYC)
-    proc = subprocess.run(predict_cmd(run, image, ref, "tile_size=96", "probabilities=uint8"),
-                          capture_output=True, text=True,
-                          env={**env(), "OMP_NUM_THREADS": "2"}, timeout=240)
+    proc = warm.run(predict_cmd(run, image, ref, "tile_size=96", "probabilities=uint8"),
+                    capture_output=True, text=True,
+                    env={**env(), "OMP_NUM_THREADS": "2"}, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "two" / "mask.zarr"
-    proc = subprocess.run(_forked_cmd(run, image, out, "tile_size=96", "processes=2",
+    proc = warm.run(_forked_cmd(run, image, out, "tile_size=96", "processes=2",
                                       "probabilities=uint8"),
-                          capture_output=True, text=True, env=_env_without_thread_count(),
-                          timeout=240)
+                    capture_output=True, text=True, env=_env_without_thread_count(),
+                    timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert res["processes"] == 2 and res["threads"] == 2
@@ -57,9 +58,9 @@ def test_forked_ranks_run_openmp_and_equal_one_process(cli_case, tmp_path):
 
 def test_forked_ranks_refuse_bad_input_once(cli_case, tmp_path):
     run, image = cli_case
-    proc = subprocess.run(_forked_cmd(run, image, tmp_path / "m.tif", "processes=2", "q=1"),
-                          capture_output=True, text=True, env=_env_without_thread_count(),
-                          timeout=240)
+    proc = warm.run(_forked_cmd(run, image, tmp_path / "m.tif", "processes=2", "q=1"),
+                    capture_output=True, text=True, env=_env_without_thread_count(),
+                    timeout=240)
     assert proc.returncode == 2
     # checked before any rank is forked: one line, no torch or Lightning lines around it
     assert proc.stderr.strip().splitlines() == [
@@ -78,7 +79,7 @@ def test_a_stopped_launcher_stops_every_rank_and_the_rerun_completes(cli_case, c
     out = tmp_path / "killed" / "mask.tif"
     out.parent.mkdir()
     cmd = predict_cmd(run, image, out, "tile_size=64", "processes=2")
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = warm.popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     store = out.with_name(".mask.tif.zarr")
     deadline = time.time() + 120
     while chunks_written(store) < 4 and time.time() < deadline and proc.poll() is None:

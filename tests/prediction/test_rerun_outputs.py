@@ -16,6 +16,7 @@ import geopandas as gpd
 import numpy as np
 import pytest
 import shapely
+from helpers import warm
 from helpers.prediction import (
     NORM,
     chunks_written,
@@ -129,8 +130,8 @@ def _archive_cmd(run: Path, scenes: Path, out: Path) -> list[str]:
 
 
 def _stopped_mid_scene(cmd: list[str], store: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = warm.popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)
     while chunks_written(store) < 1 and proc.poll() is None:
         time.sleep(0.01)
     assert proc.poll() is None, proc.communicate()[1][-2000:]
@@ -158,8 +159,8 @@ def test_an_archive_and_a_one_scene_run_never_write_one_scene_at_once(run, tmp_p
     archive = _archive_cmd(run, scenes, out)
     proc = _stopped_mid_scene(archive if first == "archive" else single, out / ".s.tif.zarr")
     try:
-        second = subprocess.run(single if first == "archive" else archive,
-                                capture_output=True, text=True, env=env(), timeout=300)
+        second = warm.run(single if first == "archive" else archive,
+                          capture_output=True, text=True, env=env(), timeout=300)
         held = out / (".archive.scenes.lock" if first == "archive" else ".s.tif.lock")
         by = "an archive" if first == "archive" else "another run"
         _refused(second, f"output '{output}' is being written by {by} (its lock '{held}' is "

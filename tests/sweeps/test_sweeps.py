@@ -18,6 +18,7 @@ import numpy as np
 import optuna
 import pytest
 import torch
+from helpers import warm
 from omegaconf import OmegaConf
 
 from seg_at_scale.cli.resolvers import register_resolvers
@@ -142,8 +143,8 @@ def killed_sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sweep")
     folder = tmp / "sweep"
     cmd = _train_cmd(*OPTUNA, f"hydra.sweep.dir={folder}", "hydra.sweeper.study_name=s")
-    first = subprocess.Popen(cmd, env=_env(tmp), cwd=REPO, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    first = warm.popen(cmd, env=_env(tmp), cwd=REPO, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     # Hydra writes a job's .hydra/ before it trains: trial 0 is told, trial 1 has started
     while not (folder / "1" / ".hydra" / "overrides.yaml").exists():
@@ -152,8 +153,8 @@ def killed_sweep(tmp_path_factory):
     first.send_signal(signal.SIGKILL)
     first.wait()
     done_before = (folder / "0" / "summary.json").stat().st_mtime
-    again = subprocess.run(cmd, env=_env(tmp), cwd=REPO, capture_output=True, text=True,
-                           timeout=300)
+    again = warm.run(cmd, env=_env(tmp), cwd=REPO, capture_output=True, text=True,
+                     timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     return SimpleNamespace(tmp=tmp, folder=folder, log=again.stdout + again.stderr,
                            done_before=done_before)
@@ -207,11 +208,11 @@ def _miou_history(run: Path) -> list[float]:
 @pytest.mark.slow  # make test-all; the property is also proven by faster tests
 def test_parallel_trials_get_their_share_of_threads_and_report_to_the_study(tmp_path):
     folder = tmp_path / "sweep"
-    out = subprocess.run(_train_cmd(*OPTUNA, "hydra.sweeper.n_trials=2", "predict_after_fit=false",
+    out = warm.run(_train_cmd(*OPTUNA, "hydra.sweeper.n_trials=2", "predict_after_fit=false",
                                     "hydra/launcher=local_parallel", "hydra.launcher.n_jobs=2",
                                     "hydra.launcher.cores=2", f"hydra.sweep.dir={folder}",
                                     "hydra.sweeper.study_name=p"),
-                         env=_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=300)
+                   env=_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Launching 2 jobs, 2 at a time, 1 torch threads each (2 cores)" in out.stdout
     report = collect_trials(folder)
@@ -236,8 +237,8 @@ def test_grid_sweep_report_finds_the_varying_key_and_the_best_command(tmp_path, 
             (run / "trial.json").write_text(json.dumps({"monitor": "val/miou", "mode": "max",
                                                         "best": best, "threads": 2}))
             (run / "summary.json").write_text(json.dumps({"val/miou": best - 0.1}))
-    out = subprocess.run([sys.executable, "-m", "seg_at_scale.sweeps.report", str(folder)],
-                         env=_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = warm.run([sys.executable, "-m", "seg_at_scale.sweeps.report", str(folder)],
+                   env=_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     with open(folder / "sweep_report.csv") as f:
         rows = list(csv.DictReader(f))

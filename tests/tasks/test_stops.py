@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import warm
 from helpers.cli import run_train
 
 from seg_at_scale.tasks.interrupt import SaveOnStop, newest_checkpoint
@@ -33,8 +34,8 @@ def start(tmp: Path, *overrides: str, env: dict[str, str] | None = None,
     base = {"SEG_DATA_DIR": str(tmp / "data"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
             "WANDB_MODE": "offline"}
     out = open(tmp / "out.txt", "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp,
-                            env={**base, **(env or {})})
+    return warm.popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp,
+                      env={**base, **(env or {})})
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -144,8 +145,8 @@ def test_a_stop_inside_an_image_resumes_to_the_uninterrupted_weights(tmp_path: P
     def train(run: str, **extra: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "seg_at_scale.cli.train", *GRID,
                f"hydra.run.dir={tmp_path / run}"]
-        return subprocess.Popen(cmd, env={**env, **extra}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        return warm.popen(cmd, env={**env, **extra}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
 
     ref = train("ref")
     stopped = train("run", SEG_TEST_STOP_AT="1:5")

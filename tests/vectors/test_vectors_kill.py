@@ -12,6 +12,7 @@ import time
 import geopandas as gpd
 import numpy as np
 import shapely
+from helpers import warm
 from helpers.vectors import NAMES, make_labels, write_tiff
 
 from seg_at_scale.vectors import write_vectors
@@ -23,7 +24,7 @@ def test_sigkill_mid_write_then_rerun(tmp_path):
     labels = write_tiff(tmp_path / "mask.tif", make_labels(751, 673, seed=7))
     out = tmp_path / "out.gpkg"
     call = CALL.format(labels=str(labels), out=str(out), names=NAMES)
-    child = subprocess.Popen(
+    child = warm.popen(
         [sys.executable, "-c", f"from seg_at_scale.vectors import write_vectors; {call}"],
         env=os.environ.copy(), stderr=subprocess.PIPE)
     created = written = 0  # sizes of the temporary: as created, after the first batch

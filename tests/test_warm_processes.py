@@ -1,0 +1,67 @@
+"""The suite's warm processes (``tests/helpers/warm.py``) behave as fresh ones: the same
+arguments, working folder, environment, ``sys.path``, thread count, signal handlers, exit
+status, output streams; a signal ends them as it ends a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import warm
+
+TESTS = Path(__file__).parent
+PROBE = [sys.executable, "-m", "helpers.warm_probe"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(TESTS), "PROBE": "yes",
+            "HOME": "/nowhere", **extra}
+
+
+@pytest.mark.parametrize("threads", ["1", None])
+def test_a_warm_process_sees_what_a_fresh_one_sees(tmp_path, monkeypatch, threads):
+    monkeypatch.delenv("SEG_TEST_COLD", raising=False)
+    env = _env(**({"OMP_NUM_THREADS": threads} if threads else {}))
+    args = ["3", "a b", "key=value"]
+    fresh = subprocess.run([*PROBE, *args], capture_output=True, text=True, env=env,
+                           cwd=tmp_path, timeout=120)
+    started = warm.run([*PROBE, *args], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=120)
+    assert (started.returncode, fresh.returncode) == (3, 3), started.stderr + fresh.stderr
+    assert json.loads(started.stdout) == json.loads(fresh.stdout)
+    assert started.stderr == fresh.stderr == "to stderr\n"
+    assert json.loads(started.stdout)["argv"] == args
+
+
+def test_a_warm_process_is_a_process_of_its_own_that_signals_end(tmp_path, monkeypatch):
+    monkeypatch.delenv("SEG_TEST_COLD", raising=False)
+    out = open(tmp_path / "out.txt", "w")  # noqa: SIM115 - closed below
+    procs = [start([*PROBE, "0", "sleep"], env=_env(), stdout=out, stderr=subprocess.STDOUT)
+             for start in (warm.popen, subprocess.Popen)]
+    try:
+        assert isinstance(procs[0], warm.WarmProcess)
+        end = time.monotonic() + 120
+        while (tmp_path / "out.txt").read_text().count("to stderr") < 2:
+            assert time.monotonic() < end and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        assert procs[0].pid not in (os.getpid(), procs[1].pid)
+        for p, sig in zip(procs, (signal.SIGTERM, signal.SIGTERM), strict=True):
+            p.send_signal(sig)
+        assert [p.wait(timeout=60) for p in procs] == [-signal.SIGTERM] * 2
+    finally:
+        out.close()
+        for p in procs:
+            p.kill()
+
+
+def test_cold_starts_every_command_fresh(monkeypatch):
+    monkeypatch.setenv("SEG_TEST_COLD", "1")
+    proc = warm.popen([*PROBE, "0"], env=_env(), stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL)
+    assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=120) == 0
