@@ -314,9 +314,11 @@ def rank_gradients(rank: int, world: int, out: str, device_type: str) -> None:
         torch.save([g.cpu() for g in grads(net)], out)
 
 
+@pytest.mark.parametrize("device", [ON_GPU], indirect=True)  # on the CPU: the same case is
+# tests/parallel/test_parallel.py::test_two_process_gradients_equal_whole_image[sample_parallel]
 def test_sample_parallel_gradient_equals_whole_image(device, tmp_path):
     """Two ranks share 9 tiles: NCCL with a GPU per rank, else gloo over CUDA tensors (NCCL
-    needs one GPU per rank) or over CPU tensors."""
+    needs one GPU per rank)."""
     nccl = device.type == "cuda" and torch.cuda.device_count() >= 2
     out = str(tmp_path / "grads.pt")
     spawn(rank_gradients, 2, out, device.type, backend="nccl" if nccl else "gloo")

@@ -6,8 +6,10 @@ import csv
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
+from helpers import warm
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "examples" / "slurm"
@@ -29,15 +31,15 @@ def train_cmd(run: Path, *overrides: str) -> list[str]:
 
 
 def start_reference(tmp: Path, run: str, env: dict[str, str], *overrides: str
-                    ) -> subprocess.Popen:
+                    ) -> Any:
     """The one-process run, in the background while a job runs (its log: ``<run>.log``)."""
     bare = {k: v for k, v in env.items() if k != "MASTER_ADDR"}
     log = open(tmp / f"{run}.log", "w")  # noqa: SIM115 - the child's
-    return subprocess.Popen(train_cmd(tmp / run, *overrides), stdout=log,
-                            stderr=subprocess.STDOUT, env=bare, cwd=tmp)
+    return warm.popen(train_cmd(tmp / run, *overrides), stdout=log, stderr=subprocess.STDOUT,
+                      env=bare, cwd=tmp)
 
 
-def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> str:
+def finish(proc: Any, log: Path, timeout: float = 300) -> str:
     """Wait for a background run; its log (asserting it succeeded)."""
     code = proc.wait(timeout)
     text = log.read_text()
