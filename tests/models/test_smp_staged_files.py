@@ -263,7 +263,8 @@ def test_a_disk_that_fills_during_the_stages_loses_nothing_and_a_rerun_completes
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
     proc = warm.run([sys.executable, "-c", code], capture_output=True, text=True,
-                    env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=small_disk,
+                    env={**os.environ, "OMP_NUM_THREADS": "1",  # no .pyc cut at the limit
+                         "PYTHONDONTWRITEBYTECODE": "1"}, preexec_fn=small_disk,
                     timeout=300)
     assert proc.returncode == 1
     assert re.search(r"OSError: \[Errno 27\] File too large: '.*\.pred\.tif\.staged/map\d+"

@@ -4,11 +4,13 @@ processes and after a kill, the COG is valid, TTA is exact, bad input is refused
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import resource
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ from helpers.prediction import (
     seg_predict,
 )
 
+import seg_at_scale
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import ConfigError, OutputExistsError
 from seg_at_scale.io import read_raster
@@ -192,10 +195,16 @@ def test_disk_full_leaves_nothing_under_the_final_name_and_reruns(cli_case, tmp_
     def limit() -> None:  # the COG's temporary plain TIFF (~99 KB) cannot be written
         resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
 
-    proc = warm.run(predict_cmd(run, image, out, "tile_size=160"), env=env(),
-                    capture_output=True, text=True, preexec_fn=limit, timeout=300)
+    # no .pyc from the limited process: CPython renames a bytecode file cut at the limit
+    # into __pycache__, and every later process importing that module fails to unmarshal it
+    proc = warm.run(predict_cmd(run, image, out, "tile_size=160"),
+                    env={**env(), "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True,
+                    text=True, preexec_fn=limit, timeout=300)
     assert proc.returncode != 0 and not out.exists()
     assert leftovers(tmp_path, out.name) == []
+    package = Path(seg_at_scale.__file__).parent
+    for pyc in package.rglob("*.pyc"):  # whole: a cut one fails every later import of it
+        marshal.loads(pyc.read_bytes()[16:])
     res = seg_predict(run, image, out, "tile_size=160")
     assert res["tiles_computed"] == 0 and res["tiles_resumed"] == res["tiles"]
     assert read_raster(out).shape == (1, *CLI_SHAPE)
