@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 WARM_MODULES = ("seg_at_scale.cli.train", "seg_at_scale.cli.predict", "seg_at_scale.cli.synth",
-                "helpers.warm_probe")  # the last: tests/test_warm_processes.py
+                # the suite's own: tests/test_warm_processes.py, a staged prediction's
+                # child, seg-predict with 4 cores reported
+                "helpers.warm_probe", "helpers.staged_child", "helpers.four_cores")
 _PRELOAD = ("numpy", "torch", "pytorch_lightning", "hydra", "omegaconf",
             "seg_at_scale.cli.train", "seg_at_scale.cli.training", "seg_at_scale.cli.predict",
             "seg_at_scale.cli.synth",

@@ -66,21 +66,7 @@ def test_staged_refusals_before_any_work(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["scene.tif"]
 
 
-CHILD = """
-import signal, sys
-sys.path[:0] = [{here!r}, {tests!r}]
-from helpers.smp import preset_model
-from test_smp_files import DATA
-from seg_at_scale.cli.predict import Stopped, _terminate
-from seg_at_scale.prediction import PredictOptions, predict_raster
-signal.signal(signal.SIGTERM, _terminate)  # what seg-predict installs
-net = preset_model("fpn_test_resnet")
-try:
-    predict_raster(net, {image!r}, {out!r}, PredictOptions(q=2, staged=True,
-                   stage_memory_mb=1, progress=False), normalizer=DATA)
-except Stopped:
-    sys.exit(143)
-"""
+CHILD = [sys.executable, "-m", "helpers.staged_child"]  # IMAGE OUT
 
 
 def _start_staged_child(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path, Path]:
@@ -88,10 +74,8 @@ def _start_staged_child(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path, P
     image = make_image(tmp_path / "scene.tif", height=389, width=461)
     out = tmp_path / "pred.tif"
     folder = tmp_path / ".pred.tif.staged"
-    code = CHILD.format(here=str(HERE), tests=str(HERE.parent), image=str(image),
-                        out=str(out))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = warm.popen([sys.executable, "-c", code], env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+    proc = warm.popen([*CHILD, str(image), str(out)], env=env)
     deadline = time.monotonic() + 120
     while not (folder.exists() and any(folder.iterdir())):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -254,17 +238,16 @@ def test_a_disk_that_fills_during_the_stages_loses_nothing_and_a_rerun_completes
                                                                strict=True)][1:]
     image = make_image(tmp_path / "scene.tif", height=389, width=461)
     out, folder = tmp_path / "pred.tif", tmp_path / ".pred.tif.staged"
-    code = CHILD.format(here=str(HERE), tests=str(HERE.parent), image=str(image),
-                        out=str(out))
     limit = max(sizes) - 1
 
     def small_disk() -> None:
         import resource
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    proc = warm.run([sys.executable, "-c", code], capture_output=True, text=True,
-                    env={**os.environ, "OMP_NUM_THREADS": "1",  # no .pyc cut at the limit
-                         "PYTHONDONTWRITEBYTECODE": "1"}, preexec_fn=small_disk,
+    proc = warm.run([*CHILD, str(image), str(out)], capture_output=True, text=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent),
+                         "PYTHONDONTWRITEBYTECODE": "1"},  # no .pyc cut at the limit
+                    preexec_fn=small_disk,
                     timeout=300)
     assert proc.returncode == 1
     assert re.search(r"OSError: \[Errno 27\] File too large: '.*\.pred\.tif\.staged/map\d+"

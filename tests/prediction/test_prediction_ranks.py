@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -16,20 +17,16 @@ from helpers.prediction import chunks_written, env, predict_cmd, seg_predict
 
 from seg_at_scale.io import read_raster
 
-# ``python -c`` cannot be re-run as a script, so only forked ranks can start from it; the
-# faked 4 cores give each of 2 ranks 2 OpenMP threads, which hang in a fork if the
-# launching process had run OpenMP before forking.
-_FOUR_CORES = ("import os, sys; os.sched_getaffinity = lambda pid: {0, 1, 2, 3}; "
-               "from seg_at_scale.cli.predict import main; "
-               "sys.argv = ['seg-predict', *sys.argv[1:]]; main()")
 
-
+# seg-predict on a machine that reports 4 cores (tests/helpers/four_cores.py)
 def _forked_cmd(run, image, out, *overrides):
-    return [sys.executable, "-c", _FOUR_CORES, *predict_cmd(run, image, out, *overrides)[3:]]
+    return [sys.executable, "-m", "helpers.four_cores", *predict_cmd(run, image, out,
+                                                                      *overrides)[3:]]
 
 
 def _env_without_thread_count():
-    return {k: v for k, v in env().items() if k != "OMP_NUM_THREADS"}
+    return {**{k: v for k, v in env().items() if k != "OMP_NUM_THREADS"},
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 
 
 def test_forked_ranks_run_openmp_and_equal_one_process(cli_case, tmp_path):
