@@ -24,6 +24,7 @@ import io
 import json
 import os
 import selectors
+import shutil
 import socket
 import struct
 import subprocess
@@ -218,13 +219,14 @@ def _server() -> str:
                 raise RuntimeError(f"the warm-process server did not start ({proc.poll()})")
             time.sleep(0.02)
         _SERVER[:] = [proc, path]
-        atexit.register(_stop, proc)
+        atexit.register(_stop, proc, path)
         return path
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, path: str) -> None:
     proc.kill()
     proc.wait()
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 # ---- the server (this file run as a script) ------------------------------------------------
