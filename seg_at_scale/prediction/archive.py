@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError, SegAtScaleError
-from seg_at_scale.io import RasterReader
 from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.trained import TrainedModel
 from seg_at_scale.parallel.launch import barrier, rank_world
@@ -50,7 +49,6 @@ from seg_at_scale.prediction.plan import (
     plan_raster,
     prediction_network,
     reusable,
-    with_tile,
 )
 from seg_at_scale.prediction.progress import progress_bar
 from seg_at_scale.prediction.raster import (
@@ -59,6 +57,7 @@ from seg_at_scale.prediction.raster import (
     on_rank0,
     predict_batches,
     raised_everywhere,
+    scene_tile,
 )
 from seg_at_scale.prediction.scene import companions, predict_scene
 from seg_at_scale.prediction.staged_raster import check_staged
@@ -381,11 +380,7 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
     hashes = _input_hashes(scenes)
     plans = []
     for i, s in enumerate(scenes):
-        with RasterReader(s.image, nodata=options.nodata) as head:
-            bands, height, width = head.bands, head.height, head.width
-        scene_options = on_rank0(  # rank 0 measures, every rank takes its tile
-            lambda b=bands, h=height, w=width: with_tile(options, model, trained.footprint,
-                                                         b, h, w, world))
+        scene_options = scene_tile(options, model, trained.footprint, s.image, world)
         plans.append(plan_raster(s.image, s.output, scene_options, fp=trained.footprint,
                                  normalizer=trained.normalizer, names=trained.class_names,
                                  weights=weights, device=device,

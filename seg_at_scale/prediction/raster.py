@@ -66,7 +66,7 @@ from seg_at_scale.tiling.statistics import (
     uses_image_pool,
 )
 
-__all__ = ["PredictionStats", "predict_raster", "on_rank0"]
+__all__ = ["PredictionStats", "predict_raster", "on_rank0", "scene_tile"]
 
 
 @dataclass
@@ -140,11 +140,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     fp = fp or footprint(model)
     device = next(model.parameters()).device
     norm = normalizer or Normalizer()
-    if o.tile_size == "auto" and o.q is None:  # rank 0 measures; every rank takes its tile
-        with RasterReader(image, nodata=o.nodata) as head:
-            bands, height, width = head.bands, head.height, head.width
-        auto = o
-        o = on_rank0(lambda: with_tile(auto, model, fp, bands, height, width, world))
+    o = scene_tile(o, model, fp, image, world)
     plan = plan_raster(image, out_path, o, fp=fp, normalizer=norm,
                        names=_names(model, image, fp, class_names), weights=model_digest(model),
                        device=device, exact=exact)
@@ -325,6 +321,20 @@ def raised_everywhere(exc: BaseException) -> bool:
     raised it, mid-work, and the others wait for it in a collective.
     """
     return bool(getattr(exc, "all_ranks", False)) or rank_world()[1] == 1
+
+
+def scene_tile(options: PredictOptions, model: nn.Module, fp: Footprint,
+               image: str | os.PathLike[str], world: int) -> PredictOptions:
+    """``options`` with ``tile_size=auto`` made this scene's side (:func:`with_tile`).
+
+    Rank 0 measures and every rank takes its side: a GPU's measured peak may differ between
+    devices, and the ranks must share one grid.
+    """
+    if options.tile_size != "auto" or options.q is not None:
+        return options
+    with RasterReader(image, nodata=options.nodata) as head:
+        bands, height, width = head.bands, head.height, head.width
+    return on_rank0(lambda: with_tile(options, model, fp, bands, height, width, world))
 
 
 def on_rank0(fn: Any) -> Any:

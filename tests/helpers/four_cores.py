@@ -8,7 +8,7 @@ import os
 import sys
 
 if __name__ == "__main__":
-    os.sched_getaffinity = lambda pid: {0, 1, 2, 3}  # type: ignore[assignment]
+    os.sched_getaffinity = lambda pid: {0, 1, 2, 3}
     from seg_at_scale.cli.predict import main
 
     sys.argv = ["seg-predict", *sys.argv[1:]]
