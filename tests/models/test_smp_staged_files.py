@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from helpers import warm
@@ -99,6 +100,14 @@ def _uninterrupted(tmp_path: Path, image: Path) -> np.ndarray:
     return _WHOLE[key]
 
 
+def _until_stopped(pid: int, timeout: float = 30) -> None:
+    """Until the process ``pid`` is stopped (SIGSTOP delivered), not only signalled."""
+    end = time.monotonic() + timeout
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < end, f"process {pid} never stopped"
+        time.sleep(0.01)
+
+
 def _signalled(proc: subprocess.Popen, sig: int) -> int:
     """``proc``'s exit status after ``sig`` (killed if it outlives a minute)."""
     try:
@@ -144,6 +153,7 @@ def test_a_second_staged_run_of_one_output_is_refused_and_leaves_the_first_maps(
     proc, image, out, folder = _start_staged_child(tmp_path)
     try:
         proc.send_signal(signal.SIGSTOP)  # the first run holds its lock, mid-stage
+        _until_stopped(proc.pid)  # a signal lands later: the run may free a map meanwhile
         before = {p.name: p.stat().st_ino for p in folder.iterdir()}
         net = preset_model("fpn_test_resnet")
         with pytest.raises(OutputExistsError, match=r"is being written by another run"):
