@@ -14,7 +14,9 @@ Two comparisons, each alternated in one run so that the shared cores' drift canc
 2. ``bare``: the demo's U-Net (levels 4, width 16), ``tile_size=auto``, file to COG, in
    process (``predict_scene``) and as the whole ``seg-predict`` command, against the same
    network on the same tiles already in memory (normalised, channels-last, bf16, cores
-   cropped, labels made): the bare model's seconds over the file path's.
+   cropped, labels made): the bare model's seconds over the file path's. This process
+   runs torch as the commands do (huge pages for its tensors, :mod:`seg_at_scale.cli`),
+   so the in-memory network is as fast here as inside ``seg-predict``.
 
 Each ``seg-predict`` prints its own split (read, model, write, finalize seconds); the
 medians go into the JSON with the machine's load.
@@ -33,6 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import seg_at_scale.cli  # noqa: F401 - before torch: huge pages for torch's tensors, as the commands run
+
+# isort: split
 import torch
 from common import fake_run, save, synthetic_scene
 

@@ -1,9 +1,10 @@
 """Mode overviews of class-label rasters, computed while the labels stream past.
 
 GDAL's ``MODE`` resampling is exact but slow (about two thirds of a COG's finalisation on
-this project's machine). Labels have few classes, so the mode of each 2 x 2 block is a few
-vectorised comparisons per class: :class:`ModePyramid` halves each level row band by row
-band as it is written, spilling every level to a raw temporary file, so memory stays at
+this project's machine). Labels have few classes, so the mode of each 2 x 2 block is one
+look-up in a table of every block's mode (up to 15 classes; beyond, a few vectorised
+comparisons per class): :class:`ModePyramid` halves each level row band by row band as it
+is written, spilling every level to a raw temporary file, so memory stays at
 one band whatever the raster's size. No-data (255) is ignored unless a block is all no-data;
 ties go to the lowest class id.
 
@@ -17,11 +18,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import suppress
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["mode2x2", "ModePyramid", "overview_shapes"]
+__all__ = ["mode2x2", "mode2x2_counted", "ModePyramid", "overview_shapes"]
 
 NODATA = 255
 
@@ -41,9 +43,29 @@ def overview_shapes(height: int, width: int, block: int) -> list[tuple[int, int]
 
 
 def mode2x2(band: np.ndarray, num_classes: int) -> np.ndarray:
-    """Mode of each 2 x 2 block of ``band [2h, W]`` (``W`` padded to even with no-data)."""
+    """Mode of each 2 x 2 block of ``band [2h, W]`` (``W`` padded to even with no-data).
+
+    Up to 15 classes (what land-cover and most label sets have) a block's four labels,
+    each clamped to a nibble, index a table of every block's mode (:func:`_mode_table`,
+    made by :func:`mode2x2_counted` itself, so both give the same labels); more classes
+    count each class.
+    """
     if band.shape[1] % 2:
         band = np.pad(band, ((0, 0), (0, 1)), constant_values=NODATA)
+    if num_classes > _NIBBLE:
+        return mode2x2_counted(band, num_classes)
+    # each label clamped to 15 (every value >= num_classes is ignored, as 255 is); two
+    # horizontal neighbours read as one little-endian uint16 (left | right << 8) fold into
+    # one byte (left | right << 4); the top and bottom rows' bytes make the table's index
+    pairs = np.minimum(band, _NIBBLE).view(np.uint16)
+    nibbles = (pairs | (pairs >> 4)).astype(np.uint8)
+    index = nibbles[0::2].astype(np.uint16)
+    index |= nibbles[1::2].astype(np.uint16) << 8
+    return _mode_table(num_classes)[index]
+
+
+def mode2x2_counted(band: np.ndarray, num_classes: int) -> np.ndarray:
+    """:func:`mode2x2` by counting each class (``band [2h, W]``, ``W`` even)."""
     # contiguous copies: comparisons on stride-2 views run ~10x slower
     quads = [np.ascontiguousarray(band[r::2, c::2]) for r in (0, 1) for c in (0, 1)]
     best = np.full(quads[0].shape, NODATA, np.uint8)
@@ -60,6 +82,27 @@ def mode2x2(band: np.ndarray, num_classes: int) -> np.ndarray:
         np.copyto(best, np.uint8(k), where=hit)
         np.maximum(best_count, count, out=best_count)
     return best
+
+
+_NIBBLE = 15
+
+
+@lru_cache(maxsize=_NIBBLE + 1)
+def _mode_table(num_classes: int) -> np.ndarray:
+    """The mode of every 2 x 2 block of nibbles.
+
+    At index ``tl | tr << 4 | bl << 8 | br << 12``; a nibble ``>= num_classes`` is ignored,
+    as no-data is.
+    """
+    index = np.arange(1 << 16, dtype=np.uint32)
+    tl, tr, bl, br = ((index >> s) & 0xF for s in (0, 4, 8, 12))
+    top = np.stack([tl, tr], axis=1).reshape(1, -1)
+    bottom = np.stack([bl, br], axis=1).reshape(1, -1)
+    band = np.vstack([top, bottom]).astype(np.uint8)
+    band[band >= num_classes] = NODATA
+    table = mode2x2_counted(band, num_classes)[0]
+    table.flags.writeable = False
+    return table
 
 
 class _Halver:
