@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -86,7 +87,12 @@ def test_a_killed_rank_fails_the_job_and_the_launcher_completes_the_bytes(
     info = slurm_cluster.wait(first, timeout=120)
     log = job_log(tmp_path / "first.out")
     assert (info["JobState"], info["NodeList"]) == ("FAILED", "n[1-2]") and not out.exists()
-    assert "task 1: Killed" in log and "Connection closed by peer" in log  # rank 0's gloo
+    # rank 0's gloo names the lost peer ("closed" or "reset", as the kill lands); srun
+    # reports the killed task, or, when rank 0's failure reaches it first, that one and
+    # ends the step
+    assert re.search(r"Connection (closed|reset) by peer", log), log[-3000:]
+    assert "task 1: Killed" in log or ("task 0: Exited with exit code 1" in log
+                                       and "Force Terminated" in log), log[-3000:]
     done = chunks_written(store)
 
     sweep = tmp_path / "sweep"
