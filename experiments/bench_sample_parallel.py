@@ -27,8 +27,7 @@ from common import add_harness_args, save
 
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.models import UNet
-from seg_at_scale.parallel.launch import spawn
-from seg_at_scale.parallel.strategy import all_reduce_gradients
+from seg_at_scale.parallel.launch import all_reduce_gradients, spawn
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import Window, tiled_backward
 from seg_at_scale.tiling.predict import extend

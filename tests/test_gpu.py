@@ -33,9 +33,8 @@ from seg_at_scale.memory import MemoryConfig, StepSpec, apply_memory_mode, find_
 from seg_at_scale.memory.probe import StepMeasure, measure_step
 from seg_at_scale.models import UNet
 from seg_at_scale.models.trained import load_run
-from seg_at_scale.parallel.launch import spawn
+from seg_at_scale.parallel.launch import all_reduce_gradients, spawn
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, close_pipe
-from seg_at_scale.parallel.strategy import all_reduce_gradients
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import extend, footprint, predict_full, predict_tiled, tiled_backward
 from seg_at_scale.tiling.tile_sides import legal_side

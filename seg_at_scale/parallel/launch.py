@@ -1,21 +1,25 @@
-"""Run a function on ``world`` local processes joined in a torch.distributed group.
+"""Processes joined in a torch.distributed group.
 
-Used by the tests and benchmarks of sample parallelism (Lightning launches the training
-processes itself, ``trainer=ddp``). Each process gets :func:`cpu_threads` threads.
+Rank and world, the gradient all-reduce of sample parallelism, and :func:`spawn` of a
+function on ``world`` local processes (the tests and benchmarks of sample parallelism;
+Lightning launches the training processes itself, ``trainer=ddp``), each with
+:func:`cpu_threads` threads. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import Tensor
 
-__all__ = ["spawn", "free_port", "cpu_threads", "rank_world", "barrier"]
+__all__ = ["spawn", "free_port", "cpu_threads", "rank_world", "world_size", "barrier",
+           "all_reduce_gradients"]
 
 
 def rank_world() -> tuple[int, int]:
@@ -23,6 +27,49 @@ def rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def world_size() -> int:
+    """Processes in the default group (1 when not distributed)."""
+    return rank_world()[1]
+
+
+def all_reduce_gradients(params: Iterable[torch.nn.Parameter], op: str = "sum",
+                         extra: Tensor | None = None) -> Tensor | None:
+    """Sum (or average) the gradients of ``params`` over all ranks, one buffer per device.
+
+    Parameters without a gradient take part with zeros, so ranks that saw no tile of an
+    image (pad slots) still join. ``extra`` (e.g. the rank's loss) rides along in the
+    first buffer and is returned reduced.
+    """
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op={op!r}: use 'sum' or 'mean'")
+    world = world_size()
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for p in params:
+        grad = cast(Tensor, p.grad)  # set above
+        by_device.setdefault(grad.device, []).append(grad)
+    reduced_extra = extra
+    for k, (device, grads) in enumerate(sorted(by_device.items(), key=lambda kv: str(kv[0]))):
+        parts = [g.reshape(-1) for g in grads]
+        if k == 0 and extra is not None:
+            parts.append(extra.detach().reshape(-1).to(device, grads[0].dtype))
+        flat = torch.cat(parts)
+        if world > 1:
+            dist.all_reduce(flat)
+        if op == "mean":
+            flat /= world
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        if k == 0 and extra is not None:
+            reduced_extra = flat[offset:].reshape(extra.shape).to(extra.device)
+    return reduced_extra
 
 
 def barrier() -> None:

@@ -3,8 +3,9 @@
 * :class:`SampleParallelStrategy` (``trainer=ddp``): Lightning's DDP process launch,
   process group (gloo on CPU, NCCL on GPU) and samplers, but no ``DistributedDataParallel``
   wrapper. The task accumulates an image's tile gradients locally and calls
-  :func:`all_reduce_gradients` once, on its last tile: the *sum* over ranks is the
-  whole-image gradient, exact and independent of how the tiles fell on the ranks.
+  :func:`~seg_at_scale.parallel.launch.all_reduce_gradients` once, on its last tile: the
+  *sum* over ranks is the whole-image gradient, exact and independent of how the tiles
+  fell on the ranks.
 * :class:`PipelineStrategy` (one process, ``pipeline=manual|auto``): leaves Pipe's stages on
   their devices (Pipe refuses ``.to()``); batches go to the first stage's device.
 * ``SampleParallelStrategy`` with a pipelined task is the hybrid: DDP across processes, a
@@ -13,61 +14,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
-from torch import Tensor
 
-from seg_at_scale.parallel.launch import cpu_threads, rank_world
+from seg_at_scale.parallel.launch import cpu_threads, world_size
 
-__all__ = ["SampleParallelStrategy", "PipelineStrategy", "all_reduce_gradients",
-           "world_size"]
-
-
-def world_size() -> int:
-    """Processes in the default group (1 when not distributed)."""
-    return rank_world()[1]
-
-
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter], op: str = "sum",
-                         extra: Tensor | None = None) -> Tensor | None:
-    """Sum (or average) the gradients of ``params`` over all ranks, one buffer per device.
-
-    Parameters without a gradient take part with zeros, so ranks that saw no tile of an
-    image (pad slots) still join. ``extra`` (e.g. the rank's loss) rides along in the
-    first buffer and is returned reduced.
-    """
-    if op not in ("sum", "mean"):
-        raise ValueError(f"op={op!r}: use 'sum' or 'mean'")
-    world = world_size()
-    params = [p for p in params if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for p in params:
-        grad = cast(Tensor, p.grad)  # set above
-        by_device.setdefault(grad.device, []).append(grad)
-    reduced_extra = extra
-    for k, (device, grads) in enumerate(sorted(by_device.items(), key=lambda kv: str(kv[0]))):
-        parts = [g.reshape(-1) for g in grads]
-        if k == 0 and extra is not None:
-            parts.append(extra.detach().reshape(-1).to(device, grads[0].dtype))
-        flat = torch.cat(parts)
-        if world > 1:
-            dist.all_reduce(flat)
-        if op == "mean":
-            flat /= world
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        if k == 0 and extra is not None:
-            reduced_extra = flat[offset:].reshape(extra.shape).to(extra.device)
-    return reduced_extra
+__all__ = ["SampleParallelStrategy", "PipelineStrategy"]
 
 
 def _pipe_of(module: Any) -> Any:

@@ -21,7 +21,7 @@ from torchmetrics.classification import MulticlassJaccardIndex
 
 from seg_at_scale.data.samplers import is_pad
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.parallel.strategy import all_reduce_gradients, world_size
+from seg_at_scale.parallel.launch import all_reduce_gradients, world_size
 from seg_at_scale.tasks.finetune import (
     check_finetune,
     freeze_batch_norm,

@@ -16,11 +16,10 @@ from seg_at_scale.data.samplers import ShardedImageSampler
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import UNet
 from seg_at_scale.models.layers import check_layers, run_layers
-from seg_at_scale.parallel.launch import cpu_threads, spawn
+from seg_at_scale.parallel.launch import all_reduce_gradients, cpu_threads, spawn
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe
 from seg_at_scale.parallel.planner import bubble_fraction, partition, plan, predict
 from seg_at_scale.parallel.profile import LayerCost, profile_layers
-from seg_at_scale.parallel.strategy import all_reduce_gradients
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import tiled_backward
 from seg_at_scale.tiling.predict import extend
