@@ -55,8 +55,10 @@ def mode2x2(band: np.ndarray, num_classes: int) -> np.ndarray:
     if num_classes > _NIBBLE:
         return mode2x2_counted(band, num_classes)
     # each label clamped to 15 (every value >= num_classes is ignored, as 255 is); two
-    # horizontal neighbours read as one little-endian uint16 (left | right << 8) fold into
-    # one byte (left | right << 4); the top and bottom rows' bytes make the table's index
+    # horizontal neighbours read as one uint16 fold into one byte (left | right << 4 on a
+    # little-endian machine); the top and bottom rows' bytes make the table's index. A
+    # block's mode does not depend on where its labels sit, so the byte order does not
+    # matter either.
     pairs = np.minimum(band, _NIBBLE).view(np.uint16)
     nibbles = (pairs | (pairs >> 4)).astype(np.uint8)
     index = nibbles[0::2].astype(np.uint16)

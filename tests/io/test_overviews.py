@@ -43,8 +43,8 @@ def test_the_mode_table_equals_counting_each_class(num_classes: int):
 
 
 def test_a_label_cog_s_overviews_are_the_modes_of_the_level_above(tmp_path: Path):
-    """301 x 257 labels (odd sides), 3 of 5 classes in patches, no-data in a corner,
-    written in row bands of 37 rows with 64 px blocks: three overview levels."""
+    """301 x 257 labels (odd sides), 5 classes in 3 x 3 patches with 30 % noise, no-data
+    in a corner, written in row bands of 37 rows with 64 px blocks: three overview levels."""
     rng = np.random.default_rng(7)
     labels = np.repeat(np.repeat(rng.integers(0, 5, (101, 86)), 3, 0), 3, 1)[:301, :257]
     labels = labels.astype(np.uint8)
