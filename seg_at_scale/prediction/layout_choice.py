@@ -32,7 +32,8 @@ from torch import nn
 
 from seg_at_scale.prediction.options import PredictOptions
 
-__all__ = ["with_layout", "cache_path", "layout_key", "measure_layouts"]
+__all__ = ["with_layout", "cache_path", "layout_key", "measure_layouts", "network_text",
+           "device_name", "read_cache", "write_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +42,17 @@ log = logging.getLogger(__name__)
 PROBE_SIDE = 512
 
 
-def cache_path() -> Path:
-    """The JSON file that keeps the measured layouts."""
+def cache_path(name: str = "layouts.json") -> Path:
+    """The JSON file in the user's cache that keeps one kind of measurement."""
     root = os.environ.get("SEG_AT_SCALE_CACHE")
     if root:
-        return Path(root) / "layouts.json"
+        return Path(root) / name
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "seg_at_scale" / "layouts.json"
+    return Path(xdg) / "seg_at_scale" / name
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """The device in words (a GPU's name; a CPU's model and torch's threads)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     cpu = platform.processor() or platform.machine()
@@ -67,12 +69,16 @@ def layout_key(model: nn.Module, bands: int, side: int, autocast: torch.dtype | 
 
     The network's shape (not its weights), the device, precision, tile side and torch.
     """
+    text = json.dumps([network_text(model), str(autocast), bands, side])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def network_text(model: nn.Module) -> list[Any]:
+    """The network's shape (class, names, shapes and dtypes, not weights), device and torch."""
     device = next(model.parameters()).device
     shape = [type(model).__qualname__] + [f"{n}:{tuple(p.shape)}:{p.dtype}"
                                           for n, p in model.state_dict().items()]
-    text = json.dumps([shape, _device_name(device), str(autocast), bands, side,
-                       torch.__version__])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return [shape, device_name(device), torch.__version__]
 
 
 def measure_layouts(model: nn.Module, bands: int, side: int,
@@ -123,7 +129,7 @@ def with_layout(options: PredictOptions, model: nn.Module, bands: int,
         except OSError:
             lock = None  # a cache that cannot be written: measure every time
         with lock if lock is not None else contextlib.nullcontext():
-            known = _read(path)
+            known = read_cache(path, _valid)
             if key in known:
                 return str(known[key]["layout"])
             seconds = measure_layouts(model, bands, side, options.autocast)
@@ -132,8 +138,8 @@ def with_layout(options: PredictOptions, model: nn.Module, bands: int,
                 f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items()), side, path)
             if lock is not None:
                 known[key] = {"layout": chosen, "seconds": seconds, "side": side,
-                              "device": _device_name(next(model.parameters()).device)}
-                _write(path, known)
+                              "device": device_name(next(model.parameters()).device)}
+                write_cache(path, known)
             return chosen
 
     layout = decide(choose) if decide is not None else choose()
@@ -141,22 +147,28 @@ def with_layout(options: PredictOptions, model: nn.Module, bands: int,
                    "contiguous")
 
 
-def _read(path: Path) -> dict[str, Any]:
-    """The cache's entries; an unreadable or foreign file counts as empty (rewritten)."""
+def _valid(entry: Any) -> bool:
+    return isinstance(entry, dict) and entry.get("layout") in ("channels_last", "contiguous")
+
+
+def read_cache(path: Path, valid: Any) -> dict[str, Any]:
+    """A cache file's entries; an unreadable or foreign file counts as empty (rewritten).
+
+    ``valid(entry)`` says whether one entry has the expected form.
+    """
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return doc if isinstance(doc, dict) and all(
-        isinstance(v, dict) and v.get("layout") in ("channels_last", "contiguous")
-        for v in doc.values()) else {}
+    return doc if isinstance(doc, dict) and all(valid(v) for v in doc.values()) else {}
 
 
-def _write(path: Path, entries: dict[str, Any]) -> None:
+def write_cache(path: Path, entries: dict[str, Any]) -> None:
+    """Replace a cache file whole (a temporary file renamed: never half written)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(entries, indent=1) + "\n")
         os.replace(tmp, path)
     except OSError as exc:
-        log.warning("layout=auto: cannot keep the choice in %s (%s)", path, exc)
+        log.warning("cannot keep the measurement in %s (%s)", path, exc)
         tmp.unlink(missing_ok=True)

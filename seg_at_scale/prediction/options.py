@@ -67,6 +67,10 @@ class PredictOptions:
             (:mod:`seg_at_scale.models.fold`): the same function with one pass over the
             feature maps fewer (1.01-1.07x on CPU here); the logits differ from the
             network as written by float rounding, like the memory layout's.
+        compile: ``torch.compile`` the network per input shape, each shape used only where
+            its compiled output equals the eager one bit for bit (the same labels);
+            ``auto``: where the forwards left save more than the compile costs, measured
+            and kept in the user's cache (:mod:`seg_at_scale.prediction.compile_choice`).
         stac: write a STAC Item (``<name>.stac.json``) beside each output.
         vector_connectivity: polygons' pixel connectivity, 4 or 8 (vector outputs).
         vector_min_area: drop polygons smaller than this (CRS units, e.g. m²).
@@ -91,6 +95,7 @@ class PredictOptions:
     staged: bool = False
     stage_memory_mb: int = 512
     fold_bn: bool = False
+    compile: bool | Literal["auto"] = "auto"
     stac: bool = True
     vector_connectivity: Literal[4, 8] = 4
     vector_min_area: float = 0.0

@@ -36,6 +36,7 @@ from seg_at_scale.errors import ConfigError, SegAtScaleError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.parallel.launch import barrier, rank_world
 from seg_at_scale.prediction.checks import check_outputs, store_path
+from seg_at_scale.prediction.compile_choice import checked_network
 from seg_at_scale.prediction.finalize import finalize
 from seg_at_scale.prediction.lock import output_lock
 from seg_at_scale.prediction.options import PredictOptions, output_kind
@@ -51,7 +52,7 @@ from seg_at_scale.prediction.progress import progress_bar
 from seg_at_scale.prediction.staged_raster import check_staged, plan_staged, predict_staged_raster
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, footprint
-from seg_at_scale.tiling.engine import Batch, BatchOutput, run_batches
+from seg_at_scale.tiling.engine import Batch, BatchOutput, forward_shapes, run_batches
 from seg_at_scale.tiling.geometry import fill_of
 from seg_at_scale.tiling.statistic_passes import (
     check_no_tta,
@@ -272,10 +273,12 @@ def predict_batches(model: nn.Module, source: RasterWindows, mine: list[Batch],
         stats.read_s += seconds
         stats.read_wait_s += waited
 
+    net = checked_network(model, options.compile, forward_shapes(
+        mine, height=grid.height, width=grid.width, fp=grid.footprint, tta=tta))
     with ThreadPoolExecutor(1) as writer:
         pending: Future | None = None
         t0 = time.perf_counter()
-        for res in run_batches(model, source, mine, height=grid.height, width=grid.width,
+        for res in run_batches(net, source, mine, height=grid.height, width=grid.width,
                                fp=grid.footprint, device=device, autocast=autocast,
                                channels_last=channels_last, tta=tta, on_read=on_read):
             outputs = _outputs(res, probabilities)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from seg_at_scale.tiling.geometry import (
     Footprint,
@@ -41,7 +42,7 @@ from seg_at_scale.tiling.geometry import (
 )
 
 __all__ = ["WindowSource", "TensorWindows", "Batch", "plan_batches", "D4", "TTA",
-           "run_batches", "BatchOutput"]
+           "run_batches", "BatchOutput", "forward_shapes"]
 
 
 class WindowSource(Protocol):
@@ -200,7 +201,7 @@ class BatchOutput:
     probabilities: bool
 
 
-def run_batches(model: nn.Module, source: WindowSource, batches: Sequence[Batch], *,
+def run_batches(model: Callable[[Tensor], Any], source: WindowSource, batches: Sequence[Batch], *,
                 height: int, width: int, fp: Footprint, device: torch.device,
                 autocast: torch.dtype | None = None, channels_last: bool = False,
                 tta: str | None = None, on_read: Callable[[float, float], None] | None = None,
@@ -260,8 +261,8 @@ def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
     th, tw = g.shape(height, width)
     by_size: dict[tuple[int, int], _Group] = {}
     invalid: list[np.ndarray | None] = []
-    for i, tile in enumerate(batch.tiles):
-        view = cover(g.from_source(tile.core, height, width), th, tw, fp)
+    for i, (tile, view) in enumerate(zip(batch.tiles, _views(batch, g, height, width, fp),
+                                         strict=True)):
         raw, bad = source.load(g.to_source(view.read, height, width))
         x = g.apply(raw if isinstance(raw, Tensor) else torch.from_numpy(np.ascontiguousarray(raw)))
         grp = by_size.setdefault(tuple(x.shape[-2:]), _Group([], [], [], [], x.dim() == 4))
@@ -290,6 +291,28 @@ def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
     return list(by_size.values()), invalid, event, time.perf_counter() - t0
 
 
+def _views(batch: Batch, g: D4, height: int, width: int, fp: Footprint) -> list[Tile]:
+    """The tiles of ``batch`` as the view ``g`` reads them (in the transformed frame)."""
+    th, tw = g.shape(height, width)
+    return [cover(g.from_source(tile.core, height, width), th, tw, fp) for tile in batch.tiles]
+
+
+def forward_shapes(batches: Sequence[Batch], *, height: int, width: int, fp: Footprint,
+                   tta: str | None = None) -> Counter[tuple[int, int, int]]:
+    """How many forwards :func:`run_batches` makes per input shape ``(tiles, h, w)``.
+
+    For windows of one image each (a raster's tiles); a batch's tiles of one size are one
+    forward, as ``run_batches`` groups them.
+    """
+    shapes: Counter[tuple[int, int, int]] = Counter()
+    for batch in batches:
+        for g in TTA[tta]:
+            sizes = Counter((v.read.height, v.read.width)
+                            for v in _views(batch, g, height, width, fp))
+            shapes.update((n, h, w) for (h, w), n in sizes.items())
+    return shapes
+
+
 @dataclass
 class _Group:
     """Tiles of one batch with one input size: raw windows ``[B, C, h, w]`` each."""
@@ -306,7 +329,7 @@ def _core_mask(bad: np.ndarray, tile: Tile) -> np.ndarray:
     return bad[r : r + tile.core.height, c : c + tile.core.width]
 
 
-def _forward(model: nn.Module, source: WindowSource, groups: list[_Group], g: D4,
+def _forward(model: Callable[[Tensor], Any], source: WindowSource, groups: list[_Group], g: D4,
              softmax: bool, n: int, channels_last: bool) -> list[Tensor]:
     """Core outputs per tile (``[K, h, w]``, or ``[B, K, h, w]`` when batched), source frame."""
     out: list[Tensor] = [torch.empty(0)] * n

@@ -1,0 +1,185 @@
+"""``compile``: a compiled network is used per input shape only where its output equals the
+eager network's bit for bit, so a compiled prediction writes the eager prediction's bytes;
+a compile that differs or fails leaves the shape eager; ``auto`` compiles where the
+measured saving pays for the compile."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from helpers.prediction import make_image
+
+from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.errors import ConfigError
+from seg_at_scale.io import read_raster
+from seg_at_scale.models import UNet
+from seg_at_scale.prediction import PredictOptions, compile_choice, predict_raster
+from seg_at_scale.tiling import predict_full
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: what users normalise with: a per-band mean and std after scaling to [0, 1]
+NORM = Normalizer(scale=1 / 255, mean=(0.45, 0.5, 0.4, 0.55), std=(0.22, 0.25, 0.2, 0.3))
+OPTS = {"q": 3, "preview": False, "stac": False, "progress": False, "layout": "channels_last"}
+#: a strip of 9 tiles: 7 of one input shape (96x120), the last two of their own
+STRIP = {**OPTS, "q": None, "tile_size": 120}
+
+
+def unet() -> UNet:
+    torch.manual_seed(0)
+    return UNet(4, 5, levels=3, base_width=4, padding="same").eval()
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    """The user's cache in tmp_path; its ``compile.json`` entries as a list."""
+    monkeypatch.setenv("SEG_AT_SCALE_CACHE", str(tmp_path / "cache"))
+
+    def entries() -> list[dict]:
+        path = tmp_path / "cache" / compile_choice.CACHE_NAME
+        return list(json.loads(path.read_text()).values()) if path.exists() else []
+
+    return entries
+
+
+def spy(monkeypatch, make=None):
+    """Count the compiles and the compiled network's calls; ``make(model)`` the compiled."""
+    counts = {"compiles": 0, "calls": 0}
+    real = compile_choice.compiler
+
+    def compiler(model):
+        counts["compiles"] += 1
+        fn = (make or real)(model)
+
+        def call(x):
+            counts["calls"] += 1
+            return fn(x)
+
+        return call
+
+    monkeypatch.setattr(compile_choice, "compiler", compiler)
+    return counts
+
+
+def labels(path):
+    return read_raster(path)[0]
+
+
+def test_the_compiled_prediction_writes_the_eager_bytes(tmp_path, cache, monkeypatch):
+    """torch.compile itself, fp32 channels-last, a 93x613 strip of 9 tiles."""
+    net, image = unet(), make_image(tmp_path / "scene.tif", height=93, width=613)
+    counts = spy(monkeypatch)
+    predict_raster(net, image, tmp_path / "eager.tif", PredictOptions(compile=False, **STRIP),
+                   normalizer=NORM)
+    assert counts == {"compiles": 0, "calls": 0}
+    monkeypatch.setattr(compile_choice, "TRIAL_S", 1e-9)  # as if the scene were huge
+    predict_raster(net, image, tmp_path / "compiled.tif", PredictOptions(compile="auto", **STRIP),
+                   normalizer=NORM)
+    # the shape of 7 tiles: its first tile eagerly and compiled (compared), the second
+    # compiled and timed, the others compiled (or eager, if that was faster); the last two
+    # tiles, one forward of each shape, eagerly: a compile cannot pay there
+    assert counts["compiles"] == 1 and counts["calls"] in (2, 7)
+    [entry] = cache()
+    assert json.loads(entry["shape"])[0] == [1, 4, 96, 120]
+    assert entry["equal"] is True and entry["compile_s"] > 0 and entry["compiled_s"] > 0
+    np.testing.assert_array_equal(labels(tmp_path / "compiled.tif"), labels(tmp_path / "eager.tif"))
+    x = torch.from_numpy(NORM(read_raster(image)))[None]
+    with torch.inference_mode():  # and both are the untiled forward's
+        whole = predict_full(net, x).argmax(1)[0].numpy().astype(np.uint8)
+    np.testing.assert_array_equal(labels(tmp_path / "compiled.tif"), whole)
+
+
+def _perturbed(model):
+    return lambda x: torch.nextafter(model(x), torch.tensor(math.inf))
+
+
+def test_a_compile_that_changes_one_bit_is_not_used(tmp_path, cache, monkeypatch, caplog):
+    net, image = unet(), make_image(tmp_path / "scene.tif", height=133, width=170)
+    counts = spy(monkeypatch, _perturbed)
+    predict_raster(net, image, tmp_path / "eager.tif", PredictOptions(compile=False, **OPTS),
+                   normalizer=NORM)
+    with caplog.at_level(logging.WARNING, logger=compile_choice.__name__):
+        predict_raster(net, image, tmp_path / "c.tif", PredictOptions(compile=True, **OPTS),
+                       normalizer=NORM)
+    # each of the 9 shapes (3x3 tiles, each its own) compared once, then never used
+    assert counts == {"compiles": 1, "calls": 9}
+    assert "differs from the eager network's; this shape runs eagerly" in caplog.text
+    assert [e["equal"] for e in cache()] == [False] * 9
+    np.testing.assert_array_equal(labels(tmp_path / "c.tif"), labels(tmp_path / "eager.tif"))
+    # auto, however much work is left, does not try that shape again (a new process too)
+    monkeypatch.setattr(compile_choice, "TRIAL_S", 0.0)
+    compile_choice._NETWORKS.clear()
+    predict_raster(net, image, tmp_path / "a.tif", PredictOptions(compile="auto", **OPTS),
+                   normalizer=NORM)
+    assert counts["compiles"] == 1 and counts["calls"] == 9
+
+
+def test_a_compile_that_fails_leaves_the_network_eager(tmp_path, cache, monkeypatch, caplog):
+    def broken(model):
+        def fn(x):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+        return fn
+
+    net, image = unet(), make_image(tmp_path / "scene.tif", height=133, width=170)
+    counts = spy(monkeypatch, broken)
+    predict_raster(net, image, tmp_path / "eager.tif", PredictOptions(compile=False, **OPTS),
+                   normalizer=NORM)
+    with caplog.at_level(logging.WARNING, logger=compile_choice.__name__):
+        predict_raster(net, image, tmp_path / "c.tif", PredictOptions(compile=True, **OPTS),
+                       normalizer=NORM)
+    assert counts == {"compiles": 1, "calls": 1}  # not tried again on the other shapes
+    assert "compiling the network failed on input 1x4x" in caplog.text
+    assert "No working C++ compiler found" in caplog.text and "compile=false" in caplog.text
+    assert "No working C++ compiler" in cache()[0]["error"]
+    np.testing.assert_array_equal(labels(tmp_path / "c.tif"), labels(tmp_path / "eager.tif"))
+
+
+def _same(model):
+    return model
+
+
+def test_auto_tries_a_shape_only_where_the_work_left_can_pay(tmp_path, cache, monkeypatch):
+    net, image = unet(), make_image(tmp_path / "scene.tif", height=93, width=613)
+    counts = spy(monkeypatch, _same)
+    predict_raster(net, image, tmp_path / "small.tif", PredictOptions(**STRIP), normalizer=NORM)
+    assert counts["compiles"] == 0 and cache() == []  # 9 tiny tiles: far below TRIAL_S
+    monkeypatch.setattr(compile_choice, "TRIAL_S", 0.0)  # as if the scene were huge
+    predict_raster(net, image, tmp_path / "big.tif", PredictOptions(**STRIP), normalizer=NORM)
+    assert counts["compiles"] == 1  # the 7 tiles' shape; not the shapes of one forward
+    [entry] = cache()
+    assert entry["equal"] is True and entry["compiled_s"] > 0 and entry["eager_s"] > 0
+    np.testing.assert_array_equal(labels(tmp_path / "big.tif"), labels(tmp_path / "small.tif"))
+
+
+@pytest.mark.parametrize(("seen", "forwards", "compiled"), [
+    ({"equal": True, "eager_s": 1.0, "compiled_s": 0.5, "compile_s": 10.0}, 30, True),
+    ({"equal": True, "eager_s": 1.0, "compiled_s": 0.5, "compile_s": 10.0}, 10, False),
+    ({"equal": True, "eager_s": 1.0, "compiled_s": 1.2, "compile_s": 0.1}, 10**6, False),
+    ({"equal": False, "eager_s": 1.0, "compile_s": 0.1}, 10**6, False),
+    ({"error": "BackendCompilerFailed", "eager_s": 1.0}, 10**6, False),
+])
+def test_auto_weighs_the_saving_measured_before_against_the_compile(cache, monkeypatch, seen,
+                                                                     forwards, compiled):
+    counts = spy(monkeypatch, _same)
+    net, x = unet(), torch.randn(1, 4, 72, 88)
+    checked = compile_choice.CheckedCompile(net, "auto")
+    path = compile_choice.cache_path(compile_choice.CACHE_NAME)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({checked.entry_key(x): {"shape": "x", **seen}}))
+    checked.expect(Counter({(1, 72, 88): forwards}))
+    with torch.inference_mode():
+        y = checked(x)
+        torch.testing.assert_close(y, net(x), rtol=0, atol=0)
+    assert counts["compiles"] == int(compiled)
+
+
+def test_compile_is_refused_unless_true_false_or_auto():
+    with pytest.raises(ConfigError, match=r"compile='maybe' is not .*; give compile="):
+        PredictOptions.from_mapping({"compile": "maybe"})
+    assert PredictOptions.from_mapping({"compile": True}).compile is True
