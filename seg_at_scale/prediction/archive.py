@@ -24,6 +24,7 @@ import contextlib
 import glob
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.trained import TrainedModel
 from seg_at_scale.parallel.launch import barrier, rank_world
 from seg_at_scale.prediction.checks import check_scene
+from seg_at_scale.prediction.compile_choice import checked_network
 from seg_at_scale.prediction.finalize import finalize
 from seg_at_scale.prediction.layout_choice import with_layout
 from seg_at_scale.prediction.options import PredictOptions
@@ -62,6 +64,7 @@ from seg_at_scale.prediction.raster import (
 from seg_at_scale.prediction.scene import companions, predict_scene
 from seg_at_scale.prediction.staged_raster import check_staged
 from seg_at_scale.prediction.store import PredictionStore
+from seg_at_scale.tiling.engine import forward_shapes
 from seg_at_scale.tiling.geometry import fill_of
 from seg_at_scale.tiling.statistic_passes import has_statistics
 from seg_at_scale.tiling.statistics import uses_image_pool
@@ -404,11 +407,17 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
     show = options.progress if options.progress is not None else not os.environ.get("CI")
     total = sum(len(b.tiles) for _, b in units)
     per_tile = sum(r.megapixels for r in records) * 1e6 / max(1, sum(r.tiles for r in records))
+    shapes: Counter[tuple[int, int, int]] = Counter()  # the archive's: compiles pay across scenes
+    for i, b in mine:
+        g = plans[i].grid
+        shapes.update(forward_shapes([b], height=g.height, width=g.width, fp=g.footprint,
+                                     tta=options.tta))
+    net = checked_network(model, options.compile, shapes)
     with progress_bar(total, show and rank == 0, per_tile, world, "archive") as bar, \
             _Finisher() as finisher:
         for i in _in_order(mine):
             batches = [b for j, b in mine if j == i]
-            _run_scene(trained, model, scenes[i], plans[i], stores[i], batches, options,
+            _run_scene(trained, model, net, scenes[i], plans[i], stores[i], batches, options,
                        records[i], bar, on_error, finisher)
     barrier()
     return _gather(records, plans, stores, scenes, trained, options, on_error)
@@ -512,7 +521,7 @@ class _Finisher:
             self._pool.shutdown(wait=True)
 
 
-def _run_scene(trained: TrainedModel, model: torch.nn.Module, scene: ArchiveScene,
+def _run_scene(trained: TrainedModel, model: torch.nn.Module, net: Any, scene: ArchiveScene,
                plan: RasterPlan, store: PredictionStore | None, batches: list[Any],
                options: PredictOptions, record: SceneRecord, bar: Any, on_error: str,
                finisher: _Finisher) -> None:
@@ -532,7 +541,8 @@ def _run_scene(trained: TrainedModel, model: torch.nn.Module, scene: ArchiveScen
     try:
         source = RasterWindows(plan.reader, trained.normalizer, fill_of(trained.footprint))
         try:
-            predict_batches(model, source, batches, plan.grid, store, options, stats, bar)
+            predict_batches(model, source, batches, plan.grid, store, options, stats, bar,
+                            net=net)
         finally:
             record.tiles_computed += stats.tiles_computed
             record.seconds += time.perf_counter() - t0  # before the finisher adds its own

@@ -263,8 +263,12 @@ def _statistic_passes(model: nn.Module, source: RasterWindows, grid: TileGrid,
 
 def predict_batches(model: nn.Module, source: RasterWindows, mine: list[Batch],
                     grid: TileGrid, store: PredictionStore, options: PredictOptions,
-                    stats: PredictionStats, bar: Any) -> None:
-    """Run this rank's batches of one raster; chunks are written on a background thread."""
+                    stats: PredictionStats, bar: Any, net: Any = None) -> None:
+    """Run this rank's batches of one raster; chunks are written on a background thread.
+
+    ``net``: what runs the tiles, ``model`` or its :func:`~.compile_choice.checked_network`
+    (by default made for these batches; an archive makes one for all its scenes).
+    """
     device = next(model.parameters()).device
     autocast, channels_last, tta, probabilities = (options.autocast, options.channels_last,
                                                    options.tta, options.probabilities)
@@ -273,8 +277,9 @@ def predict_batches(model: nn.Module, source: RasterWindows, mine: list[Batch],
         stats.read_s += seconds
         stats.read_wait_s += waited
 
-    net = checked_network(model, options.compile, forward_shapes(
-        mine, height=grid.height, width=grid.width, fp=grid.footprint, tta=tta))
+    if net is None:
+        net = checked_network(model, options.compile, forward_shapes(
+            mine, height=grid.height, width=grid.width, fp=grid.footprint, tta=tta))
     with ThreadPoolExecutor(1) as writer:
         pending: Future | None = None
         t0 = time.perf_counter()

@@ -183,3 +183,55 @@ def test_compile_is_refused_unless_true_false_or_auto():
     with pytest.raises(ConfigError, match=r"compile='maybe' is not .*; give compile="):
         PredictOptions.from_mapping({"compile": "maybe"})
     assert PredictOptions.from_mapping({"compile": True}).compile is True
+
+
+def test_an_archive_weighs_its_scenes_together_and_writes_the_eager_bytes(tmp_path, cache,
+                                                                          monkeypatch):
+    """Two 93x613 strips: 7 forwards of one shape each. A clock where a forward takes one
+    second (compiled half, compiling 20); a trial where 10 are left: no scene alone has
+    them, the archive has."""
+    from helpers.prediction import make_model, make_run
+
+    from seg_at_scale.models.loading import load_trained
+    from seg_at_scale.prediction.archive import archive_scenes, predict_archive
+
+    class Clock:  # a forward takes a second, compiled half a second, compiling 20 s
+        t, compiled = 0.0, 0
+
+        def now(self, x):
+            self.t += 1.0
+            return self.t
+
+        def compiled_forward(self, model, x):
+            self.t += 20.0 if self.compiled == 0 else -0.5
+            self.compiled += 1
+            return model(x)
+
+    clock = Clock()
+    monkeypatch.setattr(compile_choice, "_now", clock.now)
+    monkeypatch.setattr(compile_choice, "TRIAL_S", 10.0)
+    counts = spy(monkeypatch, lambda m: lambda x: clock.compiled_forward(m, x))
+    trained = load_trained(make_run(tmp_path / "run", make_model(width=4)), ckpt="last")
+    (tmp_path / "in").mkdir()
+    for i in range(2):
+        make_image(tmp_path / "in" / f"s{i}.tif", height=93, width=613, seed=i)
+    opts = {k: v for k, v in STRIP.items() if k != "layout"}
+    outs = {}
+    for mode in (False, "auto"):
+        scenes = archive_scenes(str(tmp_path / "in" / "*.tif"), tmp_path / str(mode))
+        records = predict_archive(trained, scenes, PredictOptions(compile=mode, **opts))
+        assert [r.status for r in records] == ["done", "done"]
+        outs[mode] = [labels(s.output) for s in scenes]
+    # one compile: the first scene's 7 tiles of that shape (the first compared, the second
+    # timed) and the second scene's 7 ran compiled; the other shapes (one forward each) eager
+    assert counts["compiles"] == 1 and counts["calls"] == 7 + 7
+    for eager, compiled in zip(outs[False], outs["auto"], strict=True):
+        np.testing.assert_array_equal(compiled, eager)
+    [entry] = cache()
+    assert entry["compile_s"] == 20.0 and entry["compiled_s"] == 0.5 and entry["eager_s"] == 1
+    for i in range(2):  # one scene alone: 6 forwards left save 3 s, not the compile's 20 s
+        compile_choice._NETWORKS.clear()
+        predict_raster(trained.model, tmp_path / "in" / f"s{i}.tif", tmp_path / f"one{i}.tif",
+                       PredictOptions(compile="auto", **opts), fp=trained.footprint,
+                       normalizer=trained.normalizer)
+    assert counts["compiles"] == 1
