@@ -204,10 +204,10 @@ def test_a_scene_left_with_missing_tiles_is_a_failure(run, tmp_path, monkeypatch
 
     real = archive.predict_batches
 
-    def drops_one_of_s1(model, source, batches, grid, store, *args):  # no error, a tile less
+    def drops_one_of_s1(model, source, batches, grid, store, *args, **kwargs):  # a tile less
         if store.path.name == ".s1.tif.zarr":
             batches = batches[1:]
-        return real(model, source, batches, grid, store, *args)
+        return real(model, source, batches, grid, store, *args, **kwargs)
 
     monkeypatch.setattr(archive, "predict_batches", drops_one_of_s1)
     scenes, out = _three(tmp_path), tmp_path / "out"
