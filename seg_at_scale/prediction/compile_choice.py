@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch._dynamo
 from filelock import FileLock
 from torch import Tensor, nn
 
@@ -50,7 +51,7 @@ from seg_at_scale.prediction.layout_choice import (
 from seg_at_scale.tiling.statistic_passes import has_statistics
 from seg_at_scale.tiling.statistics import uses_image_pool
 
-__all__ = ["CheckedCompile", "TRIAL_S", "checked_network", "compiler", "CACHE_NAME"]
+__all__ = ["CheckedCompile", "TRIAL_S", "checked_network", "compiler", "CACHE_NAME", "reset"]
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class CheckedCompile:
         if self._compiled is None:
             self._compiled = compiler(self.model)
         t0 = _now(x)
+        _COMPILED[type(self.model).forward.__code__] += 1
         try:
             yc = self._compiled(x)
         except Exception as exc:  # no C++ compiler, an op dynamo cannot trace, ...
@@ -153,6 +155,14 @@ class CheckedCompile:
 
     def _worth(self, key: str, eager_s: float, left: int) -> bool:
         """Whether to compile this shape now, ``left`` forwards of it to come."""
+        code = type(self.model).forward.__code__
+        if _COMPILED[code] >= torch._dynamo.config.recompile_limit:
+            # torch runs a forward past its limit of compiled variants eagerly, unasked:
+            # no trial would measure a compiled forward
+            log.info("compile: %s.forward has %d compiled shapes in this process, torch's "
+                     "limit; this shape runs eagerly", type(self.model).__name__,
+                     _COMPILED[code])
+            return False
         if self.mode is True:
             return True
         seen = _read().get(self._cache_key(key))
@@ -226,6 +236,15 @@ def _equal(a: Any, b: Any) -> bool:
 
 #: one checked forward per network, kept across the scenes of an archive
 _NETWORKS: weakref.WeakKeyDictionary[nn.Module, CheckedCompile] = weakref.WeakKeyDictionary()
+#: shapes compiled in this process per forward's code (torch counts its variants so)
+_COMPILED: Counter[Any] = Counter()
+
+
+def reset() -> None:
+    """Forget every compiled network and variant of this process (``torch._dynamo.reset``)."""
+    torch._dynamo.reset()
+    _NETWORKS.clear()
+    _COMPILED.clear()
 
 
 def checked_network(model: nn.Module, mode: bool | Literal["auto"],
