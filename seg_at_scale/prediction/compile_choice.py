@@ -13,8 +13,9 @@ untiled rests on every tile computing what the whole-image forward computes, so:
   compiled prediction writes the eager prediction's bytes, and the fingerprint does not
   name the compiler: an interrupted run resumes with or without it.
 * **Where it pays** (``compile=auto``, the default). A shape is tried when the eager
-  forwards this prediction has left would take at least :data:`TRIAL_S`; its second
-  forward is timed compiled, and the shape stays compiled only when that is faster. What
+  forwards this prediction has left of it would take at least :data:`TRIAL_S`; its next
+  forwards alternate compiled and eager (:data:`TIMED` of each, every tile computed once),
+  and the shape stays compiled only when the best compiled one is faster. What
   was measured (eager and compiled seconds per forward, the compile's seconds, equal or
   not) is kept per (network shape, device, torch, input shape, precision, layout) in
   ``compile.json`` beside :mod:`~.layout_choice`'s cache, and later predictions compile
@@ -34,7 +35,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 
 #: an untried shape is compiled when the eager forwards left would take this long
 TRIAL_S = 30.0
+#: timed forwards of each kind (after the compile's) before a shape is decided
+TIMED = 2
 #: the cache file, beside ``layouts.json``
 CACHE_NAME = "compile.json"
 
@@ -68,14 +71,21 @@ def compiler(model: nn.Module) -> Callable[[Tensor], Any]:
 
 @dataclass
 class _Shape:
-    """One input shape's state.
+    """One input shape's state and its timed forwards.
 
-    ``eager``, ``timing`` (compiled; the next forward is timed) or ``compiled``.
+    ``eager``, ``timing`` (compiled and eager forwards alternate, each timed) or
+    ``compiled``.
     """
 
     state: str
-    eager_s: float
+    eager: list[float]
+    compiled: list[float] = field(default_factory=list)
     settled: bool = True  # False: eager only because this prediction was too small
+
+    @property
+    def eager_s(self) -> float:
+        """An eager forward's seconds: the best after the first (oneDNN warms up on it)."""
+        return min(self.eager[1:] or self.eager)
 
 
 class CheckedCompile:
@@ -104,7 +114,7 @@ class CheckedCompile:
         shape = self._shapes.get(key)
         if shape is None:
             if self.mode is False:
-                self._shapes[key] = shape = _Shape("eager", 0.0)
+                self._shapes[key] = shape = _Shape("eager", [])
                 return self.model(x)
             return self._first(x, key)
         if shape.state == "eager":
@@ -112,13 +122,17 @@ class CheckedCompile:
         assert self._compiled is not None
         if shape.state == "compiled":
             return self._compiled(x)
+        # timing: compiled and eager alternate (the same bits: each tile computed once)
+        compiled = len(shape.compiled) < len(shape.eager)
         t0 = _now(x)
-        y = self._compiled(x)
-        compiled_s = _now(x) - t0
-        shape.state = "compiled" if self.mode is True or compiled_s < shape.eager_s else "eager"
-        self._record(key, compiled_s=compiled_s)
-        log.info("compile: %s on %s (%.1f ms compiled, %.1f ms eager)", shape.state,
-                 self._describe(x), compiled_s * 1e3, shape.eager_s * 1e3)
+        y = self._compiled(x) if compiled else self.model(x)
+        (shape.compiled if compiled else shape.eager).append(_now(x) - t0)
+        if len(shape.compiled) >= TIMED and len(shape.eager) > TIMED:
+            best = min(shape.compiled)
+            shape.state = "compiled" if self.mode is True or best < shape.eager_s else "eager"
+            self._record(key, compiled_s=best, eager_s=shape.eager_s)
+            log.info("compile: %s on %s (%.1f ms compiled, %.1f ms eager)", shape.state,
+                     self._describe(x), best * 1e3, shape.eager_s * 1e3)
         return y
 
     def _first(self, x: Tensor, key: str) -> Any:
@@ -127,7 +141,7 @@ class CheckedCompile:
         y = self.model(x)
         eager_s = _now(x) - t0
         if not self._worth(key, eager_s, max(0, self._left[_size(x)])):
-            self._shapes[key] = _Shape("eager", eager_s, settled=self.mode is False)
+            self._shapes[key] = _Shape("eager", [eager_s], settled=self.mode is False)
             return y
         if self._compiled is None:
             self._compiled = compiler(self.model)
@@ -136,7 +150,7 @@ class CheckedCompile:
         try:
             yc = self._compiled(x)
         except Exception as exc:  # no C++ compiler, an op dynamo cannot trace, ...
-            self._shapes[key] = _Shape("eager", eager_s)
+            self._shapes[key] = _Shape("eager", [eager_s])
             self.mode = False  # nor the other shapes: the cause is rarely the shape
             self._record(key, eager_s=eager_s, error=f"{type(exc).__name__}: {exc}"[:300])
             log.warning("compile=%s: compiling the network failed on %s (%s: %s); it runs "
@@ -145,7 +159,7 @@ class CheckedCompile:
             return y
         compile_s = max(0.0, _now(x) - t0 - eager_s)
         equal = _equal(y, yc)
-        self._shapes[key] = _Shape("timing" if equal else "eager", eager_s)
+        self._shapes[key] = _Shape("timing" if equal else "eager", [eager_s])
         self._record(key, eager_s=eager_s, compile_s=compile_s, equal=equal)
         if not equal:
             log.warning("compile=%s: the compiled network's output on %s differs from the "
