@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 import time
 import weakref
 from collections import Counter
@@ -39,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch._dynamo
 from filelock import FileLock
 from torch import Tensor, nn
 
@@ -169,6 +169,10 @@ class CheckedCompile:
 
     def _worth(self, key: str, eager_s: float, left: int) -> bool:
         """Whether to compile this shape now, ``left`` forwards of it to come."""
+        if not (self.mode is True or self._pays(key, eager_s, left)):
+            return False
+        import torch._dynamo  # on the first compile only: its import takes a second
+
         code = type(self.model).forward.__code__
         if _COMPILED[code] >= torch._dynamo.config.recompile_limit:
             # torch runs a forward past its limit of compiled variants eagerly, unasked:
@@ -177,13 +181,17 @@ class CheckedCompile:
                      "limit; this shape runs eagerly", type(self.model).__name__,
                      _COMPILED[code])
             return False
-        if self.mode is True:
-            return True
+        return True
+
+    def _pays(self, key: str, eager_s: float, left: int) -> bool:
+        """``auto``: whether the forwards left of this shape can pay for its compile."""
+        if left <= 0:
+            return False
         seen = _read().get(self._cache_key(key))
         if seen is None or seen.get("compiled_s") is None:
             if seen is not None and (seen.get("error") or seen.get("equal") is False):
                 return False
-            return left > 0 and left * eager_s >= TRIAL_S  # untried: where it can pay
+            return left * eager_s >= TRIAL_S  # untried: where it can pay
         if seen.get("error") or not seen.get("equal") or seen["compiled_s"] >= seen["eager_s"]:
             return False
         return bool(left * (seen["eager_s"] - seen["compiled_s"]) > seen["compile_s"])
@@ -256,7 +264,8 @@ _COMPILED: Counter[Any] = Counter()
 
 def reset() -> None:
     """Forget every compiled network and variant of this process (``torch._dynamo.reset``)."""
-    torch._dynamo.reset()
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
     _NETWORKS.clear()
     _COMPILED.clear()
 

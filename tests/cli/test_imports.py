@@ -15,3 +15,14 @@ def test_seg_predict_starts_without_the_libraries_only_polygons_need():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_the_prediction_path_imports_torch_dynamo_only_to_compile():
+    """``torch._dynamo`` takes a second to import: ``compile=auto`` loads it when it
+    compiles a shape, not with the prediction modules every run and rank imports."""
+    code = ("import sys, seg_at_scale.prediction.archive, seg_at_scale.prediction.scene\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout

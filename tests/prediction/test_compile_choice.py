@@ -244,9 +244,9 @@ def test_an_archive_weighs_its_scenes_together_and_writes_the_eager_bytes(tmp_pa
 
 def test_no_more_shapes_are_tried_than_torch_keeps_compiled(tmp_path, cache, monkeypatch):
     """Past its recompile limit torch runs a forward eagerly unasked: no trial would be real."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     net, image = unet(), make_image(tmp_path / "scene.tif", height=133, width=170)
     counts = spy(monkeypatch, _same)
-    predict_raster(net, image, tmp_path / "c.tif", PredictOptions(compile=True, **OPTS),
-                   normalizer=NORM)
+    with torch._dynamo.config.patch(recompile_limit=2):  # its own patch: monkeypatch breaks it
+        predict_raster(net, image, tmp_path / "c.tif", PredictOptions(compile=True, **OPTS),
+                       normalizer=NORM)
     assert counts["calls"] == 2 and len(cache()) == 2  # 2 of the 9 shapes (3x3 tiles)
