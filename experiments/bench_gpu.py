@@ -55,8 +55,6 @@ from gpu_common import (
     timed,
     unet_from_conf,
 )
-from gpu_encoders import encoders
-from gpu_training import ibm_gscnn, largest_tile, offload_cost, train_step
 from torch.utils.flop_counter import FlopCounterMode
 
 from seg_at_scale.data.normalize import Normalizer
@@ -311,6 +309,10 @@ def main(argv: list[str] | None = None) -> None:
     if dev.type != "cuda" and not args.quick:
         skip("needs CUDA (bench_gpu: --device cpu runs with --quick only: the harness check)")
         return
+    # the sections that import smp, timm and the training stack (2 s): after the checks
+    from gpu_encoders import encoders
+    from gpu_training import ibm_gscnn, largest_tile, offload_cost, train_step
+
     threads = args.threads or (1 if dev.type == "cpu" else None)  # shared cores: no spinning
     if threads:
         torch.set_num_threads(threads)
