@@ -138,7 +138,7 @@ def test_a_compile_that_fails_leaves_the_network_eager(tmp_path, cache, monkeypa
         predict_raster(net, image, tmp_path / "c.tif", PredictOptions(compile=True, **OPTS),
                        normalizer=NORM)
     assert counts == {"compiles": 1, "calls": 1}  # not tried again on the other shapes
-    assert "compiling the network failed on input 1x4x" in caplog.text
+    assert "compile=True: compiling the network failed on input 1x4x" in caplog.text
     assert "No working C++ compiler found" in caplog.text and "compile=false" in caplog.text
     assert "No working C++ compiler" in cache()[0]["error"]
     np.testing.assert_array_equal(labels(tmp_path / "c.tif"), labels(tmp_path / "eager.tif"))
