@@ -100,6 +100,7 @@ class CheckedCompile:
 
     def __init__(self, model: nn.Module, mode: bool | Literal["auto"]) -> None:
         self.model, self.mode = model, mode
+        self.broken = False  # a compile failed: no shape of this network is tried again
         self._compiled: Callable[[Tensor], Any] | None = None
         self._shapes: dict[str, _Shape] = {}
         self._left: Counter[tuple[int, ...]] = Counter()
@@ -115,8 +116,8 @@ class CheckedCompile:
         key = self._key(x)
         shape = self._shapes.get(key)
         if shape is None:
-            if self.mode is False:
-                self._shapes[key] = shape = _Shape("eager", [])
+            if self.broken:
+                self._shapes[key] = _Shape("eager", [])
                 return self.model(x)
             return self._first(x, key)
         if shape.state == "eager":
@@ -143,7 +144,7 @@ class CheckedCompile:
         y = self.model(x)
         eager_s = _now(x) - t0
         if not self._worth(key, eager_s, max(0, self._left[_size(x)])):
-            self._shapes[key] = _Shape("eager", [eager_s], settled=self.mode is False)
+            self._shapes[key] = _Shape("eager", [eager_s], settled=False)
             return y
         if self._compiled is None:
             self._compiled = compiler(self.model)
@@ -157,7 +158,7 @@ class CheckedCompile:
             log.warning("compile=%s: compiling the network failed on %s (%s: %s); it runs "
                         "eagerly (compile=false skips the attempt)", self.mode,
                         self._describe(x), type(exc).__name__, str(exc).splitlines()[0][:200])
-            self.mode = False  # nor the other shapes: the cause is rarely the shape
+            self.broken = True  # nor the other shapes: the cause is rarely the shape
             return y
         compile_s = max(0.0, _now(x) - t0 - eager_s)
         equal = _equal(y, yc)

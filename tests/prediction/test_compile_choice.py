@@ -73,6 +73,16 @@ def labels(path):
     return read_raster(path)[0]
 
 
+def eager_then_compiled(tmp_path, net, image, opts, caplog):
+    """The labels of ``compile=false`` and ``compile=true`` (its warnings in ``caplog``)."""
+    predict_raster(net, image, tmp_path / "eager.tif", PredictOptions(compile=False, **opts),
+                   normalizer=NORM)
+    with caplog.at_level(logging.WARNING, logger=compile_choice.__name__):
+        predict_raster(net, image, tmp_path / "c.tif", PredictOptions(compile=True, **opts),
+                       normalizer=NORM)
+    return labels(tmp_path / "eager.tif"), labels(tmp_path / "c.tif")
+
+
 def test_the_compiled_prediction_writes_the_eager_bytes(tmp_path, cache, monkeypatch):
     """torch.compile itself, fp32 channels-last, a 93x613 strip of 9 tiles."""
     net, image = unet(), make_image(tmp_path / "scene.tif", height=93, width=613)
@@ -105,17 +115,13 @@ def _perturbed(model):
 def test_a_compile_that_changes_one_bit_is_not_used(tmp_path, cache, monkeypatch, caplog):
     net, image = unet(), make_image(tmp_path / "scene.tif", height=133, width=170)
     counts = spy(monkeypatch, _perturbed)
-    predict_raster(net, image, tmp_path / "eager.tif", PredictOptions(compile=False, **QUAD),
-                   normalizer=NORM)
-    with caplog.at_level(logging.WARNING, logger=compile_choice.__name__):
-        predict_raster(net, image, tmp_path / "c.tif", PredictOptions(compile=True, **QUAD),
-                       normalizer=NORM)
+    eager, compiled = eager_then_compiled(tmp_path, net, image, QUAD, caplog)
     # each shape of the 2x2 tiles compared once, then never used
     shapes = len(cache())
     assert shapes >= 2 and counts == {"compiles": 1, "calls": shapes}
     assert "differs from the eager network's; this shape runs eagerly" in caplog.text
     assert [e["equal"] for e in cache()] == [False] * shapes
-    np.testing.assert_array_equal(labels(tmp_path / "c.tif"), labels(tmp_path / "eager.tif"))
+    np.testing.assert_array_equal(compiled, eager)
     # auto, however much work is left, does not try that shape again (a new process too)
     monkeypatch.setattr(compile_choice, "TRIAL_S", 0.0)
     compile_choice._NETWORKS.clear()
@@ -132,16 +138,16 @@ def test_a_compile_that_fails_leaves_the_network_eager(tmp_path, cache, monkeypa
 
     net, image = unet(), make_image(tmp_path / "scene.tif", height=133, width=170)
     counts = spy(monkeypatch, broken)
-    predict_raster(net, image, tmp_path / "eager.tif", PredictOptions(compile=False, **OPTS),
-                   normalizer=NORM)
-    with caplog.at_level(logging.WARNING, logger=compile_choice.__name__):
-        predict_raster(net, image, tmp_path / "c.tif", PredictOptions(compile=True, **OPTS),
-                       normalizer=NORM)
+    eager, compiled = eager_then_compiled(tmp_path, net, image, OPTS, caplog)
     assert counts == {"compiles": 1, "calls": 1}  # not tried again on the other shapes
     assert "compile=True: compiling the network failed on input 1x4x" in caplog.text
     assert "No working C++ compiler found" in caplog.text and "compile=false" in caplog.text
     assert "No working C++ compiler" in cache()[0]["error"]
-    np.testing.assert_array_equal(labels(tmp_path / "c.tif"), labels(tmp_path / "eager.tif"))
+    np.testing.assert_array_equal(compiled, eager)
+    # nor in the next prediction of this network in this process
+    predict_raster(net, image, tmp_path / "again.tif", PredictOptions(compile=True, **OPTS),
+                   normalizer=NORM)
+    assert counts == {"compiles": 1, "calls": 1}
 
 
 def _same(model):
