@@ -25,6 +25,7 @@ import json
 import os
 import selectors
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -119,8 +120,12 @@ class WarmProcess:
                 close_after.append(w)
             else:
                 send.append(stream if isinstance(stream, int) else stream.fileno())
+        # a fresh process inherits SIGINT ignored from a caller that ignores it (a suite
+        # started in the background by a shell); the server's own may differ
         request = json.dumps({"module": module, "args": cmd[3:], "env": env, "cwd": cwd,
-                              "session": session}).encode()
+                              "session": session,
+                              "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+                              }).encode()
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._conn.connect(_server())
         socket.send_fds(self._conn, [struct.pack("!I", len(request))], send)
@@ -291,6 +296,8 @@ def _child(request: dict[str, Any], fds: list[int], base: list[str]) -> None:
     os.closerange(3, 1 << 16)  # the server's sockets and the fds just received
     if request["session"]:
         os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN if request["sigint_ignored"]
+                  else signal.default_int_handler)
     os.chdir(request["cwd"])
     env = request["env"]
     os.environ.clear()
