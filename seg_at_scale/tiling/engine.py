@@ -23,7 +23,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -208,7 +208,10 @@ def run_batches(model: Callable[[Tensor], Any], source: WindowSource, batches: S
                 ) -> Iterator[BatchOutput]:
     """Run ``batches`` through ``model``, reading the next batch on a background thread.
 
-    On CUDA the reader thread stages each batch in pinned memory and copies it on a side
+    On the CPU the next batch is read between the forwards instead: the network's threads
+    already take every core, and a reader beside them only competes for the cores (the
+    8192^2 file path of ``experiments/bench_feed.py`` ran slower with one). On CUDA the
+    reader thread stages each batch in pinned memory and copies it on a side
     stream, so the copy of batch k+1 overlaps the model on batch k; the model's stream
     waits on an event, never on the host. ``on_read(read_s, waited_s)`` is told, per batch,
     how long reading took (on the thread) and how long the model waited for it.
@@ -226,14 +229,15 @@ def run_batches(model: Callable[[Tensor], Any], source: WindowSource, batches: S
 
     acc: list[Tensor] = []
     masks: list[np.ndarray | None] = []
-    with ThreadPoolExecutor(1) as pool, torch.inference_mode(), ctx:
+    reader: Executor = _Inline() if device.type == "cpu" else ThreadPoolExecutor(1)
+    with reader as pool, torch.inference_mode(), ctx:
         pending = pool.submit(load, jobs[0]) if jobs else None
         for k, (batch, g) in enumerate(jobs):
             assert pending is not None
             t0 = time.perf_counter()
             groups, invalid, event, seconds = pending.result()
-            waited = time.perf_counter() - t0
             pending = pool.submit(load, jobs[k + 1]) if k + 1 < len(jobs) else None
+            waited = time.perf_counter() - t0  # on the CPU: the next batch's read too
             if on_read is not None:
                 on_read(seconds, waited)
             if event is not None:
@@ -247,6 +251,18 @@ def run_batches(model: Callable[[Tensor], Any], source: WindowSource, batches: S
             if g == views[-1]:
                 outs = acc if tta is None else [a / len(views) for a in acc]
                 yield BatchOutput(batch, outs, masks, tta is not None)
+
+
+class _Inline(Executor):
+    """An executor that runs each job as it is submitted, in the calling thread."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # raised where the result is taken, as a thread's is
+            done.set_exception(exc)
+        return done
 
 
 def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
