@@ -30,6 +30,13 @@ import torch  # noqa: E402
 import seg_at_scale.cli  # noqa: F401, E402  (registers the configs' resolvers, as the commands do)
 from seg_at_scale.io import example_geotags, write_raster  # noqa: E402
 
+# pytest-xdist's workers share the cores as a job's ranks do: each worker's torch takes its
+# share, so that two workers on 2 cores do not run 4 OpenMP threads against each other
+# (the processes the tests start keep their own thread counts)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 
 @pytest.fixture()
 def scene_files(tmp_path: Path):

@@ -40,22 +40,21 @@ def test_a_warm_process_sees_what_a_fresh_one_sees(tmp_path, monkeypatch, thread
 
 
 def test_a_warm_process_takes_sigint_as_the_caller_passes_it_on(tmp_path, monkeypatch):
-    """Ignored in the caller (a suite started in the background), ignored in the process;
-    handled in the caller, Python's handler in the process: whatever the caller did when
+    """A fresh Python keeps SIGINT ignored when its parent ignores it (a suite started in
+    the background), and otherwise installs its KeyboardInterrupt handler (the signal
+    module's documented start-up); a warm one does the same, whatever its caller did when
     the server started. Both states are checked, so one differs from the server's own."""
     monkeypatch.delenv("SEG_TEST_COLD", raising=False)
     seen = []
     for handler in (signal.SIG_IGN, signal.default_int_handler):
         before = signal.signal(signal.SIGINT, handler)
         try:
-            fresh = subprocess.run([*PROBE, "0"], capture_output=True, text=True, env=_env(),
-                                   cwd=tmp_path, timeout=120)
             started = warm.run([*PROBE, "0"], capture_output=True, text=True, env=_env(),
                                cwd=tmp_path, timeout=120)
         finally:
             signal.signal(signal.SIGINT, before)
-        seen.append((json.loads(started.stdout)["sigint"], json.loads(fresh.stdout)["sigint"]))
-    assert seen == [(False, False), (True, True)]
+        seen.append(json.loads(started.stdout)["sigint"])
+    assert seen == [False, True]
 
 
 def test_a_warm_process_is_a_process_of_its_own_that_signals_end(tmp_path, monkeypatch):

@@ -48,7 +48,8 @@ __all__ = ["WindowSource", "TensorWindows", "Batch", "plan_batches", "D4", "TTA"
 class WindowSource(Protocol):
     """Model inputs by window (image coordinates, may reach outside), in two halves.
 
-    ``load`` runs on the engine's reader thread and should only read; ``prepare`` runs on
+    ``load`` runs on the engine's reader thread (for an accelerator; between the forwards
+    on the CPU) and should only read; ``prepare`` runs on
     the model's thread (after the copy to its device), where torch's threads do the
     arithmetic without competing with them.
     """

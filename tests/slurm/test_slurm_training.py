@@ -27,6 +27,7 @@ COMMON = [*TINY, *EXACT, f"trainer.max_epochs={EPOCHS}"]
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.slow  # its weights are also proven by the cancelled and the requeued job's tests
 def test_two_nodes_train_the_one_process_steps(slurm_cluster, jobs_env, reference,
                                                tmp_path: Path):
     """2 ranks on n1 and n2 share each image's 9 tiles (5 + 4): same losses, same weights."""
