@@ -12,12 +12,17 @@ from pathlib import Path
 # threads wait passively (same threads, same results). Set before torch is imported here,
 # and passed on to every subprocess, including those the tests give a bare environment.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# What the commands measure and keep (layouts.json, compile.json: the `own_cache` fixture
+# below) goes to this run's cache, never to the user's ~/.cache; passed on in the same way
+# (helpers.warm.PASSED_ON, to warm processes too).
+from helpers.warm import passed_on  # noqa: E402  (the standard library only)
+
 _popen_init = subprocess.Popen.__init__
 
 
 def _passive_openmp(self, args, *more, env=None, **kwargs):  # noqa: ANN001, ANN002, ANN003
-    if env is not None and "OMP_WAIT_POLICY" not in env:
-        env = {**env, "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
+    if env is not None:
+        env = passed_on(env)
     _popen_init(self, args, *more, env=env, **kwargs)
 
 
@@ -36,6 +41,16 @@ from seg_at_scale.io import example_geotags, write_raster  # noqa: E402
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This run's cache of measurements, shared by its xdist workers (the parent of their
+    temporary folders), as a fresh machine's: empty at the start, never the user's."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "seg_at_scale_cache"
+    os.environ["SEG_AT_SCALE_CACHE"] = str(root)
+    return root
 
 
 @pytest.fixture()

@@ -57,6 +57,23 @@ def test_a_warm_process_takes_sigint_as_the_caller_passes_it_on(tmp_path, monkey
     assert seen == [False, True]
 
 
+def test_the_suites_processes_keep_their_measurements_in_the_runs_cache(tmp_path, own_cache,
+                                                                        monkeypatch):
+    """A command the suite starts with a bare environment, fresh or warm, keeps layouts.json
+    and compile.json in this run's cache, not in the user's ``~/.cache``."""
+    monkeypatch.delenv("SEG_TEST_COLD", raising=False)
+    code = "from seg_at_scale.prediction.layout_choice import cache_path; print(cache_path())"
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, timeout=120)
+    assert fresh.stdout.strip() == str(own_cache / "layouts.json"), fresh.stderr
+    started = warm.run([*PROBE, "0"], capture_output=True, text=True, env=_env(),
+                       cwd=tmp_path, timeout=120)
+    assert json.loads(started.stdout)["cache"] == str(own_cache)
+    # pytest's temporary folders of this run (its workers' common parent), not the user's
+    assert own_cache.is_relative_to(tmp_path.parents[1])
+    assert not own_cache.is_relative_to(Path.home() / ".cache")
+
+
 def test_a_warm_process_is_a_process_of_its_own_that_signals_end(tmp_path, monkeypatch):
     monkeypatch.delenv("SEG_TEST_COLD", raising=False)
     out = open(tmp_path / "out.txt", "w")  # noqa: SIM115 - closed below

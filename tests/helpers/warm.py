@@ -44,8 +44,15 @@ _PRELOAD = ("numpy", "torch", "pytorch_lightning", "hydra", "omegaconf",
             "seg_at_scale.cli.train", "seg_at_scale.cli.training", "seg_at_scale.cli.predict",
             "seg_at_scale.cli.synth",
             "seg_at_scale.prediction.raster", "seg_at_scale.prediction.archive")
+# the settings tests/conftest.py passes on to every subprocess, given an environment or not
+PASSED_ON = ("OMP_WAIT_POLICY", "SEG_AT_SCALE_CACHE")
 _SERVER: list[Any] = []  # (Popen of the server, socket path)
 _LOCK = threading.Lock()
+
+
+def passed_on(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the suite's settings (:data:`PASSED_ON`) it lacks."""
+    return {**{k: os.environ[k] for k in PASSED_ON if k in os.environ}, **env}
 
 
 def cold() -> bool:
@@ -70,6 +77,8 @@ def popen(cmd: list[str], **kwargs: Any) -> Any:
     if module is None or set(kwargs) - _POPEN_KEYS:
         return subprocess.Popen(cmd, **kwargs)
     env, cwd = kwargs.get("env"), kwargs.get("cwd")
+    if env is not None:  # as tests/conftest.py passes them on to any subprocess
+        env = passed_on(env)
     return WarmProcess(module, cmd, env=dict(os.environ if env is None else env),
                        cwd=os.fspath(cwd or os.getcwd()), stdout=kwargs.get("stdout"),
                        stderr=kwargs.get("stderr"), text=bool(kwargs.get("text")),

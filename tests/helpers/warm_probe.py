@@ -15,7 +15,8 @@ if __name__ == "__main__":
             "probe": os.environ.get("PROBE"), "home": os.environ.get("HOME"),
             "threads": torch.get_num_threads(), "main": __spec__.name,
             "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-            "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}
+            "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+            "cache": os.environ.get("SEG_AT_SCALE_CACHE")}
     print(json.dumps(what), flush=True)
     print("to stderr", file=sys.stderr)
     if "sleep" in sys.argv:
