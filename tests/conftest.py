@@ -14,19 +14,19 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # What the commands measure and keep (layouts.json, compile.json: the `own_cache` fixture
 # below) goes to this run's cache, never to the user's ~/.cache; passed on in the same way
-# (helpers.warm.PASSED_ON, to warm processes too).
+# (helpers.warm.PASSED_ON: one rule for subprocesses and warm processes).
 from helpers.warm import passed_on  # noqa: E402  (the standard library only)
 
 _popen_init = subprocess.Popen.__init__
 
 
-def _passive_openmp(self, args, *more, env=None, **kwargs):  # noqa: ANN001, ANN002, ANN003
+def _passing_on(self, args, *more, env=None, **kwargs):  # noqa: ANN001, ANN002, ANN003
     if env is not None:
         env = passed_on(env)
     _popen_init(self, args, *more, env=env, **kwargs)
 
 
-subprocess.Popen.__init__ = _passive_openmp  # type: ignore[method-assign]
+subprocess.Popen.__init__ = _passing_on  # type: ignore[method-assign]
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -74,11 +74,11 @@ __all__ = ["PredictionStats", "predict_raster", "on_rank0", "scene_tile"]
 class PredictionStats:
     """What a prediction run did, and where its time went (seconds, this process).
 
-    ``read_s`` is spent reading and normalising tiles: on a GPU on a background thread,
+    ``read_s`` is spent reading the tiles' raw windows: on a GPU on a background thread,
     overlapped with the model, on the CPU between the forwards (``read_wait_s``: how long
-    the model waited for it); ``model_s`` is the main thread's time in the forward
-    passes and turning logits into outputs; ``write_s`` how long it waited for the
-    background chunk writer;
+    the model waited for it; normalising is model time); ``model_s`` is the main thread's
+    time in the forward passes and turning logits into outputs; ``write_s`` how long it
+    waited for the background chunk writer;
     ``finalize_s`` is rank 0's COG (or store) finalisation; ``statistics_s`` the first pass
     of a model with whole-image statistics. ``tiles_computed`` counts this process's tiles
     (a resumed run skips the batches already on disk: ``tiles_resumed``).
