@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all test-gpu gpu-check test-slurm slurm-up slurm-down lint bench bench-smoke clean-data install
+.PHONY: demo test test-all test-gpu gpu-wheels gpu-check test-slurm slurm-up slurm-down lint bench bench-smoke clean-data install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +33,15 @@ test-all: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(ARGS)
 
+## the wheels a lent GPU machine lacks, fetched here into .whl/ (tools/gpu_lent.sh installs
+## them there, offline, then runs `make gpu-check NO_VENV=1` with the machine's own python)
+gpu-wheels: $(STAMP)
+	$(PY) tools/gpu_wheels.py
+
 ## on a lent GPU, within 8 minutes and installing nothing: make test-gpu, then the prediction,
 ## encoders and training sections of bench_gpu.py, into one JSON (OUT=<folder> to choose where);
 ## then, in at most 80 s more, torch.compile against eager on the device (bench_compile.py)
-gpu-check: $(STAMP)
+gpu-check: $(if $(NO_VENV),,$(STAMP))
 	timeout 480 $(PY) experiments/bench_gpu.py --tests --tests-timeout 200 \
 	    --sections prediction,encoders,train_step --out $${OUT:-experiments/results}/bench_gpu.json
 	-timeout 80 $(PY) experiments/bench_compile.py --device cuda --repeats 3 \

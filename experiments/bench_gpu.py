@@ -67,6 +67,9 @@ from seg_at_scale.prediction import PredictOptions, predict_raster
 from seg_at_scale.prediction.plan import with_tile
 from seg_at_scale.tiling import make_grid
 
+# the test files that hold the CUDA tests (``make test-gpu``): collected alone, so a machine
+# that lacks a package only the CPU suite needs (geopandas, optuna) still runs them all
+GPU_TESTS = ("tests/test_gpu.py", "tests/models/test_smp_gpu.py")
 TIMES = ("total_s", "model_s", "read_s", "write_s", "finalize_s")  # PredictionStats fields
 SEEDS = {"torchgpipe_pipeline_1_vs_plain": 0.858, "ibm_offload_overhead_nvlink": 0.30,
          "ibm_offload_overhead_pcie": 1.06}
@@ -264,20 +267,28 @@ def header(dev: torch.device) -> dict[str, Any]:
     return h
 
 
-def gpu_tests(timeout: int) -> dict[str, Any]:
-    """``pytest -m gpu`` (what ``make test-gpu`` runs): its closing line, status and time."""
+def gpu_tests(timeout: int, log: Path) -> dict[str, Any]:
+    """``pytest -m gpu`` on :data:`GPU_TESTS`: its closing line, status and time; its whole
+    output (the tracebacks of what failed) in ``log``."""
     import subprocess
     import sys
 
     t0 = time.perf_counter()
+    cores = os.cpu_count() or 1
+    workers = ["-n", "4"] if cores > 4 else []  # a GPU machine's cores: 4 tests at a time
     try:
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu",
-                              "-p", "no:cacheprovider"], cwd=Path(__file__).resolve().parents[1],
+                              "-p", "no:cacheprovider", *workers, *GPU_TESTS],
+                             cwd=Path(__file__).resolve().parents[1],
                              capture_output=True, text=True, timeout=timeout)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(out.stdout + out.stderr)
         lines = out.stdout.strip().splitlines()
         result = {"returncode": out.returncode, "summary": lines[-1] if lines else "",
                   "failed": [ln for ln in lines if ln.startswith("FAILED")][:20]}
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
+        done = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        log.write_text(done)
         result = {"returncode": None, "summary": f"stopped after {timeout} s"}
     print(f"make test-gpu: {result['summary']}", flush=True)
     return {**result, "seconds": round(time.perf_counter() - t0, 1)}
@@ -302,7 +313,9 @@ def main(argv: list[str] | None = None) -> None:
         skip("needs CUDA (bench_gpu: no CUDA device here; `--device cpu --quick` checks the "
              "harness on this CPU in a few minutes)")
         return
-    tests = gpu_tests(args.tests_timeout) if args.tests else None
+    out_path = args.out or RESULTS / "bench_gpu.json"
+    tests = gpu_tests(args.tests_timeout, out_path.with_suffix(".tests.log")) \
+        if args.tests else None
     dev = torch.device("cuda" if args.device == "auto" else args.device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -117,3 +117,17 @@ def test_without_cuda_and_quick_it_says_so_and_writes_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no CUDA device here" in proc.stdout and "--device cpu --quick" in proc.stdout
     assert not out.exists()
+
+
+def test_the_gpu_check_collects_every_file_that_holds_a_cuda_test():
+    """``make gpu-check`` collects only ``GPU_TESTS`` (a lent machine may lack packages that
+    only the CPU suite imports): a CUDA test in another file would silently not run there."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        from bench_gpu import GPU_TESTS
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    holding = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                     if p != Path(__file__)
+                     and any(m in p.read_text() for m in ("ON_GPU", "mark.gpu")))
+    assert holding == sorted(GPU_TESTS)

@@ -154,8 +154,11 @@ class MemoryWrapped(nn.Module):
     """A model run under a memory mode; shares (not copies) the model's modules.
 
     The model's children, parameters and buffers are registered under their own names,
-    so ``state_dict()`` has exactly the model's keys. Other attributes (``footprint``,
-    ``pipeline_layers``, ``downsampling_factor`` ...) are read from the model.
+    so ``state_dict()`` has exactly the model's keys. The model's other public members
+    (``footprint``, ``pipeline_layers``, ``downsampling_factor`` ...) are members of the
+    wrapper's class (:func:`apply_memory_mode` makes one per model), so the wrapper has
+    the model's capabilities also where ``isinstance`` checks a protocol without calling
+    ``__getattr__`` (Python 3.12 and later).
 
     Args:
         model: a network; checkpointing needs its flat form ``pipeline_layers()`` or, for
@@ -213,6 +216,10 @@ class MemoryWrapped(nn.Module):
         except AttributeError:
             return getattr(object.__getattribute__(self, "inner"), name)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the class is made per model (_wrapper_class): pickle and deepcopy rebuild it
+        return apply_memory_mode, (self.inner, self.memory)
+
     def train(self, mode: bool = True) -> MemoryWrapped:
         super().train(mode)
         self.inner.train(mode)
@@ -260,6 +267,31 @@ class MemoryWrapped(nn.Module):
                    f"strip_rows={c.strip_rows}, strip_cols={c.strip_cols}"
         return (f"mode={c.mode}, granularity={c.granularity}, segments={len(self._segments)}"
                 if c.checkpoints else f"mode={c.mode}")
+
+
+_MODULE_STATE = set(vars(nn.Module()))  # training, _parameters ...: every module's own
+
+
+def _forwarded(name: str) -> property:
+    return property(lambda self: getattr(self.inner, name),
+                    doc=f"The wrapped model's ``{name}``.")
+
+
+def _wrapper_class(model: nn.Module) -> type[MemoryWrapped]:
+    """:class:`MemoryWrapped` with the model's public members as class members.
+
+    Python 3.12 checks a runtime protocol (the model contract, ``Footprinted`` ...) with
+    ``inspect.getattr_static``, which does not see what ``__getattr__`` would return: a
+    wrapper that only delegated would lose every capability of its model there.
+    """
+    names = {n for cls in type(model).__mro__ if cls not in nn.Module.__mro__
+             for n in vars(cls)}
+    names |= set(vars(model))
+    own = set(dir(MemoryWrapped)) | _MODULE_STATE
+    forwarded = sorted(n for n in names if not n.startswith("_") and n not in own)
+    return cast(type[MemoryWrapped], type("MemoryWrapped", (MemoryWrapped,), {
+        "__module__": __name__, "__qualname__": "MemoryWrapped",
+        **{n: _forwarded(n) for n in forwarded}}))
 
 
 def _by_units(model: nn.Module) -> bool:
@@ -315,7 +347,7 @@ def apply_memory_mode(model: nn.Module, cfg: MemoryConfig | str) -> nn.Module:
         model = model.inner
     if cfg.mode == "none":
         return model
-    return MemoryWrapped(model, cfg)
+    return _wrapper_class(model)(model, cfg)
 
 
 def memory_mode_of(model: nn.Module) -> MemoryConfig:

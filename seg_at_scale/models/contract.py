@@ -26,6 +26,7 @@ from typing import Protocol, runtime_checkable
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.protocols import Capability
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.staged import Stage
 
@@ -35,7 +36,7 @@ __all__ = ["SegmentationNetwork", "Pipelined", "Checkpointable", "FineTunable",
 
 
 @runtime_checkable
-class SegmentationNetwork(Protocol):
+class SegmentationNetwork(Capability, Protocol):
     """What every family gives: bands, classes, alignment and footprint.
 
     Attributes:
@@ -58,21 +59,21 @@ class SegmentationNetwork(Protocol):
 
 
 @runtime_checkable
-class Pipelined(Protocol):
+class Pipelined(Capability, Protocol):
     """The network as a flat layer list with named skips (pipelines, strip checkpointing)."""
 
     def pipeline_layers(self) -> list[nn.Module]: ...
 
 
 @runtime_checkable
-class Checkpointable(Protocol):
+class Checkpointable(Capability, Protocol):
     """Where activation checkpointing finds its stages and blocks."""
 
     def checkpoint_roots(self) -> list[nn.Module]: ...
 
 
 @runtime_checkable
-class FineTunable(Protocol):
+class FineTunable(Capability, Protocol):
     """A pretrained encoder: its parameters (own learning rate, freezing), and its weights.
 
     ``weights_report`` says what pretrained weights were loaded (``{config key: report}``,
@@ -86,21 +87,21 @@ class FineTunable(Protocol):
 
 
 @runtime_checkable
-class ApproximateFootprint(Protocol):
+class ApproximateFootprint(Capability, Protocol):
     """A network with non-local layers: the local receptive field, for inexact tiling."""
 
     def approximate_footprint(self) -> Footprint: ...
 
 
 @runtime_checkable
-class Staged(Protocol):
+class Staged(Capability, Protocol):
     """The network as stages, each tiled over the whole image's maps (``staged=true``)."""
 
     def stages(self) -> list[Stage]: ...
 
 
 @runtime_checkable
-class DualOutput(Protocol):
+class DualOutput(Capability, Protocol):
     """Segmentation and edge logits from one forward (Gated-SCNN's shape stream)."""
 
     def forward_dual(self, x: Tensor) -> tuple[Tensor, Tensor]: ...

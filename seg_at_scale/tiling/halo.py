@@ -33,6 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from seg_at_scale.protocols import Capability
 from seg_at_scale.tiling.geometry import Footprint
 
 __all__ = ["Footprinted", "Aligned", "HeldForProbe", "alignment", "halo_width",
@@ -44,14 +45,14 @@ _ACTIVATIONS = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.GELU, nn.SiLU, nn.ELU, nn.PR
 
 
 @runtime_checkable
-class Footprinted(Protocol):
+class Footprinted(Capability, Protocol):
     """A network that states its footprint (every family of the model contract does)."""
 
     def footprint(self) -> Footprint: ...
 
 
 @runtime_checkable
-class Aligned(Protocol):
+class Aligned(Capability, Protocol):
     """A network that states its alignment: the total downsampling factor."""
 
     @property
@@ -59,7 +60,7 @@ class Aligned(Protocol):
 
 
 @runtime_checkable
-class HeldForProbe(Protocol):
+class HeldForProbe(Capability, Protocol):
     """A layer with a whole-image statistic that the halo probe holds constant.
 
     The project's statistic sites and Gated-SCNN's image pooling: tiled, their statistic

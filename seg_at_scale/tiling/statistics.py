@@ -22,13 +22,14 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.devices import module_device
+from seg_at_scale.protocols import Capability
 from seg_at_scale.tiling.geometry import Footprint, Tile, TileGrid, make_grid
 from seg_at_scale.tiling.halo import footprint
 from seg_at_scale.tiling.predict import PixelLoss, predict_tiled, read_window, tiled_backward
 
 
 @runtime_checkable
-class ImagePooled(Protocol):
+class ImagePooled(Capability, Protocol):
     """A network that averages features over its whole input (Gated-SCNN's image pooling).
 
     Tiling needs only this: the features the pooling averages, their downsampling factor,

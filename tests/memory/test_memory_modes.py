@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import os
+import pickle
+import typing
 
 import pytest
 import torch
 from helpers.memory import CONFIGS, assert_close, grads, saved_bytes, tiny
+from helpers.smp import preset_model
 from torch import nn
 
 from seg_at_scale.errors import ConfigError
@@ -19,9 +24,13 @@ from seg_at_scale.memory import (
 )
 from seg_at_scale.memory.segments import cut_segments
 from seg_at_scale.models import UNet, UResNet
+from seg_at_scale.models.contract import CAPABILITIES, SegmentationNetwork
+from seg_at_scale.models.gscnn import GSCNN
 from seg_at_scale.models.layers import run_layers
 from seg_at_scale.tasks.losses import CrossEntropy
 from seg_at_scale.tiling import footprint, tiled_backward
+from seg_at_scale.tiling.halo import Aligned, Footprinted
+from seg_at_scale.tiling.statistics import ImagePooled
 
 # ----- memory modes: same numbers as `none` ------------------------------------------------
 
@@ -128,6 +137,42 @@ def test_wrapped_model_shares_parameters_state_dict_and_footprint():
     assert all(float(p.abs().sum()) == 0.0 for p in net.parameters())
     ck.eval()
     assert not net.training and apply_memory_mode(ck, "none") is net
+
+
+def _static_isinstance(obj: object, protocol: type) -> bool:
+    """``isinstance`` against a runtime protocol as Python 3.12 and later check it, on any
+    Python: each member looked up with ``inspect.getattr_static`` (no ``__getattr__``)."""
+    missing = object()
+    return all(inspect.getattr_static(obj, m, missing) is not missing
+               for m in typing._get_protocol_attrs(protocol))  # type: ignore[attr-defined]
+
+
+PROTOCOLS = [SegmentationNetwork, *CAPABILITIES, Footprinted, Aligned, ImagePooled]
+
+
+@pytest.mark.parametrize("family", ["unet", "smp", "gscnn"])
+def test_wrapped_model_keeps_every_capability_under_static_protocol_checks(family):
+    """The wrapper is what training tiles: Python >= 3.12 checks the model contract without
+    ``__getattr__``, and a wrapper that only delegated lost its footprint and alignment
+    there (the halo probe then ran at alignment 1: every memory mode failed on a GPU
+    machine's Python 3.12). Here the 3.12 rule is applied on any Python."""
+    net = {"unet": lambda: tiny("same"),
+           "smp": lambda: preset_model("unet_test_resnet"),
+           "gscnn": lambda: GSCNN(in_channels=3, num_classes=4, stem_width=4,
+                                            widths=(4, 4, 8, 8), shape_widths=(4, 4, 4),
+                                            aspp_width=4, decoder_width=4)}[family]()
+    has = [p.__name__ for p in PROTOCOLS if _static_isinstance(net, p)]
+    assert [p.__name__ for p in PROTOCOLS if isinstance(net, p)] == has
+    assert "SegmentationNetwork" in has
+    for mode in ("checkpoint", "offload", "checkpoint_offload"):
+        wrapped = apply_memory_mode(net, MemoryConfig(mode, granularity="level"))
+        assert [p.__name__ for p in PROTOCOLS if _static_isinstance(wrapped, p)] == has, mode
+        assert [p.__name__ for p in PROTOCOLS if isinstance(wrapped, p)] == has, mode
+        assert footprint(wrapped) == footprint(net)
+        again = copy.deepcopy(wrapped)  # the per-model class survives a copy and a pickle
+        assert type(again) is not type(wrapped) and again.memory == wrapped.memory
+        assert [p.__name__ for p in PROTOCOLS if _static_isinstance(again, p)] == has
+        assert pickle.loads(pickle.dumps(wrapped)).footprint() == net.footprint()
 
 
 def test_segments_carry_skips_and_cover_every_layer():

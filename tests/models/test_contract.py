@@ -12,14 +12,19 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.memory.modes import MemoryConfig, apply_memory_mode
 from seg_at_scale.models import registry
 from seg_at_scale.models.contract import (
+    DualOutput,
     FineTunable,
     Pipelined,
     SegmentationNetwork,
+    Staged,
     check_contract,
     require,
 )
+from seg_at_scale.models.gscnn import GSCNN
 from seg_at_scale.models.registry import Family, build_model
 from seg_at_scale.models.smp import SMPModel
+from seg_at_scale.prediction import PredictOptions
+from seg_at_scale.prediction.staged_raster import check_staged
 from seg_at_scale.tiling import Footprint
 
 NODES = {
@@ -80,3 +85,16 @@ def test_a_missing_capability_is_refused_in_one_line_naming_it():
     with pytest.raises(ConfigError, match=r"granularity=strips: SMPModel has no flat layer form"):
         apply_memory_mode(net, MemoryConfig(mode="checkpoint", granularity="strips"))
     assert check_contract(net) is net
+
+
+def test_a_child_named_like_a_capability_is_not_that_capability():
+    """Gated-SCNN keeps its backbone's stages in a child ``stages`` list: ``isinstance``
+    through ``__getattr__`` (Python <= 3.11) took it for the ``Staged`` capability, and
+    ``staged=true`` then failed calling the list. The refusal is one line on every Python."""
+    net = GSCNN(in_channels=3, num_classes=4, stem_width=4, widths=(4, 4, 8, 8),
+                shape_widths=(4, 4, 4), aspp_width=4, decoder_width=4)
+    assert isinstance(net.stages, nn.ModuleList) and not isinstance(net, Staged)
+    assert isinstance(net, SegmentationNetwork) and isinstance(net, DualOutput)
+    with pytest.raises(ConfigError, match=r"^staged=true needs stage-by-stage prediction "
+                                          r"\(stages; smp networks\), which GSCNN does not have"):
+        check_staged(net, PredictOptions(), world=1)

@@ -1,0 +1,18 @@
+#!/bin/bash
+# On a lent GPU machine, from the repository root, with .whl/ carried (tools/gpu_wheels.py):
+# install the wheels into the machine's own python (no network), then `make gpu-check`.
+#     bash tools/gpu_lent.sh            # results under $OUT (or experiments/results)
+set -u
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+t0=$(date +%s)
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl \
+    || { echo "installing .whl/ failed: fetch them here with tools/gpu_wheels.py"; exit 3; }
+# Lightning's cluster detection imports mpi4py, whose MPI_Init aborts without a launcher
+"$PY" -m pip uninstall -y -q mpi4py 2>/dev/null
+# the checkout on the machine's path, as `pip install -e .` would (that needs a build)
+echo "$PWD" > "$("$PY" -c 'import site; print(site.getsitepackages()[0])')/seg_at_scale_checkout.pth"
+"$PY" -c "import seg_at_scale.cli, segmentation_models_pytorch, rasterio, monai" || exit 3
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+echo "installed in $(( $(date +%s) - t0 )) s; load $(cut -d' ' -f1-3 /proc/loadavg)"
+make gpu-check PY="$PY" NO_VENV=1 OUT="${OUT:-experiments/results}"
