@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from importlib.metadata import version
+from importlib.metadata import distributions, version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ("hydra-core", "omegaconf", "segmentation-models-pytorch", "albumentations",
           "albucore", "stringzilla", "simsimd", "pydantic", "pydantic-core", "annotated-types",
           "typing-inspection", "rasterio", "affine", "click-plugins", "cligj", "shapely",
-          "zarr", "numcodecs", "donfig", "google-crc32c", "monai")
+          "zarr", "numcodecs", "donfig", "google-crc32c", "monai")  # and pystac's packages
 SOURCE_ONLY = ("antlr4-python3-runtime", "fairscale")  # sdists: built into wheels here
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64",
@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python-version", default="3.12")
     args = ap.parse_args(argv)
     args.dest.mkdir(parents=True, exist_ok=True)
-    pins = [f"{name}=={version(name)}" for name in WHEELS]
+    stac = sorted({d.metadata["Name"] for d in distributions()  # pystac and its extensions
+                   if d.metadata["Name"].lower().startswith("pystac")})
+    pins = [f"{name}=={version(name)}" for name in (*WHEELS, *stac)]
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     pip = [sys.executable, "-m", "pip"]
     subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:",
