@@ -70,6 +70,8 @@ def test_quick_cpu_run_gives_every_section(tmp_path):
     p = s["prediction"]
     assert positive(p["streaming"]["mpix_per_s"], p["bare_batch1"]["mpix_per_s"],
                     p["streaming_vs_bare"]) and p["tiles"] > 1
+    assert positive(*(p["io_alone"][k] for k in ("read_s", "read_mpix_per_s", "write_cog_s",
+                                                 "write_cog_mpix_per_s", "threads")))
 
     for side in map(str, doc["sizes"]["train_sides"]):
         row = s["train_step"][side]
@@ -98,8 +100,10 @@ def test_quick_cpu_run_gives_every_section(tmp_path):
         runs = {k: v for k, v in row.items() if isinstance(v, dict)}
         assert set(runs) == {"untiled_fp32", "untiled_fp32_cl", "ours_fp32_cl", "ours_bf16",
                              "monai_512_0.25", "monai_1024_0.25"}
-        assert positive(*(r["mpix_per_s"] for r in runs.values()),
-                        *(r["peak_mib"] for r in runs.values()))
+        assert positive(*(r["mpix_per_s"] for r in runs.values()))
+        # on a CPU the peak is the resident set's growth, 0 where freed memory is reused
+        assert all(isinstance(r["peak_mib"], float) and r["peak_mib"] >= 0
+                   for r in runs.values())
         assert runs["untiled_fp32"]["labels_off_pct"] == 0.0  # the reference itself
         assert runs["ours_fp32_cl"]["labels_off_pct"] <= 0.01  # exact, but for float ties
 
