@@ -40,11 +40,11 @@ gpu-wheels: $(STAMP)
 
 ## on a lent GPU, within 8 minutes and installing nothing: make test-gpu, then the prediction,
 ## encoders and training sections of bench_gpu.py, into one JSON (OUT=<folder> to choose where);
-## then, in at most 80 s more, torch.compile against eager on the device (bench_compile.py)
+## then, in at most 70 s more, torch.compile against eager on the device (bench_compile.py)
 gpu-check: $(if $(NO_VENV),,$(STAMP))
-	timeout 480 $(PY) experiments/bench_gpu.py --tests --tests-timeout 200 \
+	timeout 450 $(PY) experiments/bench_gpu.py --tests --tests-timeout 200 \
 	    --sections prediction,encoders,train_step --out $${OUT:-experiments/results}/bench_gpu.json
-	-timeout 80 $(PY) experiments/bench_compile.py --device cuda --repeats 3 \
+	-timeout 70 $(PY) experiments/bench_compile.py --device cuda --repeats 3 \
 	    --out $${OUT:-experiments/results}/bench_compile_gpu.json
 
 ## the Slurm tests alone (tests/slurm: a two-node cluster on this host; root and Debian's

@@ -10,6 +10,8 @@ call (whose labels count), with the device's peak memory above the image and wei
 * ``ours_fp32_cl``: ``predict_tiled_exact`` (DeepLab's image pooling by its statistic pass)
   at ``enc_tile``, channels_last, logits back on the host; ``ours_bf16``: the same under
   bf16 autocast (the fast path);
+* ``ours_auto_fp32`` / ``ours_auto_bf16``: ``infer(tile_size="auto")``, NCHW: what a user
+  gets by default (untiled where the scene fits the device; ``auto_tile`` says the side);
 * ``monai_<window>_<overlap>``: MONAI's Gaussian sliding window, fp32, ``sw_batch_size=4``,
   the whole image and its output on the device.
 
@@ -26,7 +28,8 @@ from bench_encoders import NORM, calibrated
 from gpu_common import Peak, Sizes, attempt, precision, timed
 
 from seg_at_scale.data.synthetic import SceneGenerator
-from seg_at_scale.tiling import Window, make_grid, predict_full
+from seg_at_scale.tiling import Window, infer, make_grid, predict_full
+from seg_at_scale.tiling.infer import _auto_side
 from seg_at_scale.tiling.statistic_passes import predict_tiled_exact
 
 MODELS = ("unet_resnet34", "deeplabv3plus_resnet50")  # bench_encoders.MODELS' names
@@ -82,18 +85,24 @@ def _model(name: str, x: torch.Tensor, dev: torch.device, sz: Sizes) -> dict[str
     run("ours_fp32_cl", lambda: predict_tiled_exact(cl, x, tile_size=tile, channels_last=True))
     run("ours_bf16", lambda: predict_tiled_exact(cl, x, tile_size=tile, channels_last=True,
                                                  autocast=torch.bfloat16))
+    # what a user gets by default: tile_size=auto (untiled where the scene fits), NCHW
+    net = net.to(memory_format=torch.contiguous_format)
+    row["auto_tile"] = attempt(lambda: {"fp32": _auto_side(net, x, None, None, False),
+                                        "bf16": _auto_side(net, x, None, torch.bfloat16, False)})
+    run("ours_auto_fp32", lambda: infer(net, x, tile_size="auto"))
+    run("ours_auto_bf16", lambda: infer(net, x, tile_size="auto", autocast=torch.bfloat16))
     try:
         from monai.inferers import sliding_window_inference
     except ImportError as e:
         row["monai"] = {"error": f"ImportError: {e}"}
         return row
-    net = net.to(memory_format=torch.contiguous_format)
     for window, overlap in MONAI:
         run(f"monai_{window}_{overlap}", lambda w=window, o=overlap: sliding_window_inference(
             x, (w, w), 4, net, overlap=o, mode="gaussian", padding_mode="constant", cval=0.0))
-    mine = row.get("ours_fp32_cl", {}).get("mpix_per_s")
     for key in [k for k in row if k.startswith("monai_")]:
         theirs = row[key].get("mpix_per_s")
-        if mine and theirs:
-            row[key]["ours_fp32_cl_vs_this"] = round(mine / theirs, 3)
+        for ours in ("ours_fp32_cl", "ours_auto_fp32", "ours_auto_bf16"):
+            mine = row.get(ours, {}).get("mpix_per_s")
+            if mine and theirs:
+                row[key][f"{ours}_vs_this"] = round(mine / theirs, 3)
     return row

@@ -99,7 +99,10 @@ def test_quick_cpu_run_gives_every_section(tmp_path):
     for row in enc.values():
         runs = {k: v for k, v in row.items() if isinstance(v, dict)}
         assert set(runs) == {"untiled_fp32", "untiled_fp32_cl", "ours_fp32_cl", "ours_bf16",
+                             "ours_auto_fp32", "ours_auto_bf16", "auto_tile",
                              "monai_512_0.25", "monai_1024_0.25"}
+        runs.pop("auto_tile")
+        assert runs["ours_auto_fp32"]["labels_off_pct"] <= 0.01  # exact, but for float ties
         assert positive(*(r["mpix_per_s"] for r in runs.values()))
         # on a CPU the peak is the resident set's growth, 0 where freed memory is reused
         assert all(isinstance(r["peak_mib"], float) and r["peak_mib"] >= 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,13 +32,7 @@ from seg_at_scale.prediction.options import PredictOptions, default_batch_size, 
 from seg_at_scale.prediction.provenance import digest, file_sha256, finished
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, make_grid
-from seg_at_scale.tiling.auto_tile import (
-    TileMemory,
-    device_cap,
-    fit_side,
-    memory_budget,
-    tile_memory,
-)
+from seg_at_scale.tiling.auto_tile import auto_side
 from seg_at_scale.tiling.engine import Batch, plan_batches
 from seg_at_scale.tiling.tile_sides import legal_side
 
@@ -76,11 +69,6 @@ def prediction_network(model: nn.Module, options: PredictOptions, bands: int,
     return fold_batchnorm(model, x)[0]
 
 
-#: what a window of each network holds, by (precision, layout, bands): measured once
-_MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], TileMemory]] = \
-    weakref.WeakKeyDictionary()
-
-
 def with_tile(options: PredictOptions, model: nn.Module, fp: Footprint, bands: int,
               height: int, width: int, processes: int = 1) -> PredictOptions:
     """``options`` with ``tile_size=auto`` made a side for this network, device and image.
@@ -92,16 +80,12 @@ def with_tile(options: PredictOptions, model: nn.Module, fp: Footprint, bands: i
     """
     if options.tile_size != "auto" or options.q is not None:
         return options
-    key = (options.autocast, options.channels_last, bands)
-    per_model = _MEASURED.setdefault(model, {})
-    if key not in per_model:
-        per_model[key] = tile_memory(model, bands, fp, autocast=options.autocast,
-                                     channels_last=options.channels_last)
     device = next(model.parameters()).device
     batch = options.batch_size or 1
     local = 1 if device.type == "cuda" else int(os.environ.get("LOCAL_WORLD_SIZE", processes))
-    side = fit_side(fp, height, width, per_model[key], memory_budget(device, local),
-                    batch=batch, cap=device_cap(fp, device))
+    side = auto_side(model, fp, height, width, bands, autocast=options.autocast,
+                     channels_last=options.channels_last, batch=batch,
+                     processes_per_device=local)
     while processes > 1 and side > fp.align and len(plan_batches(make_grid(
             height, width, fp, tile_size=side, uniform=True).tiles, batch)) < processes:
         smaller = legal_side(fp, side * 3 // 4)

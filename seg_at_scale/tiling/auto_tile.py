@@ -2,7 +2,9 @@
 
 A prediction's tile costs the network's memory for one window: a fixed part (weights
 aside: workspace, small maps) and a part per input pixel (the feature maps). Both are
-measured once per network, precision and layout by two forwards at small sides: on a GPU
+measured once per network, device, precision, layout and bands by three forwards at small
+sides (:func:`measured_memory`; an image no larger than the smallest of them is not measured:
+it runs as one tile), on a GPU
 ``torch.cuda.max_memory_allocated``, on the CPU every tensor the forward creates
 (:class:`~seg_at_scale.tiling.staged.peak_memory.LiveMemory`). The tile is then the largest
 legal side whose window fits a share of the device's memory; when the window covering the
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,8 +45,9 @@ from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.staged.peak_memory import LiveMemory
 from seg_at_scale.tiling.tile_sides import covering_side, legal_side, smallest_side
 
-__all__ = ["TileMemory", "tile_memory", "device_memory", "memory_budget", "fit_side",
-           "enough_side", "device_cap", "CPU_SHARE", "GPU_SHARE", "STEP"]
+__all__ = ["TileMemory", "tile_memory", "measured_memory", "auto_side", "probe_sides",
+           "device_memory", "memory_budget", "fit_side", "enough_side", "device_cap",
+           "CPU_SHARE", "GPU_SHARE", "STEP"]
 
 #: the share of the host's RAM one prediction's tiles may take (the reader's windows, the
 #: store's chunks and the rest of the process live beside them)
@@ -85,14 +90,20 @@ class TileMemory:
         return int((-b + math.sqrt(b * b - 4 * a * c)) / (2 * a))
 
 
+def probe_sides(fp: Footprint) -> list[int]:
+    """The three sides :func:`tile_memory` runs the network at."""
+    lo = legal_side(fp, max(smallest_side(fp), 96))
+    step = legal_side(fp, lo + max(96, 2 * fp.align)) - lo
+    return [lo, lo + step, lo + 2 * step]
+
+
 def tile_memory(model: nn.Module, bands: int, fp: Footprint, *,
                 autocast: torch.dtype | None = None, channels_last: bool = False
                 ) -> TileMemory:
     """Measure what a window of ``model`` holds, at three small sides, where it lives."""
     device = module_device(model)
-    lo = legal_side(fp, max(smallest_side(fp), 96))
-    step = legal_side(fp, lo + max(96, 2 * fp.align)) - lo
-    sides = [lo, lo + step, lo + 2 * step]
+    sides = probe_sides(fp)
+    lo, step = sides[0], sides[1] - sides[0]
     peaks = [_peak(model, bands, side, device, autocast, channels_last) for side in sides]
     # the quadratic through the three points (divided differences)
     d1 = (peaks[1] - peaks[0]) / step
@@ -101,6 +112,43 @@ def tile_memory(model: nn.Module, bands: int, fp: Footprint, *,
     per_side = d1 - per_pixel * (sides[0] + sides[1])  # negative where maps shrink
     fixed = peaks[0] - per_side * lo - per_pixel * lo * lo
     return TileMemory(fixed, per_side, per_pixel)
+
+
+#: what a window of each network holds, by (device, precision, layout, bands): measured once
+_MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], TileMemory]] = \
+    weakref.WeakKeyDictionary()
+
+
+def measured_memory(model: nn.Module, bands: int, fp: Footprint, *,
+                    autocast: torch.dtype | None = None, channels_last: bool = False
+                    ) -> TileMemory:
+    """:func:`tile_memory`, measured once per network, device, precision, layout and bands."""
+    key = (str(module_device(model)), autocast, channels_last, bands)
+    per_model = _MEASURED.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = tile_memory(model, bands, fp, autocast=autocast,
+                                     channels_last=channels_last)
+    return per_model[key]
+
+
+def auto_side(model: nn.Module, fp: Footprint, height: int, width: int, bands: int, *,
+              autocast: torch.dtype | None = None, channels_last: bool = False,
+              batch: int = 1, processes_per_device: int = 1) -> int:
+    """``tile_size=auto``: the tile side of an image on the model's device.
+
+    :func:`covering_side` when the image runs as one tile. An image no larger than the
+    smallest probe runs as one tile without measuring: the probe would run a larger forward
+    than the image's own (on a CPU, seconds for a wide encoder whose halo makes the probes
+    large).
+    """
+    device = module_device(model)
+    cap = device_cap(fp, device)
+    cover = covering_side(fp, height, width)
+    if batch == 1 and cover <= probe_sides(fp)[0] and (cap is None or cover <= cap):
+        return cover
+    memory = measured_memory(model, bands, fp, autocast=autocast, channels_last=channels_last)
+    return fit_side(fp, height, width, memory, memory_budget(device, processes_per_device),
+                    batch=batch, cap=cap)
 
 
 def _peak(model: nn.Module, bands: int, side: int, device: torch.device,

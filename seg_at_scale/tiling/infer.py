@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.tiling.auto_tile import device_cap, fit_side, memory_budget, tile_memory
+from seg_at_scale.tiling.auto_tile import auto_side
 from seg_at_scale.tiling.blend import predict_blended
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as model_footprint
@@ -139,9 +139,8 @@ def _auto_side(model: nn.Module, x: Tensor, fp: Footprint | None,
     """``tile_size=auto``: the side the device's memory holds, None when the image fits."""
     fp = fp or model_footprint(model)
     height, width = x.shape[-2:]
-    memory = tile_memory(model, x.shape[1], fp, autocast=autocast, channels_last=channels_last)
-    side = fit_side(fp, height, width, memory, memory_budget(x.device), batch=x.shape[0],
-                    cap=device_cap(fp, x.device))
+    side = auto_side(model, fp, height, width, x.shape[1], autocast=autocast,
+                     channels_last=channels_last, batch=x.shape[0])
     return None if side >= covering_side(fp, height, width) else side
 
 
