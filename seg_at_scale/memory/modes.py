@@ -287,7 +287,7 @@ def _wrapper_class(model: nn.Module) -> type[MemoryWrapped]:
     names = {n for cls in type(model).__mro__ if cls not in nn.Module.__mro__
              for n in vars(cls)}
     names |= set(vars(model))
-    own = set(dir(MemoryWrapped)) | _MODULE_STATE
+    own = set(dir(MemoryWrapped)) | _MODULE_STATE | {"inner", "memory"}  # the wrapper's own
     forwarded = sorted(n for n in names if not n.startswith("_") and n not in own)
     return cast(type[MemoryWrapped], type("MemoryWrapped", (MemoryWrapped,), {
         "__module__": __name__, "__qualname__": "MemoryWrapped",
