@@ -8,7 +8,8 @@ PY=${PY:-python3}
 t0=$(date +%s)
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl \
     || { echo "installing .whl/ failed: fetch them here with tools/gpu_wheels.py"; exit 3; }
-# Lightning's cluster detection imports mpi4py, whose MPI_Init aborts without a launcher
+# Lightning's cluster detection imports mpi4py, whose MPI_Init aborts without a launcher:
+# the commands avoid it (seg_at_scale.parallel.environment), tests' own Trainers do not
 "$PY" -m pip uninstall -y -q mpi4py 2>/dev/null
 # the checkout on the machine's path, as `pip install -e .` would (that needs a build)
 echo "$PWD" > "$("$PY" -c 'import site; print(site.getsitepackages()[0])')/seg_at_scale_checkout.pth"

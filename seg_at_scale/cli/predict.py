@@ -288,6 +288,8 @@ def _launch(job: PredictJob, device: torch.device, fork: bool, work: Any) -> dic
     from lightning_fabric import Fabric
     from lightning_fabric.strategies import DDPStrategy
 
+    from seg_at_scale.parallel.environment import plain_environment
+
     external = _in_cluster()
     forked = (fork and device.type == "cpu" and job.nodes == 1 and not external
               and "fork" in multiprocessing.get_all_start_methods())
@@ -295,7 +297,8 @@ def _launch(job: PredictJob, device: torch.device, fork: bool, work: Any) -> dic
                            timeout=RENDEZVOUS_TIMEOUT)
     warnings.filterwarnings("ignore", message="The `srun` command is available")  # not SLURM
     fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu",
-                    devices=job.processes, num_nodes=job.nodes, strategy=strategy)
+                    devices=job.processes, num_nodes=job.nodes, strategy=strategy,
+                    plugins=plain_environment() or None)
     if not forked:
         return _launched(fabric, job, False, work)
     import torch

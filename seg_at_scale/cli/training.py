@@ -59,6 +59,7 @@ from seg_at_scale.models.trained import (
     TrainedModel,
     card_of_config,
 )
+from seg_at_scale.parallel.environment import plain_environment
 from seg_at_scale.parallel.pipe import PipelineConfig, close_live_pipes
 from seg_at_scale.parallel.setup import (
     pipeline_group,
@@ -287,9 +288,9 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
     setup_pipeline(task, pipeline, batch_size=train_batch_size(cfg))
     slurm = cfg.get("slurm") or {}
     plugins = slurm_plugins(bool(slurm.get("auto_requeue", True)),
-                            str(slurm.get("requeue_signal", "SIGUSR1")))
+                            str(slurm.get("requeue_signal", "SIGUSR1"))) or plain_environment()
     stop = SaveOnStop(run.path / "checkpoints", requeue_signal=next(
-        (p.requeue_signal for p in plugins if p.auto_requeue), None))
+        (p.requeue_signal for p in plugins if getattr(p, "auto_requeue", False)), None))
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [
         MemoryReport(memory.label), stop]
     loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
