@@ -11,8 +11,10 @@ figure it can; an out-of-memory step is a figure, ``fits: false``):
 * ``matmul_peak``: best ``a @ b`` TFLOP/s in fp32 (TF32 off), TF32 and bf16;
 * ``unet_forward``: the U-Net forward (``conf/model/unet_*``: small, medium, large) in TFLOP/s
   and as a fraction of the matching matmul peak, eager and ``torch.compile``;
-* ``prediction``: the streaming predictor (``predict_raster``, bf16 + channels_last, on a
-  generated TIFF) vs the bare model on device-resident tiles: the gap is I/O and copies;
+* ``prediction``: the streaming predictor (``predict_raster``, bf16 + channels_last, on the
+  synthetic scene) vs the bare model on device-resident tiles: the gap is I/O and copies;
+  ``io_alone``: the reads and the COG with no network; ``profile``: one run under
+  ``torch.profiler`` (how busy the device was, the costliest operators);
 * ``train_step``: the exact whole-image step on 4096^2 and 8192^2, tiled vs untiled;
 * ``largest_tile``: the largest trainable tile per memory mode within 90 % of the
   device's memory (``find_largest_tile``), time per pixel vs ``none``;
@@ -167,6 +169,10 @@ def prediction(dev: torch.device, sz: Sizes) -> dict[str, Any]:
                                 normalizer=Normalizer()) for k in range(2)]
         out["io_alone"] = attempt(lambda: _io_alone(image, Path(tmp) / "mask1.tif", grid,
                                                     Path(tmp)))
+        out["profile"] = attempt(lambda: _profiled(lambda: predict_raster(
+            net, image, Path(tmp) / "profiled.tif",
+            PredictOptions(tile_size=tile, fast=True, overwrite=True),
+            normalizer=Normalizer()), dev))
     best_auto = max(autos, key=lambda s: s.mpix_per_s)
     auto_grid = make_grid(side, side, net.footprint(), tile_size=auto_opts.tile_size,
                           uniform=True)
@@ -190,6 +196,41 @@ def prediction(dev: torch.device, sz: Sizes) -> dict[str, Any]:
     bare = max(v.get("mpix_per_s", 0) for k, v in out.items() if k.startswith("bare"))
     out["streaming_vs_bare"] = round(out["streaming"]["mpix_per_s"] / bare, 4) if bare else None
     return out
+
+
+def _profiled(run: Callable[[], Any], dev: torch.device, top: int = 12) -> dict[str, Any]:
+    """One run under ``torch.profiler``: how busy the device was over the wall time (the
+    kernels' time over the run's), and the operators that took the most host and device
+    time: where the file path leaves the device idle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize(dev)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def device_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total",
+                             getattr(e, "self_cuda_time_total", 0.0)) or 0.0)
+
+    def rows(key: Callable[[Any], float]) -> list[dict[str, Any]]:
+        return [{"name": e.key, "calls": e.count,
+                 "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 2),
+                 "self_device_ms": round(device_us(e) / 1e3, 2)}
+                for e in sorted(events, key=key, reverse=True)[:top]]
+
+    # the device's own events (kernels, copies): an operator's row repeats its kernels' time
+    busy = sum(device_us(e) for e in events
+               if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e6
+    return {"wall_s": round(wall, 3), "device_busy_s": round(busy, 3) if cuda else None,
+            "device_busy_fraction": round(busy / wall, 4) if cuda else None,
+            "top_self_cpu": rows(lambda e: e.self_cpu_time_total),
+            **({"top_self_device": rows(device_us)} if cuda else {})}
 
 
 def _io_alone(image: Path, mask: Path, grid: Any, tmp: Path) -> dict[str, Any]:

@@ -72,6 +72,9 @@ def test_quick_cpu_run_gives_every_section(tmp_path):
                     p["streaming_vs_bare"]) and p["tiles"] > 1
     assert positive(*(p["io_alone"][k] for k in ("read_s", "read_mpix_per_s", "write_cog_s",
                                                  "write_cog_mpix_per_s", "threads")))
+    prof = p["profile"]
+    assert positive(prof["wall_s"]) and prof["device_busy_fraction"] is None  # no device
+    assert len(prof["top_self_cpu"]) >= 3 and positive(prof["top_self_cpu"][0]["self_cpu_ms"])
 
     for side in map(str, doc["sizes"]["train_sides"]):
         row = s["train_step"][side]
