@@ -29,8 +29,9 @@ from gpu_common import Peak, Sizes, attempt, precision, timed
 
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.tiling import Window, infer, make_grid, predict_full
-from seg_at_scale.tiling.infer import _auto_side
+from seg_at_scale.tiling.auto_tile import auto_side
 from seg_at_scale.tiling.statistic_passes import predict_tiled_exact
+from seg_at_scale.tiling.tile_sides import covering_side
 
 MODELS = ("unet_resnet34", "deeplabv3plus_resnet50")  # bench_encoders.MODELS' names
 MONAI = ((512, 0.25), (1024, 0.25))
@@ -87,8 +88,10 @@ def _model(name: str, x: torch.Tensor, dev: torch.device, sz: Sizes) -> dict[str
                                                  autocast=torch.bfloat16))
     # what a user gets by default: tile_size=auto (untiled where the scene fits), NCHW
     net = net.to(memory_format=torch.contiguous_format)
-    row["auto_tile"] = attempt(lambda: {"fp32": _auto_side(net, x, None, None, False),
-                                        "bf16": _auto_side(net, x, None, torch.bfloat16, False)})
+    row["auto_tile"] = attempt(lambda: {  # the side tile_size=auto takes; the covering one
+        "fp32": auto_side(net, fp, side, side, x.shape[1]),
+        "bf16": auto_side(net, fp, side, side, x.shape[1], autocast=torch.bfloat16),
+        "whole_image": covering_side(fp, side, side)})
     run("ours_auto_fp32", lambda: infer(net, x, tile_size="auto"))
     run("ours_auto_bf16", lambda: infer(net, x, tile_size="auto", autocast=torch.bfloat16))
     try:
