@@ -45,8 +45,10 @@ class PredictionStore:
 
     def __init__(self, path: Path, group: zarr.Group) -> None:
         self.path, self.group = path, group
-        self.labels = cast(zarr.Array, group["labels"])  # arrays (_create)
-        self.probabilities = (cast(zarr.Array, group["probabilities"])
+        # a chunk on disk is a finished tile, also one all no data (255) or all 0: zarr's
+        # write_empty_chunks is not stored with an array, so every opening sets it again
+        self.labels = _every_chunk(group["labels"])  # arrays (_create)
+        self.probabilities = (_every_chunk(group["probabilities"])
                               if "probabilities" in group else None)
 
     # -- creation and resume ------------------------------------------------------------
@@ -177,6 +179,11 @@ class PredictionStore:
 
     def finish(self, class_pixels: Sequence[int]) -> None:
         self.group.attrs.update({"complete": True, "class_pixels": list(class_pixels)})
+
+
+def _every_chunk(node: Any) -> zarr.Array:
+    """The array, writing every chunk it is given (zarr skips chunks of its fill value)."""
+    return cast(zarr.Array, node).with_config({"write_empty_chunks": True})
 
 
 def _coordinates(group: zarr.Group, grid: TileGrid, attrs: dict[str, Any]) -> None:

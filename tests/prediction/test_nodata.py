@@ -84,3 +84,30 @@ def test_nan_without_a_tag_is_predicted_through_the_command(tmp_path):
     labels = read_raster(tmp_path / "a.tif")[0]
     np.testing.assert_array_equal(labels == 255, invalid)
     assert read_raster(tmp_path / "b.tif").tobytes() == labels.tobytes()
+
+
+def test_tiles_wholly_in_no_data_are_written_and_the_run_completes(tmp_path, one_torch_thread):
+    """A no-data margin covering whole tile cores (a scene's rotated footprint) is written
+    as 255 and the COG completes; the store of such a run, rerun, is complete as it is.
+    (zarr skips a chunk equal to its fill value unless told on every opening: those tiles
+    were missing at the end and the run failed, and so did every rerun.)"""
+    rng = np.random.default_rng(8)
+    img = rng.integers(1, 255, (4, 301, 233)).astype(np.uint8)
+    img[:, :170, :130] = 0  # the no-data tag: a third of the scene, from the corner
+    path = write_raster(tmp_path / "s.tif", img, tile=(64, 64), geotags=example_geotags(),
+                        nodata=0)
+    invalid = (img == 0).all(0)
+    model = make_model("same", levels=3, width=4)
+    opts = PredictOptions(tile_size=64, probabilities="uint8", progress=False)
+    stats = predict_raster(model, path, tmp_path / "m.tif", opts, normalizer=NORM)
+    labels = read_raster(tmp_path / "m.tif")[0]
+    np.testing.assert_array_equal(labels, _reference(model, img.astype(np.float32), invalid))
+    probs = read_raster(tmp_path / "m_probabilities.tif")
+    assert int(probs[:, invalid].max()) == 0 and int(probs[:, ~invalid].sum(0).min()) >= 250
+    assert stats.tiles_computed == stats.tiles > 20
+    store = tmp_path / "m.zarr"
+    first = predict_raster(model, path, store, opts, normalizer=NORM)
+    empty = sum(1 for p in (store / "labels" / "c").rglob("*") if p.is_file())
+    assert first.tiles_computed == first.tiles == empty  # every chunk, the empty ones too
+    again = predict_raster(model, path, store, opts, normalizer=NORM)
+    assert again.reused and again.tiles_computed == 0
