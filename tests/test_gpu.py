@@ -51,7 +51,8 @@ GPU_TESTS = {"test_tiled_prediction_equals_untiled", "test_bf16_fast_path_agrees
              "test_pipe_on_one_device_equals_plain_model",
              "test_sample_parallel_gradient_equals_whole_image",
              "test_auto_tile_fits_and_the_next_size_does_not", "test_cli_train_resume_predict",
-             "test_prediction_tile_auto_predicts_its_memory_and_runs_a_fitting_scene_whole"}
+             "test_prediction_tile_auto_predicts_its_memory_and_runs_a_fitting_scene_whole",
+             "test_the_file_path_queues_every_batch_without_waiting_for_the_device"}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: shared CPU cores
 MODES = [MemoryConfig("checkpoint", "level"), MemoryConfig("checkpoint", "block"),
          MemoryConfig("checkpoint", "layers", every=3),
@@ -383,6 +384,59 @@ def test_prediction_tile_auto_predicts_its_memory_and_runs_a_fitting_scene_whole
     image = torch.randn(1, 3, 517, 389, device=device)
     ref = predict_full(net, image)
     assert torch.equal(infer(net, image, tile_size="auto"), ref)  # fits: untiled
+
+
+# ----- the file path ----------------------------------------------------------------------
+
+
+def test_the_file_path_queues_every_batch_without_waiting_for_the_device(device, tmp_path,
+                                                                         monkeypatch):
+    """The file path's batch loop never waits for the device: under CUDA's sync debug mode
+    (an error on any wait: ``.cpu()``, ``.item()``, a copy from pageable memory) the next
+    batch is queued while the last runs, and the writer's thread waits for each batch's
+    copies. What it writes is the untiled forward's: labels, uint8 probabilities, and no
+    data (a corner of zeros) 255, on a 263 x 190 scene of 3 bands in tiles of 64."""
+    import zarr
+
+    from seg_at_scale.io import example_geotags, write_raster
+    from seg_at_scale.prediction import PredictOptions, predict_raster
+    from seg_at_scale.prediction import raster as raster_mod
+
+    rng = np.random.default_rng(5)
+    img = rng.integers(1, 255, (3, 263, 190)).astype(np.uint8)
+    img[:, 230:, :41] = 0  # no data (tag 0) reaching the border
+    path = write_raster(tmp_path / "s.tif", img, tile=(64, 64), geotags=example_geotags(),
+                        nodata=0)
+    invalid = (img == 0).all(0)
+    norm = Normalizer(1 / 255, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    net = lively(unet(width=8)).to(device)
+    if device.type == "cuda":
+        batches = raster_mod.run_batches
+
+        def watched(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                yield from batches(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        monkeypatch.setattr(raster_mod, "run_batches", watched)
+    stats = predict_raster(net, path, tmp_path / "m.zarr",
+                           PredictOptions(tile_size=64, batch_size=3, probabilities="uint8",
+                                          compile=False, layout="contiguous", progress=False),
+                           normalizer=norm)
+    assert stats.batches > 3 and stats.tiles_computed == stats.tiles
+    group = zarr.open_group(tmp_path / "m.zarr", mode="r")
+    labels = torch.from_numpy(group["labels"][:])
+    probs = torch.from_numpy(group["probabilities"][:].astype(np.int16))
+    x = torch.from_numpy(norm(np.where(invalid, 0, img)))[None].to(device)
+    ref = predict_full(net, x).float().cpu()
+    inside = torch.from_numpy(~invalid)
+    assert torch.equal(labels == 255, ~inside)
+    assert_labels_equal(torch.where(inside, labels, ref[0].argmax(0))[None].long(), ref)
+    expected = torch.round(torch.softmax(ref[0], 0) * 255).to(torch.int16)
+    assert (probs - expected)[:, inside].abs().max() <= 1
+    assert int(probs[:, ~inside].abs().max()) == 0
 
 
 # ----- the CLI end to end ------------------------------------------------------------------

@@ -7,6 +7,7 @@ array([2., 2.], dtype=float32)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,9 +63,23 @@ class Normalizer:
         one.
         """
         c = x.shape[-3]
-        mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).reshape(-1, 1, 1)
-        std = torch.tensor(self.std, dtype=x.dtype, device=x.device).reshape(-1, 1, 1)
+        scale, mean, std = _constants(float(self.scale), tuple(map(float, self.mean)),
+                                      tuple(map(float, self.std)), x.dtype, x.device)
         if mean.shape[0] not in (1, c) or std.shape[0] not in (1, c):
             self.standardize(np.zeros((c, 1, 1), np.float32))  # the same message
-        x.mul_(torch.tensor(np.float32(self.scale), dtype=x.dtype, device=x.device))
+        x.mul_(scale)
         return x.sub_(mean).div_(std)
+
+
+@functools.lru_cache(maxsize=64)
+def _constants(scale: float, mean: tuple[float, ...], std: tuple[float, ...],
+               dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """The scale, means and stds as tensors on ``device``, made once per device.
+
+    Made per batch, each was a copy from pageable host memory, which waits for the device to
+    finish its queued work: on a GPU the next batch could not be queued behind the current.
+    """
+    with torch.inference_mode(False):  # plain tensors, usable in and out of inference
+        return (torch.tensor(np.float32(scale), dtype=dtype, device=device),
+                torch.tensor(mean, dtype=dtype, device=device).reshape(-1, 1, 1),
+                torch.tensor(std, dtype=dtype, device=device).reshape(-1, 1, 1))

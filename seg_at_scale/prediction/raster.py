@@ -77,8 +77,9 @@ class PredictionStats:
     ``read_s`` is spent reading the tiles' raw windows: on a GPU on a background thread,
     overlapped with the model, on the CPU between the forwards (``read_wait_s``: how long
     the model waited for it; normalising is model time); ``model_s`` is the main thread's
-    time in the forward passes and turning logits into outputs; ``write_s`` how long it
-    waited for the background chunk writer;
+    time in the forward passes and turning logits into outputs (on a GPU: queueing them,
+    which waits for nothing on the device); ``write_s`` how long it waited for the
+    background chunk writer (on a GPU this includes the device finishing the batch before);
     ``finalize_s`` is rank 0's COG (or store) finalisation; ``statistics_s`` the first pass
     of a model with whole-image statistics. ``tiles_computed`` counts this process's tiles
     (a resumed run skips the batches already on disk: ``tiles_resumed``).
@@ -371,35 +372,90 @@ def _share(value: Any) -> Any:
     return box[0]
 
 
-def _outputs(res: BatchOutput, probabilities: str | None
-             ) -> list[tuple[np.ndarray, np.ndarray | None]]:
-    """Per tile: labels ``[h, w]`` uint8 (255 on no data) and probabilities ``[K, h, w]``."""
-    return [tile_output(y, invalid, probabilities, res.probabilities)
+def _outputs(res: BatchOutput, probabilities: str | None) -> list[HostOutput]:
+    """Per tile, its labels (and probabilities) on their way to the host (:class:`HostOutput`).
+
+    On a GPU the copies are queued behind the batch's forward and nothing waits for them
+    here: the next batch is queued while this one runs, and the writer's thread waits for
+    the copies (one event per batch).
+    """
+    outs = [device_output(y, invalid, probabilities, res.probabilities)
             for y, invalid in zip(res.outputs, res.invalid, strict=True)]
+    if res.outputs and res.outputs[0].is_cuda:
+        copied = torch.cuda.Event()
+        copied.record()
+        for o in outs:
+            o.copied = copied
+    return outs
+
+
+@dataclass
+class HostOutput:
+    """One tile's core output as written: uint8 labels, probabilities, the no-data mask.
+
+    ``labels`` / ``probs`` are host tensors; from a GPU, pinned and filled by copies that
+    may still run until ``copied`` (a CUDA event) has passed. :meth:`arrays` waits for it.
+    """
+
+    labels: Tensor
+    probs: Tensor | None
+    invalid: np.ndarray | None
+    copied: Any = None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Labels ``[h, w]`` uint8 (255 on no data) and probabilities ``[K, h, w]``."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        labels = self.labels.numpy()
+        probs = None if self.probs is None else self.probs.numpy()
+        if self.invalid is not None:
+            labels[self.invalid] = NODATA
+            if probs is not None:
+                probs[:, self.invalid] = 0
+        return labels, probs
+
+
+def device_output(y: Tensor, invalid: np.ndarray | None, probabilities: str | None,
+                  is_probabilities: bool = False) -> HostOutput:
+    """One tile's core output ``[K, h, w]`` (logits, or TTA's probabilities) for the host.
+
+    Reduced where it is (argmax, uint8 or float16 probabilities), then copied to the host
+    without waiting (:func:`_to_host`).
+    """
+    # argmax over classes reads K strided planes in NCHW; in NHWC the classes of a pixel
+    # are adjacent, ~3x faster on CPU (ties still go to the first class)
+    labels = y[None].contiguous(memory_format=torch.channels_last).argmax(1)[0]
+    probs = None
+    if probabilities is not None:
+        p = y.float() if is_probabilities else torch.softmax(y.float(), dim=0)
+        probs = _to_host(torch.round(p * 255).to(torch.uint8) if probabilities == "uint8"
+                         else p.to(torch.float16))
+    return HostOutput(_to_host(labels.to(torch.uint8)), probs, invalid)
+
+
+def _to_host(t: Tensor) -> Tensor:
+    """``t`` on the host: itself there; from a GPU, a pinned copy queued on its stream."""
+    if t.device.type == "cpu":
+        return t
+    if t.device.type != "cuda":
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def tile_output(y: Tensor, invalid: np.ndarray | None, probabilities: str | None,
                 is_probabilities: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
-    """One tile's core output ``[K, h, w]`` (logits, or TTA's probabilities) as written."""
-    # argmax over classes reads K strided planes in NCHW; in NHWC the classes of a pixel
-    # are adjacent, ~3x faster on CPU (ties still go to the first class)
-    labels = y[None].contiguous(memory_format=torch.channels_last).argmax(1)[0]
-    labels_np = labels.to(torch.uint8).cpu().numpy()
-    probs = None
-    if probabilities is not None:
-        p = y.float() if is_probabilities else torch.softmax(y.float(), dim=0)
-        p = torch.round(p * 255).to(torch.uint8) if probabilities == "uint8" else \
-            p.to(torch.float16)
-        probs = p.cpu().numpy()
-    if invalid is not None:
-        labels_np[invalid] = NODATA
-        if probs is not None:
-            probs[:, invalid] = 0
-    return labels_np, probs
+    """One tile's core output ``[K, h, w]`` as written (:func:`device_output`, waited for)."""
+    out = device_output(y, invalid, probabilities, is_probabilities)
+    if y.is_cuda:
+        out.copied = torch.cuda.Event()
+        out.copied.record()
+    return out.arrays()
 
 
-def _write(store: PredictionStore, batch: Batch,
-           outputs: list[tuple[np.ndarray, np.ndarray | None]]) -> None:
-    for tile, (labels, probs) in zip(batch.tiles, outputs, strict=True):
+def _write(store: PredictionStore, batch: Batch, outputs: list[HostOutput]) -> None:
+    """The writer's thread: each tile's chunks, once its copies from the device are done."""
+    for tile, out in zip(batch.tiles, outputs, strict=True):
+        labels, probs = out.arrays()
         if not store.done(tile):  # a recomputed batch may hold tiles already on disk
             store.write(tile, labels, probs)
