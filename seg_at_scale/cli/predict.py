@@ -49,6 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from seg_at_scale.cli.common import USER_ERROR_EXIT, disk_full, format_iou, reports_errors
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError, SegAtScaleError
+from seg_at_scale.parallel.environment import launcher, plain_environment
 from seg_at_scale.parallel.lifetime import RankWatch, die_with_parent
 from seg_at_scale.prediction.lock import scene_lock
 
@@ -233,23 +234,12 @@ def _launched(fabric: Any, job: PredictJob, forked: bool, work: Any) -> dict[str
 
 
 def _check_cluster(nodes: int) -> None:
-    """``nodes > 1`` needs a cluster that starts the ranks (SLURM, torchrun); else it hangs."""
-    if not _in_cluster():
-        raise ConfigError(f"nodes={nodes} but this is not a SLURM job or a torchrun launch, so "
-                          "no other node would ever join; run it inside sbatch / srun (or "
+    """``nodes > 1`` needs a launcher that starts the ranks (Slurm, torchrun, LSF, MPI)."""
+    if launcher() is None:
+        raise ConfigError(f"nodes={nodes} but this is not a SLURM job or a torchrun launch "
+                          "(nor jsrun or mpirun), so no other node would ever join; run it "
+                          "inside sbatch / srun (or "
                           "hydra/launcher=slurm_predict), or use nodes=1 processes=<N>")
-
-
-def _in_cluster() -> bool:
-    """Inside a SLURM job (not an interactive shell) or a torchrun launch.
-
-    Lightning's own rules (``SLURMEnvironment.detect``, ``TorchElasticEnvironment.detect``),
-    read from the environment directly: importing them costs seconds before a refusal.
-    """
-    env = os.environ
-    slurm = "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
-    elastic = all(k in env for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
-    return slurm or elastic
 
 
 def _predict(job: PredictJob, device: torch.device, work: Any = None) -> dict[str, Any]:
@@ -288,9 +278,7 @@ def _launch(job: PredictJob, device: torch.device, fork: bool, work: Any) -> dic
     from lightning_fabric import Fabric
     from lightning_fabric.strategies import DDPStrategy
 
-    from seg_at_scale.parallel.environment import plain_environment
-
-    external = _in_cluster()
+    external = launcher() is not None
     forked = (fork and device.type == "cpu" and job.nodes == 1 and not external
               and "fork" in multiprocessing.get_all_start_methods())
     strategy = DDPStrategy(start_method="fork" if forked else "popen",

@@ -59,3 +59,51 @@ def test_training_runs_where_mpi4py_would_abort_it(no_launcher, tmp_path):
                     "predict_after_fit=false", env={"PYTHONPATH": str(fake)})
     assert "MPI_Init aborted" not in out["log"]
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
+CASES = {"none": {},
+         "torchrun": LAUNCHERS["torchrun"],
+         "torchrun in slurm": {**LAUNCHERS["slurm"], **LAUNCHERS["torchrun"]},
+         "slurm": LAUNCHERS["slurm"],
+         "slurm interactive": {**LAUNCHERS["slurm"], "SLURM_JOB_NAME": "interactive"},
+         "slurm bash": {**LAUNCHERS["slurm"], "SLURM_JOB_NAME": "bash"},
+         "lsf": {"LSB_JOBID": "1", "LSB_DJOB_RANKFILE": "f", "JSM_NAMESPACE_LOCAL_RANK": "0",
+                 "JSM_NAMESPACE_SIZE": "2"},
+         "lsf partial": {"LSB_JOBID": "1"},
+         "rank variables alone": {"RANK": "1", "GROUP_RANK": "0", "LOCAL_RANK": "1",
+                                  "LOCAL_WORLD_SIZE": "2"}}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_launcher_rule_is_lightnings(no_launcher, case):
+    """``seg-predict``'s question (did a launcher start the ranks?) and Lightning's plugins
+    take one rule, read from the environment; it answers as Lightning's own detection does
+    (its order: torchelastic, Slurm, LSF). seg-predict's own copy of the rule counted the
+    rank variables without torchelastic's run id as a launch, where Lightning does not."""
+    from lightning_fabric.plugins.environments import (
+        LSFEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    from seg_at_scale.parallel.environment import launcher
+
+    for name in CASES["rank variables alone"]:
+        no_launcher.delenv(name, raising=False)
+    for name, value in CASES[case].items():
+        no_launcher.setenv(name, value)
+    theirs = next((name for name, env in (("torchelastic", TorchElasticEnvironment),
+                                          ("slurm", SLURMEnvironment), ("lsf", LSFEnvironment))
+                   if env.detect()), None)
+    assert launcher() == theirs
+    assert (plain_environment() == []) == (theirs is not None)
+
+
+def test_mpi_launchers_count_as_launchers(no_launcher):
+    from seg_at_scale.parallel.environment import launcher
+
+    for name in MPI_LAUNCHER_VARIABLES:
+        no_launcher.setenv(name, "2")
+        assert launcher() == "mpi"
+        no_launcher.delenv(name)
+    assert launcher() is None
