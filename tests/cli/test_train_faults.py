@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import warm
-from helpers.cli import run_train, seg_train_here
+from helpers.cli import run_here, run_train, seg_train_here
 
 from seg_at_scale.data.config import data_config
 from seg_at_scale.errors import ConfigError
@@ -154,19 +154,26 @@ def test_a_killed_dataset_synthesis_is_completed_by_the_same_command(tmp_path):
 
 
 def test_seg_synth_refusals_are_one_line(tmp_path):
-    same = _synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "./a.tif"),
-                  "--height", "40", "--width", "40")
+    from seg_at_scale.cli.synth import main
+
+    def synth(*args: str) -> subprocess.CompletedProcess:  # the console script, in process
+        return run_here(lambda: main(list(args)), ["seg-synth", *args])
+
+    same = synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "./a.tif"),
+                 "--height", "40", "--width", "40")
     assert same.returncode == 2 and "the image and the mask are the same file" in same.stderr
-    bad = _synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "b.tif"),
-                 "--compression", "foo")
+    bad = synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "b.tif"),
+                "--compression", "foo")
     assert bad.returncode == 2 and "invalid choice: 'foo'" in bad.stderr
-    ok = _synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "b.tif"), "--height", "40",
-                "--width", "40")
+    ok = synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "b.tif"), "--height", "40",
+               "--width", "40")
     assert ok.returncode == 0, ok.stderr
-    again = _synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "b.tif"), "--height",
-                   "40", "--width", "40")
+    assert (tmp_path / "a.tif").is_file() and (tmp_path / "b.tif").is_file()
+    again = synth("--single", str(tmp_path / "a.tif"), str(tmp_path / "b.tif"), "--height",
+                  "40", "--width", "40")
     assert again.returncode == 2 and "pass --overwrite" in again.stderr
     assert "overwrite=true" not in again.stderr
+    assert "Traceback" not in same.stderr + again.stderr
 
 
 NO_MODEL = [o for o in TINY if not o.startswith("model=")]
