@@ -107,15 +107,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: the rest keep their order
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto`` (``make test``): a worker per core, and one more where the Slurm modules
-    run (one scope: :func:`pytest_xdist_make_scheduler`), whose worker mostly waits on the
-    test cluster while the cores stay busy with the others."""
-    from slurm.cluster import unavailable
-
-    return len(os.sched_getaffinity(0)) + (0 if unavailable() else 1)
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``--dist loadscope`` (``make test``) with every Slurm module in one scope.
 
