@@ -411,7 +411,7 @@ def test_the_file_path_queues_every_batch_without_waiting_for_the_device(device,
     norm = Normalizer(1 / 255, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
     net = lively(unet(width=8)).to(device)
     if device.type == "cuda":
-        batches = raster_mod.run_batches
+        batches = raster_mod.run_parts
 
         def watched(*args, **kwargs):
             torch.cuda.set_sync_debug_mode("error")
@@ -420,7 +420,7 @@ def test_the_file_path_queues_every_batch_without_waiting_for_the_device(device,
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 
-        monkeypatch.setattr(raster_mod, "run_batches", watched)
+        monkeypatch.setattr(raster_mod, "run_parts", watched)
     stats = predict_raster(net, path, tmp_path / "m.zarr",
                            PredictOptions(tile_size=64, batch_size=3, probabilities="uint8",
                                           compile=False, layout="contiguous", progress=False),

@@ -55,16 +55,17 @@ from seg_at_scale.prediction.plan import (
 from seg_at_scale.prediction.progress import progress_bar
 from seg_at_scale.prediction.raster import (
     PredictionStats,
+    SceneWork,
     agreed,
     on_rank0,
-    predict_batches,
+    predict_scenes,
     raised_everywhere,
     scene_tile,
 )
 from seg_at_scale.prediction.scene import companions, predict_scene
 from seg_at_scale.prediction.staged_raster import check_staged
 from seg_at_scale.prediction.store import PredictionStore
-from seg_at_scale.tiling.engine import forward_shapes
+from seg_at_scale.tiling.engine import PartError, forward_shapes
 from seg_at_scale.tiling.geometry import fill_of
 from seg_at_scale.tiling.statistic_passes import has_statistics
 from seg_at_scale.tiling.statistics import uses_image_pool
@@ -413,12 +414,11 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
         shapes.update(forward_shapes([b], height=g.height, width=g.width, fp=g.footprint,
                                      tta=options.tta))
     net = checked_network(model, options.compile, shapes)
+    order = [i for i in _in_order(mine) if records[i].status != "failed"]
     with progress_bar(total, show and rank == 0, per_tile, world, "archive") as bar, \
             _Finisher() as finisher:
-        for i in _in_order(mine):
-            batches = [b for j, b in mine if j == i]
-            _run_scene(trained, model, net, scenes[i], plans[i], stores[i], batches, options,
-                       records[i], bar, on_error, finisher)
+        _run_scenes(trained, model, net, scenes, plans, stores, mine, order, options, records,
+                    bar, on_error, finisher)
     barrier()
     return _gather(records, plans, stores, scenes, trained, options, on_error)
 
@@ -521,42 +521,73 @@ class _Finisher:
             self._pool.shutdown(wait=True)
 
 
-def _run_scene(trained: TrainedModel, model: torch.nn.Module, net: Any, scene: ArchiveScene,
-               plan: RasterPlan, store: PredictionStore | None, batches: list[Any],
-               options: PredictOptions, record: SceneRecord, bar: Any, on_error: str,
-               finisher: _Finisher) -> None:
-    """This rank's batches of one scene, then its finalisation if this rank completed it.
+def _run_scenes(trained: TrainedModel, model: torch.nn.Module, net: Any,
+                scenes: Sequence[ArchiveScene], plans: list[RasterPlan],
+                stores: list[PredictionStore | None], mine: list[tuple[int, Any]],
+                order: list[int], options: PredictOptions, records: list[SceneRecord],
+                bar: Any, on_error: str, finisher: _Finisher) -> None:
+    """This rank's batches of the scenes in ``order``, one stream through the tile engine.
 
-    The finalisation runs on the finisher's thread, beside the next scene's batches.
+    The next scene's first tiles are read while the last batch of one runs; each scene
+    this rank completes is finalised on the finisher's thread, beside the next scenes.
+
+    A scene that fails (``on_error=skip``) is recorded and the stream goes on after it.
     """
     from seg_at_scale.data.windows import RasterWindows
 
-    if store is None or record.status == "failed":
-        plan.reader.close()
-        return
-    stats = PredictionStats(plan.output, plan.grid.height, plan.grid.width, len(plan.grid),
-                            plan.grid.efficiency)
-    t0 = time.perf_counter()
-    finishing = False
-    try:
-        source = RasterWindows(plan.reader, trained.normalizer, fill_of(trained.footprint))
+    while order:
+        works = []
+        for i in order:
+            stats = PredictionStats(plans[i].output, plans[i].grid.height,
+                                    plans[i].grid.width, len(plans[i].grid),
+                                    plans[i].grid.efficiency)
+            store = stores[i]
+            assert store is not None  # failed scenes are not in the order
+            works.append(SceneWork(RasterWindows(plans[i].reader, trained.normalizer,
+                                                 fill_of(trained.footprint)),
+                                   [b for j, b in mine if j == i], plans[i].grid, store, stats))
+
+        def written(k: int, order: list[int] = order, works: list[SceneWork] = works) -> None:
+            i = order[k]
+            _scene_written(trained, scenes[i], plans[i], works[k], options, records[i],
+                           on_error, finisher)
+
         try:
-            predict_batches(model, source, batches, plan.grid, store, options, stats, bar,
-                            net=net)
-        finally:
-            record.tiles_computed += stats.tiles_computed
-            record.seconds += time.perf_counter() - t0  # before the finisher adds its own
-        if all(store.done(t) for t in plan.grid.tiles) and _claim(plan):
-            finisher.submit(lambda: _finish_guarded(trained, scene, plan, store, options,
+            predict_scenes(model, works, options, bar, net=net, on_written=written)
+            return
+        except PartError as exc:
+            i, cause, stats = order[exc.part], exc.cause, works[exc.part].stats
+            records[i].tiles_computed += stats.tiles_computed
+            records[i].seconds += stats.model_s + stats.read_wait_s + stats.write_s
+            plans[i].reader.close()
+            if (on_error == "stop" or _disk_full(cause)
+                    or not isinstance(cause, (SegAtScaleError, OSError))):
+                raise cause from None
+            records[i].status, records[i].reason = "failed", str(cause)
+            order = order[exc.part + 1:]
+
+
+def _scene_written(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,
+                   work: SceneWork, options: PredictOptions, record: SceneRecord,
+                   on_error: str, finisher: _Finisher) -> None:
+    """Every batch this rank had of the scene is on disk: finalise it, or close its file.
+
+    The scene is finalised (on the finisher's thread) when it is complete and this rank
+    claims it.
+    """
+    stats = work.stats
+    record.tiles_computed += stats.tiles_computed
+    record.seconds += stats.model_s + stats.read_wait_s + stats.write_s
+    try:
+        if all(work.store.done(t) for t in plan.grid.tiles) and _claim(plan):
+            finisher.submit(lambda: _finish_guarded(trained, scene, plan, work.store, options,
                                                     record, stats, on_error))
-            finishing = True
+            return
     except (SegAtScaleError, OSError) as exc:
         if on_error == "stop" or _disk_full(exc):
             raise
         record.status, record.reason = "failed", str(exc)
-    finally:
-        if not finishing:
-            plan.reader.close()
+    plan.reader.close()
 
 
 def _finish_guarded(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,

@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +53,14 @@ from seg_at_scale.prediction.progress import progress_bar
 from seg_at_scale.prediction.staged_raster import check_staged, plan_staged, predict_staged_raster
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, footprint
-from seg_at_scale.tiling.engine import Batch, BatchOutput, forward_shapes, run_batches
+from seg_at_scale.tiling.engine import (
+    Batch,
+    BatchOutput,
+    Part,
+    PartError,
+    forward_shapes,
+    run_parts,
+)
 from seg_at_scale.tiling.geometry import fill_of
 from seg_at_scale.tiling.statistic_passes import (
     check_no_tta,
@@ -67,7 +75,8 @@ from seg_at_scale.tiling.statistics import (
     uses_image_pool,
 )
 
-__all__ = ["PredictionStats", "predict_raster", "on_rank0", "scene_tile"]
+__all__ = ["PredictionStats", "predict_raster", "predict_scenes", "SceneWork", "on_rank0",
+           "scene_tile"]
 
 
 @dataclass
@@ -266,42 +275,106 @@ def _statistic_passes(model: nn.Module, source: RasterWindows, grid: TileGrid,
 def predict_batches(model: nn.Module, source: RasterWindows, mine: list[Batch],
                     grid: TileGrid, store: PredictionStore, options: PredictOptions,
                     stats: PredictionStats, bar: Any, net: Any = None) -> None:
-    """Run this rank's batches of one raster; chunks are written on a background thread.
+    """Run this rank's batches of one raster (:func:`predict_scenes` with one scene)."""
+    try:
+        predict_scenes(model, [SceneWork(source, mine, grid, store, stats)], options, bar,
+                       net=net)
+    except PartError as exc:
+        raise exc.cause from None
 
+
+@dataclass
+class SceneWork:
+    """One raster's share of a run: its windows, its batches, its store and its figures."""
+
+    source: RasterWindows
+    batches: list[Batch]
+    grid: TileGrid
+    store: PredictionStore
+    stats: PredictionStats
+
+
+def predict_scenes(model: nn.Module, works: Sequence[SceneWork], options: PredictOptions,
+                   bar: Any, *, net: Any = None,
+                   on_written: Callable[[int], None] | None = None) -> None:
+    """Run the batches of each raster in turn; chunks are written on a background thread.
+
+    One stream of batches through the tile engine (:func:`~seg_at_scale.tiling.engine.run_parts`):
+    the next scene's first batch is read while the last one's runs. ``on_written(k)`` is
+    called, on this thread and in order, once every batch of ``works[k]`` is on disk.
     ``net``: what runs the tiles, ``model`` or its :func:`~.compile_choice.checked_network`
     (by default made for these batches; an archive makes one for all its scenes).
+
+    Raises:
+        PartError: reading or writing ``works[part]`` failed (the works before it are
+            written and told to ``on_written``).
     """
     device = next(model.parameters()).device
-    autocast, channels_last, tta, probabilities = (options.autocast, options.channels_last,
-                                                   options.tta, options.probabilities)
+    if net is None:
+        shapes: Counter[tuple[int, int, int]] = Counter()
+        for w in works:
+            shapes.update(forward_shapes(w.batches, height=w.grid.height, width=w.grid.width,
+                                         fp=w.grid.footprint, tta=options.tta))
+        net = checked_network(model, options.compile, shapes)
+    parts = [Part(w.source, w.batches, w.grid.height, w.grid.width, w.grid.footprint,
+                  _reads_into(w.stats)) for w in works]
+    told = [0]  # the works told to on_written so far
 
+    def written_through(k: int) -> None:
+        while told[0] <= k:
+            if on_written is not None:
+                on_written(told[0])
+            told[0] += 1
+
+    with ThreadPoolExecutor(1) as writer:
+        pending: tuple[int, Future] | None = None
+
+        def wait_write() -> None:  # the batch in flight: bounded memory, errors surface
+            nonlocal pending
+            if pending is None:
+                return
+            k, fut = pending
+            pending = None
+            t1 = time.perf_counter()
+            try:
+                fut.result()
+            except Exception as exc:
+                raise PartError(k, exc) from exc
+            finally:
+                works[k].stats.write_s += time.perf_counter() - t1
+
+        try:
+            t0 = time.perf_counter()
+            for res in run_parts(net, parts, device=device, autocast=options.autocast,
+                                 channels_last=options.channels_last, tta=options.tta):
+                work = works[res.part]
+                outputs = _outputs(res, options.probabilities)
+                work.stats.model_s += time.perf_counter() - t0
+                wait_write()
+                written_through(res.part - 1)
+                pending = res.part, writer.submit(_write, work.store, res.batch, outputs)
+                work.stats.tiles_computed += len(res.batch.tiles)
+                bar.update(len(res.batch.tiles))
+                t0 = time.perf_counter()
+            wait_write()
+        except PartError as exc:
+            try:
+                wait_write()  # the batch before the failure
+            except PartError as before:
+                if before.part < exc.part:  # an earlier work failed first
+                    written_through(before.part - 1)
+                    raise before from None
+            written_through(exc.part - 1)
+            raise
+    written_through(len(works) - 1)
+
+
+def _reads_into(stats: PredictionStats) -> Callable[[float, float], None]:
     def on_read(seconds: float, waited: float) -> None:
         stats.read_s += seconds
         stats.read_wait_s += waited
 
-    if net is None:
-        net = checked_network(model, options.compile, forward_shapes(
-            mine, height=grid.height, width=grid.width, fp=grid.footprint, tta=tta))
-    with ThreadPoolExecutor(1) as writer:
-        pending: Future | None = None
-        t0 = time.perf_counter()
-        for res in run_batches(net, source, mine, height=grid.height, width=grid.width,
-                               fp=grid.footprint, device=device, autocast=autocast,
-                               channels_last=channels_last, tta=tta, on_read=on_read):
-            outputs = _outputs(res, probabilities)
-            stats.model_s += time.perf_counter() - t0
-            t1 = time.perf_counter()
-            if pending is not None:
-                pending.result()  # one batch in flight: bounded memory, errors surface
-            stats.write_s += time.perf_counter() - t1
-            pending = writer.submit(_write, store, res.batch, outputs)
-            stats.tiles_computed += len(res.batch.tiles)
-            bar.update(len(res.batch.tiles))
-            t0 = time.perf_counter()
-        t1 = time.perf_counter()
-        if pending is not None:
-            pending.result()
-        stats.write_s += time.perf_counter() - t1
+    return on_read
 
 
 def _names(model: nn.Module, image: Path, fp: Footprint,

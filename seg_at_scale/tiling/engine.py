@@ -42,7 +42,7 @@ from seg_at_scale.tiling.geometry import (
 )
 
 __all__ = ["WindowSource", "TensorWindows", "Batch", "plan_batches", "D4", "TTA",
-           "run_batches", "BatchOutput", "forward_shapes"]
+           "run_batches", "run_parts", "Part", "PartError", "BatchOutput", "forward_shapes"]
 
 
 class WindowSource(Protocol):
@@ -193,13 +193,39 @@ class BatchOutput:
     """One batch's result: per tile, the core output ``[K, h, w]`` on the model's device.
 
     ``outputs`` are logits without TTA and mean softmax probabilities with it
-    (``probabilities`` tells which); ``invalid`` are the cores' no-data masks (or None).
+    (``probabilities`` tells which); ``invalid`` are the cores' no-data masks (or None);
+    ``part`` is the index of the batch's :class:`Part` (0 for :func:`run_batches`).
     """
 
     batch: Batch
     outputs: list[Tensor]
     invalid: list[np.ndarray | None]
     probabilities: bool
+    part: int = 0
+
+
+@dataclass(frozen=True)
+class Part:
+    """Batches of one image: its window source, its size and the model's footprint.
+
+    ``on_read(read_s, waited_s)`` is told, per batch, how long reading it took (on the
+    reader thread) and how long the model waited for it.
+    """
+
+    source: WindowSource
+    batches: Sequence[Batch]
+    height: int
+    width: int
+    fp: Footprint
+    on_read: Callable[[float, float], None] | None = None
+
+
+class PartError(Exception):
+    """Reading a :class:`Part`'s windows failed: ``part`` says which; ``__cause__`` why."""
+
+    def __init__(self, part: int, cause: BaseException) -> None:
+        super().__init__(f"part {part}: {cause}")
+        self.part, self.cause = part, cause
 
 
 def run_batches(model: Callable[[Tensor], Any], source: WindowSource, batches: Sequence[Batch], *,
@@ -207,52 +233,72 @@ def run_batches(model: Callable[[Tensor], Any], source: WindowSource, batches: S
                 autocast: torch.dtype | None = None, channels_last: bool = False,
                 tta: str | None = None, on_read: Callable[[float, float], None] | None = None,
                 ) -> Iterator[BatchOutput]:
-    """Run ``batches`` through ``model``, reading the next batch on a background thread.
+    """Run ``batches`` of one image through ``model`` (:func:`run_parts` with one part)."""
+    try:
+        yield from run_parts(model, [Part(source, batches, height, width, fp, on_read)],
+                             device=device, autocast=autocast, channels_last=channels_last,
+                             tta=tta)
+    except PartError as exc:
+        raise exc.cause from None
 
-    On the CPU the next batch is read between the forwards instead: the network's threads
-    already take every core, and a reader beside them only competes for the cores (on the
-    8192^2 scene of ``experiments/bench_feed.py`` its decoding took 1.6 s instead of 0.9 s,
-    and the file path was as fast or faster without it). On CUDA the
-    reader thread stages each batch in pinned memory and copies it on a side
-    stream, so the copy of batch k+1 overlaps the model on batch k; the model's stream
-    waits on an event, never on the host. ``on_read(read_s, waited_s)`` is told, per batch,
-    how long reading took (on the thread) and how long the model waited for it.
+
+def run_parts(model: Callable[[Tensor], Any], parts: Sequence[Part], *, device: torch.device,
+              autocast: torch.dtype | None = None, channels_last: bool = False,
+              tta: str | None = None) -> Iterator[BatchOutput]:
+    """Run the batches of every part (image) in turn, reading the next batch while one runs.
+
+    The next batch may be the next part's first: an archive's scenes follow one another
+    without the device waiting for a scene's first read. On the CPU the next batch is read
+    between the forwards instead of on a thread: the network's threads already take every
+    core, and a reader beside them only competes for the cores (on the 8192^2 scene of
+    ``experiments/bench_feed.py`` its decoding took 1.6 s instead of 0.9 s, and the file
+    path was as fast or faster without it). On CUDA the reader thread stages each batch in
+    pinned memory and copies it on a side stream, so the copy of batch k+1 overlaps the
+    model on batch k; the model's stream waits on an event, never on the host. A failed
+    read is raised as :class:`PartError` naming its part, when that batch's turn comes.
     """
     if tta not in TTA:
         raise ValueError(f"tta={tta!r}: use null, 'flips' or 'd4'")
     views = TTA[tta]
-    jobs = [(b, g) for b in batches for g in views]
+    jobs = [(k, b, g) for k, part in enumerate(parts) for b in part.batches for g in views]
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     ctx = (torch.autocast(device.type, dtype=autocast) if autocast is not None
            else contextlib.nullcontext())
 
-    def load(job: tuple[Batch, D4]) -> tuple[Any, ...]:
-        return _load(source, job, height, width, fp, device, stream)
+    def load(job: tuple[int, Batch, D4]) -> tuple[Any, ...]:
+        k, batch, g = job
+        part = parts[k]
+        try:
+            return _load(part.source, (batch, g), part.height, part.width, part.fp, device,
+                         stream)
+        except Exception as exc:
+            raise PartError(k, exc) from exc
 
     acc: list[Tensor] = []
     masks: list[np.ndarray | None] = []
     reader: Executor = _Inline() if device.type == "cpu" else ThreadPoolExecutor(1)
     with reader as pool, torch.inference_mode(), ctx:
         pending = pool.submit(load, jobs[0]) if jobs else None
-        for k, (batch, g) in enumerate(jobs):
+        for n, (k, batch, g) in enumerate(jobs):
             assert pending is not None
             t0 = time.perf_counter()
             groups, invalid, event, seconds = pending.result()
-            pending = pool.submit(load, jobs[k + 1]) if k + 1 < len(jobs) else None
+            pending = pool.submit(load, jobs[n + 1]) if n + 1 < len(jobs) else None
             waited = time.perf_counter() - t0  # on the CPU: the next batch's read too
-            if on_read is not None:
-                on_read(seconds, waited)
+            told = parts[k].on_read
+            if told is not None:
+                told(seconds, waited)
             if event is not None:
                 torch.cuda.current_stream(device).wait_event(event)
-            cores = _forward(model, source, groups, g, tta is not None, len(batch.tiles),
-                             channels_last)
+            cores = _forward(model, parts[k].source, groups, g, tta is not None,
+                             len(batch.tiles), channels_last)
             if g == views[0]:  # the identity: its no-data masks are the tiles'
                 acc, masks = cores, invalid
             else:
                 acc = [a + c for a, c in zip(acc, cores, strict=True)]
             if g == views[-1]:
                 outs = acc if tta is None else [a / len(views) for a in acc]
-                yield BatchOutput(batch, outs, masks, tta is not None)
+                yield BatchOutput(batch, outs, masks, tta is not None, k)
 
 
 class _Inline(Executor):

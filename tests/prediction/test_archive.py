@@ -204,3 +204,36 @@ def test_one_merged_vector_file_for_the_archive(archive, tmp_path):
         assert int(merged.loc[merged["scene"] == stem, "pixels"].sum()) == int(
             piece["pixels"].sum()) == int((read_raster(out / f"{stem}.tif")[0] != 255).sum())
     assert not list(out.glob("s0.gpkg")) and merged.crs is not None
+
+
+def test_a_scene_that_fails_mid_read_is_skipped_and_the_stream_goes_on(archive, tmp_path):
+    """The scenes run as one stream of batches (the next scene's first tiles read while
+    the last batch of one runs): a scene whose tile cannot be decoded, found only when its
+    turn comes (it passes every check before the work), is recorded and skipped with
+    ``on_error=skip`` and the scenes after it are predicted as alone; with
+    ``on_error=stop`` the run ends on it, naming the file."""
+    import tifffile
+
+    tmp, run = archive
+    scenes = tmp_path / "scenes"
+    scenes.mkdir()
+    for stem in ("s0", "s1", "s2"):
+        (scenes / f"{stem}.tif").write_bytes((tmp / "scenes" / f"{stem}.tif").read_bytes())
+    with tifffile.TiffFile(scenes / "s1.tif") as tif:
+        page = tif.pages[0]
+        offset, count = page.dataoffsets[-1], page.databytecounts[-1]  # a border tile
+    data = bytearray((scenes / "s1.tif").read_bytes())
+    data[offset : offset + count] = bytes(range(256)) * (count // 256) + bytes(count % 256)
+    (scenes / "s1.tif").write_bytes(bytes(data))
+    out = tmp_path / "out"
+    stop = seg_predict_here(f"run={run}", *OPTS, f"images={scenes}", f"output_dir={out}")
+    assert stop.returncode == 2 and "cannot decode" in stop.stderr, stop.stderr
+    assert "s1.tif" in stop.stderr.strip().splitlines()[-1]
+    res = _archive(run, f"images={scenes}", f"output_dir={out}", "on_error=skip")
+    rows = _rows(out)
+    assert rows["s1"]["status"] == "failed" and "cannot decode" in rows["s1"]["reason"]
+    assert res["failed"] == 1 and not (out / "s1.tif").exists()
+    for stem in ("s0", "s2"):
+        assert rows[stem]["status"] in ("done", "reused")
+        assert read_raster(out / f"{stem}.tif").tobytes() == read_raster(
+            tmp / "single" / f"{stem}.tif").tobytes()

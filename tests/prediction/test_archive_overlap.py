@@ -1,6 +1,6 @@
-"""An archive finalises a scene (its COG, overviews, companions) on a background thread
-while the network already runs the next scene, and the outputs stay those of one run per
-scene."""
+"""An archive runs its scenes as one stream of batches and finalises a scene (its COG,
+overviews, companions) on a background thread while the network already runs the next
+scene; the outputs stay those of one run per scene."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 from helpers.prediction import make_model, make_run, seg_predict_here
 
 from seg_at_scale.io import read_raster, write_raster
-from seg_at_scale.prediction import archive
+from seg_at_scale.prediction import archive, raster
 
 SIZES = {"a": (97, 131), "b": (64, 60), "c": (120, 91)}
 OPTS = ("ckpt=last", "tile_size=96", "preview=false", "stac=false")
@@ -27,26 +27,30 @@ def test_a_scene_is_finalised_while_the_next_one_runs(tmp_path, monkeypatch):
                                f"output={tmp_path / 'single' / f'{stem}.tif'}", *OPTS)
         assert res.returncode == 0, res.stderr
 
-    runs, second_started, seen = [], threading.Event(), []
-    predict_batches, finalize = archive.predict_batches, archive.finalize
+    streams, second_written, seen = [], threading.Event(), []
+    predict_scenes, finalize, write = archive.predict_scenes, archive.finalize, raster._write
 
-    def counting(*args, **kwargs):
-        runs.append(threading.current_thread().name)
-        if len(runs) == 2:
-            second_started.set()
-        return predict_batches(*args, **kwargs)
+    def counting(model, works, *args, **kwargs):
+        streams.append((threading.current_thread().name, len(works)))
+        return predict_scenes(model, works, *args, **kwargs)
+
+    def writing(store, batch, outputs):
+        write(store, batch, outputs)
+        if store.path.name == ".b.tif.zarr":
+            second_written.set()
 
     def waiting(store, out, *args, **kwargs):
         if out.stem == "a":  # the first scene's finalisation waits for the second's tiles
-            seen.append((threading.current_thread().name, second_started.wait(30)))
+            seen.append((threading.current_thread().name, second_written.wait(30)))
         return finalize(store, out, *args, **kwargs)
 
-    monkeypatch.setattr(archive, "predict_batches", counting)
+    monkeypatch.setattr(archive, "predict_scenes", counting)
     monkeypatch.setattr(archive, "finalize", waiting)
+    monkeypatch.setattr(raster, "_write", writing)
     res = seg_predict_here(f"run={run}", f"images={tmp_path / 'scenes'}",
                            f"output_dir={tmp_path / 'many'}", *OPTS)
     assert res.returncode == 0, res.stderr
-    assert len(runs) == 3 and all(not name.startswith("finish") for name in runs)
+    assert streams == [(threading.current_thread().name, 3)]  # one stream of every scene
     assert len(seen) == 1 and seen[0][0].startswith("finish") and seen[0][1], seen
     for stem in SIZES:
         assert np.array_equal(read_raster(tmp_path / "many" / f"{stem}.tif"),

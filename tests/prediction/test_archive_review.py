@@ -202,14 +202,15 @@ def test_a_reused_output_rewrites_its_item_and_polygons_made_with_other_options(
 def test_a_scene_left_with_missing_tiles_is_a_failure(run, tmp_path, monkeypatch):
     from seg_at_scale.prediction import archive
 
-    real = archive.predict_batches
+    real = archive.predict_scenes
 
-    def drops_one_of_s1(model, source, batches, grid, store, *args, **kwargs):  # a tile less
-        if store.path.name == ".s1.tif.zarr":
-            batches = batches[1:]
-        return real(model, source, batches, grid, store, *args, **kwargs)
+    def drops_one_of_s1(model, works, *args, **kwargs):  # a tile less
+        for w in works:
+            if w.store.path.name == ".s1.tif.zarr":
+                w.batches = w.batches[1:]
+        return real(model, works, *args, **kwargs)
 
-    monkeypatch.setattr(archive, "predict_batches", drops_one_of_s1)
+    monkeypatch.setattr(archive, "predict_scenes", drops_one_of_s1)
     scenes, out = _three(tmp_path), tmp_path / "out"
     stop = seg_predict_here(f"run={run}", *OPTS, f"images={scenes}", f"output_dir={out}")
     assert stop.returncode == 2, stop.stderr

@@ -10,7 +10,15 @@ import torch
 
 from seg_at_scale.models import UNet
 from seg_at_scale.tiling import footprint, make_grid
-from seg_at_scale.tiling.engine import TensorWindows, forward_shapes, plan_batches, run_batches
+from seg_at_scale.tiling.engine import (
+    Part,
+    PartError,
+    TensorWindows,
+    forward_shapes,
+    plan_batches,
+    run_batches,
+    run_parts,
+)
 
 
 @pytest.mark.parametrize(("tta", "batch_size", "shape"), [
@@ -75,3 +83,58 @@ def test_on_the_cpu_each_batch_is_read_between_the_forwards_on_the_callers_threa
         list(run_batches(model, Source(torch.randn(1, 3, h, w), fp), batches, height=h,
                          width=w, fp=fp, device=torch.device("cpu")))
     assert [e[0] for e in events] == ["read", "read", "forward", "read", "forward"]
+
+
+def test_parts_run_as_one_stream_each_as_it_runs_alone():
+    """An archive's scenes as one stream (``run_parts``): each part's outputs equal its own
+    ``run_batches``; the next part's first batch is read before the last part's last
+    forward; a read that fails is raised as ``PartError`` naming its part, after every
+    output of the parts before it."""
+    torch.manual_seed(0)
+    net = UNet(3, 2, levels=2, base_width=2, padding="same").eval()
+    fp = footprint(net)
+    sizes = [(93, 151), (70, 45), (131, 77)]
+    images = [torch.randn(1, 3, h, w) for h, w in sizes]
+    grids = [make_grid(h, w, fp, tile_size=64, uniform=True) for h, w in sizes]
+    events: list[tuple[str, int]] = []
+
+    class Source(TensorWindows):
+        def __init__(self, image: torch.Tensor, k: int) -> None:
+            super().__init__(image, fp)
+            self.k = k
+
+        def load(self, window):
+            events.append(("read", self.k))
+            if self.k == fail_in:
+                raise OSError(f"scene {self.k} went away")
+            return super().load(window)
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        events.append(("forward", -1))
+        return net(x)
+
+    def parts() -> list[Part]:
+        return [Part(Source(x, k), plan_batches(g.tiles, 2), g.height, g.width, fp)
+                for k, (x, g) in enumerate(zip(images, grids, strict=True))]
+
+    fail_in = -1
+    outs = list(run_parts(model, parts(), device=torch.device("cpu")))
+    for k, (x, g) in enumerate(zip(images, grids, strict=True)):
+        alone = list(run_batches(net, TensorWindows(x, fp), plan_batches(g.tiles, 2),
+                                 height=g.height, width=g.width, fp=fp,
+                                 device=torch.device("cpu")))
+        mine = [o for o in outs if o.part == k]
+        assert [o.batch for o in mine] == [o.batch for o in alone] and len(mine) > 1
+        for a, b in zip(mine, alone, strict=True):
+            assert all(torch.equal(p, q) for p, q in zip(a.outputs, b.outputs, strict=True))
+    first_read_of_1 = events.index(("read", 1))
+    forwards_before = sum(e[0] == "forward" for e in events[:first_read_of_1])
+    assert forwards_before == len([o for o in outs if o.part == 0]) - 1
+    events.clear()
+    fail_in = 1
+    seen = []
+    with pytest.raises(PartError, match="scene 1 went away") as failed:
+        for o in run_parts(model, parts(), device=torch.device("cpu")):
+            seen.append(o.part)
+    assert failed.value.part == 1 and isinstance(failed.value.cause, OSError)
+    assert seen == [o.part for o in outs if o.part == 0]
