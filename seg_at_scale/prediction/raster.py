@@ -456,7 +456,7 @@ def _outputs(res: BatchOutput, probabilities: str | None) -> list[HostOutput]:
             for y, invalid in zip(res.outputs, res.invalid, strict=True)]
     if res.outputs and res.outputs[0].is_cuda:
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(res.outputs[0].device))  # the copies' stream
         for o in outs:
             o.copied = copied
     return outs
@@ -522,7 +522,7 @@ def tile_output(y: Tensor, invalid: np.ndarray | None, probabilities: str | None
     out = device_output(y, invalid, probabilities, is_probabilities)
     if y.is_cuda:
         out.copied = torch.cuda.Event()
-        out.copied.record()
+        out.copied.record(torch.cuda.current_stream(y.device))
     return out.arrays()
 
 
