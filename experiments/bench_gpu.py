@@ -14,7 +14,9 @@ figure it can; an out-of-memory step is a figure, ``fits: false``):
 * ``prediction``: the streaming predictor (``predict_raster``, bf16 + channels_last, on the
   synthetic scene) vs the bare model on device-resident tiles: the gap is I/O and copies;
   ``io_alone``: the reads and the COG with no network; ``profile``: one run under
-  ``torch.profiler`` (how busy the device was, the costliest operators);
+  ``torch.profiler`` (how busy the device was, the costliest operators); ``archive``: the
+  same pixels as 16 scenes of a quarter side in one archive against the scene alone
+  (whether the device idles between scenes);
 * ``train_step``: the exact whole-image step on 4096^2 and 8192^2, tiled vs untiled;
 * ``largest_tile``: the largest trainable tile per memory mode within 90 % of the
   device's memory (``find_largest_tile``), time per pixel vs ``none``;
@@ -173,6 +175,7 @@ def prediction(dev: torch.device, sz: Sizes) -> dict[str, Any]:
             net, image, Path(tmp) / "profiled.tif",
             PredictOptions(tile_size=tile, fast=True, overwrite=True),
             normalizer=Normalizer()), dev))
+        out["archive"] = attempt(lambda: _archive_of_small_scenes(dev, side, Path(tmp)))
     best_auto = max(autos, key=lambda s: s.mpix_per_s)
     auto_grid = make_grid(side, side, net.footprint(), tile_size=auto_opts.tile_size,
                           uniform=True)
@@ -231,6 +234,49 @@ def _profiled(run: Callable[[], Any], dev: torch.device, top: int = 12) -> dict[
             "device_busy_fraction": round(busy / wall, 4) if cuda else None,
             "top_self_cpu": rows(lambda e: e.self_cpu_time_total),
             **({"top_self_device": rows(device_us)} if cuda else {})}
+
+
+def _archive_of_small_scenes(dev: torch.device, side: int, tmp: Path,
+                             count: int = 16) -> dict[str, Any]:
+    """The large scene's pixels as ``count`` scenes of ``side / 4``, one archive, against
+    that scene alone, through the command's path (a run folder of the demo's U-Net, fast,
+    ``tile_size=auto``, COGs, no preview or STAC), each the best of two: whether the device
+    idles between scenes (the archive runs its scenes as one stream of batches)."""
+    from common import fake_run
+
+    from seg_at_scale.models.loading import load_trained
+    from seg_at_scale.prediction.archive import archive_scenes, predict_archive
+    from seg_at_scale.prediction.scene import predict_scene
+
+    trained = load_trained(fake_run(tmp / "run"), ckpt="last")
+    trained.model.to(dev)
+    small = max(64, side // 4)
+    one = synthetic_scene(tmp / "small", small)
+    folder = tmp / "archive"
+    folder.mkdir()
+    for k in range(count):
+        os.link(one, folder / f"s{k:02d}.tif")
+    large = synthetic_scene(tmp, side)
+    opts = PredictOptions(fast=True, overwrite=True, progress=False, preview=False,
+                          stac=False, resume=False)
+    archive_s, alone_s = [], []
+    for k in range(2):
+        (tmp / f"out{k}").mkdir()
+        t0 = time.perf_counter()
+        records = predict_archive(trained, archive_scenes(str(folder), tmp / f"out{k}"), opts)
+        archive_s.append(time.perf_counter() - t0)
+        assert all(r.status == "done" for r in records), [r.reason for r in records]
+        t0 = time.perf_counter()
+        predict_scene(trained, large, tmp / f"alone{k}.tif", opts)
+        alone_s.append(time.perf_counter() - t0)
+    mpix_archive = count * small * small / 1e6 / min(archive_s)
+    mpix_alone = side * side / 1e6 / min(alone_s)
+    return {"scenes": count, "side": small, "large_side": side,
+            "archive_mpix_per_s": round(mpix_archive, 2),
+            "alone_mpix_per_s": round(mpix_alone, 2),
+            "archive_over_alone": round(mpix_archive / mpix_alone, 4),
+            "archive_s": [round(v, 3) for v in archive_s],
+            "alone_s": [round(v, 3) for v in alone_s]}
 
 
 def _io_alone(image: Path, mask: Path, grid: Any, tmp: Path) -> dict[str, Any]:

@@ -75,6 +75,9 @@ def test_quick_cpu_run_gives_every_section(tmp_path):
     prof = p["profile"]
     assert positive(prof["wall_s"]) and prof["device_busy_fraction"] is None  # no device
     assert len(prof["top_self_cpu"]) >= 3 and positive(prof["top_self_cpu"][0]["self_cpu_ms"])
+    arch = p["archive"]
+    assert arch["scenes"] == 16 and positive(arch["archive_mpix_per_s"],
+                                             arch["alone_mpix_per_s"], arch["archive_over_alone"])
 
     for side in map(str, doc["sizes"]["train_sides"]):
         row = s["train_step"][side]
@@ -94,8 +97,11 @@ def test_quick_cpu_run_gives_every_section(tmp_path):
                     modes["checkpoint_offload"]["time_vs_checkpoint"])
     ibm = s["ibm_gscnn"]["modes"]
     assert set(ibm) == {"none", "checkpoint:block", "offload", "checkpoint_offload:block"}
-    assert positive(*(m["step_s"] for m in ibm.values()),
-                    *(m["peak_mib_with_state"] for m in ibm.values()))
+    assert positive(*(m["step_s"] for m in ibm.values()))
+    # on a CPU the peak is the resident set's growth: 0 where a mode reuses what the one
+    # before freed (seen for the last mode, checkpoint_offload:block)
+    assert all(isinstance(m["peak_mib_with_state"], float) and m["peak_mib_with_state"] >= 0
+               for m in ibm.values()) and positive(ibm["none"]["peak_mib_with_state"])
 
     enc = s["encoders"]["models"]
     assert set(enc) == {"unet_resnet34", "deeplabv3plus_resnet50"}
