@@ -556,9 +556,8 @@ def _run_scenes(trained: TrainedModel, model: torch.nn.Module, net: Any,
             predict_scenes(model, works, options, bar, net=net, on_written=written)
             return
         except PartError as exc:
-            i, cause, stats = order[exc.part], exc.cause, works[exc.part].stats
-            records[i].tiles_computed += stats.tiles_computed
-            records[i].seconds += stats.model_s + stats.read_wait_s + stats.write_s
+            i, cause = order[exc.part], exc.cause
+            _count(records[i], works[exc.part].stats)
             plans[i].reader.close()
             if (on_error == "stop" or _disk_full(cause)
                     or not isinstance(cause, (SegAtScaleError, OSError))):
@@ -576,8 +575,7 @@ def _scene_written(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,
     claims it.
     """
     stats = work.stats
-    record.tiles_computed += stats.tiles_computed
-    record.seconds += stats.model_s + stats.read_wait_s + stats.write_s
+    _count(record, stats)
     try:
         if all(work.store.done(t) for t in plan.grid.tiles) and _claim(plan):
             finisher.submit(lambda: _finish_guarded(trained, scene, plan, work.store, options,
@@ -588,6 +586,12 @@ def _scene_written(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,
             raise
         record.status, record.reason = "failed", str(exc)
     plan.reader.close()
+
+
+def _count(record: SceneRecord, stats: PredictionStats) -> None:
+    """A scene's tiles and seconds of this rank's stream (the finisher adds its own)."""
+    record.tiles_computed += stats.tiles_computed
+    record.seconds += stats.model_s + stats.read_wait_s + stats.write_s
 
 
 def _finish_guarded(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,

@@ -221,7 +221,11 @@ class Part:
 
 
 class PartError(Exception):
-    """Reading a :class:`Part`'s windows failed: ``part`` says which; ``__cause__`` why."""
+    """Work on a :class:`Part` failed: ``part`` says which, ``cause`` why.
+
+    Raised for a failed read here, and for a failed write of its outputs by
+    :func:`seg_at_scale.prediction.raster.predict_scenes`.
+    """
 
     def __init__(self, part: int, cause: BaseException) -> None:
         super().__init__(f"part {part}: {cause}")
