@@ -162,6 +162,8 @@ ReturnToService=2
 SlurmdTimeout=30
 MessageTimeout=10
 KillWait=15
+# a loaded 2-core test machine: a killed step's processes may take long to be reaped
+UnkillableStepTimeout=180
 MinJobAge=600
 # no slurmdbd: sacct is unavailable; completions are logged here and scontrol show job
 # holds the requeue count (Restarts=)
@@ -277,6 +279,52 @@ PartitionName=test Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
     def node_states(self) -> dict[str, str]:
         out = self.client("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout
         return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+
+    def settle(self, timeout: float = 240) -> str:
+        """No job left, both nodes idle: what a test on the cluster starts from.
+
+        Jobs still queued are cancelled; nodes still completing (killing a step's processes)
+        are waited for; a node the controller drained or set down (a step it could not kill,
+        a node daemon that stopped answering) is resumed, since it would leave every later
+        two-node job pending.
+
+        Returns:
+            ``""`` when nothing was left, else what was (jobs, node states, ``sinfo -R``'s
+            reasons and the daemons' log tails).
+
+        Raises:
+            RuntimeError: the nodes were not idle ``timeout`` s after that.
+        """
+        idle = {n: "idle" for n in NODES}
+        left: list[str] = []  # jobs found queued or running (not merely completing)
+        end = time.monotonic() + timeout
+        while True:
+            queue = self.client("squeue", "-h", "-o", "%i %T", check=False).stdout.split("\n")
+            jobs = [line for line in queue if line.strip()]
+            stuck = [j for j in jobs if not j.endswith(" COMPLETING")]
+            if stuck:
+                left += [j for j in stuck if j not in left]
+                self.client("scancel", "--user", str(os.getuid()), check=False)
+            states = self.node_states()
+            if not jobs and (states == idle or all(
+                    s in ("idle", "drain", "down", "down*", "drain*") for s in states.values())):
+                break  # nothing is completing any more
+            if time.monotonic() > end:
+                break
+            time.sleep(0.5)
+        if not left and states == idle:
+            return ""
+        reasons = self.client("sinfo", "-R", "-h", "-o", "%N %T %E", check=False).stdout
+        problem = (f"jobs left {left}, nodes {states}, reasons {reasons.strip()!r}\n"
+                   + "\n".join(f"--- {name}\n{self.log_tail(name, 25)}"
+                                for name in ("slurmctld", *(f"slurmd-{n}" for n in NODES))))
+        for node, state in states.items():
+            if state != "idle":
+                self.client("scontrol", "update", f"NodeName={node}", "State=RESUME",
+                            check=False)
+        self._wait_for(lambda: self.node_states() == idle, max(end - time.monotonic(), 30),
+                       "both nodes idle again")
+        return problem
 
     def sbatch(self, args: Sequence[str], env: Mapping[str, str]) -> int:
         """Submit a batch job with ``env`` as its whole environment; its job id."""

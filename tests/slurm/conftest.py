@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -53,6 +54,19 @@ def slurm_cluster() -> Iterator[Cluster]:
     left = cluster.stop()
     assert not left, f"still running after the cluster stopped (killed now): {left}"
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _cluster_idle_first(request: pytest.FixtureRequest) -> None:
+    """Before each test on the cluster: no job left and both nodes idle. A node the test
+    before left drained or down (on a loaded machine: a step Slurm could not kill within
+    ``UnkillableStepTimeout``, a node daemon that missed ``SlurmdTimeout``) is resumed with
+    a warning that gives the controller's reason, instead of leaving every later two-node
+    job pending."""
+    if "slurm_cluster" in request.fixturenames:
+        problem = request.getfixturevalue("slurm_cluster").settle()
+        if problem:
+            warnings.warn(f"before {request.node.name}: {problem}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")
