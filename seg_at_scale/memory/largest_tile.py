@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.memory.probe import StepMeasure, StepSpec, measure_step
+from seg_at_scale.memory.probe import StepMeasure, StepSpec, measure_step, probe_server
 from seg_at_scale.models.contract import SegmentationNetwork
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint
@@ -118,7 +118,14 @@ def find_largest_tile(model: nn.Module, budget_bytes: int, spec: StepSpec | None
     Raises:
         ConfigError: the smallest legal tile does not fit the budget.
     """
-    spec = spec or StepSpec()
+    with probe_server():  # the CPU probes fork from one server, stopped at the end
+        return _search(model, budget_bytes, spec or StepSpec(), device, max_side, rel_tol,
+                       max_probes, margin, host_rss, measure)
+
+
+def _search(model: nn.Module, budget_bytes: int, spec: StepSpec, device: str | torch.device,
+            max_side: int, rel_tol: float, max_probes: int, margin: float,
+            host_rss: int | None, measure: Measure | None) -> TileSearch:
     fp = footprint(model)
     limit = int(budget_bytes * (1 - margin))
     first = smallest_side(fp)

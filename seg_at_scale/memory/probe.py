@@ -1,8 +1,9 @@
 """Measure one training step of a model on a square tile: peak memory and time.
 
-On a CPU the step runs in a fresh interpreter (``multiprocessing`` spawn), and its peak
-resident set size (``VmHWM`` of that process) is the figure: everything a
-training process holds - interpreter, libraries, model, optimiser state, activations.
+On a CPU the step runs in a process of its own, forked from a server that imported torch
+once (``multiprocessing`` forkserver), and its peak resident set size (``VmHWM`` of that
+process) is the figure: everything a training process holds - interpreter, libraries,
+model, optimiser state, activations.
 The parent samples the child's RSS and stops it as soon as it passes the budget, so a
 tile that does not fit costs only the time to find out. On a GPU the step runs in this
 process and ``torch.cuda.max_memory_allocated`` is the figure.
@@ -14,11 +15,14 @@ warm-up step on a tiny tile first allocates the optimiser state and initialises 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import multiprocessing as mp
+import multiprocessing.forkserver as mp_forkserver
 import queue as queue_mod
 import resource
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +38,8 @@ from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint
 from seg_at_scale.tiling.tile_sides import smallest_side
 
-__all__ = ["StepSpec", "StepMeasure", "measure_step", "run_step", "peak_rss_bytes",
-           "warmup_side"]
+__all__ = ["StepSpec", "StepMeasure", "measure_step", "probe_server", "run_step",
+           "peak_rss_bytes", "warmup_side"]
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,8 @@ class StepMeasure:
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (``VmHWM``), in bytes.
 
-    Not ``ru_maxrss``: Linux carries that across ``exec``, so a spawned child would report
-    its *parent's* size at fork time; ``VmHWM`` belongs to the new address space.
+    Not ``ru_maxrss``: Linux carries that across ``exec``, so a started child could report
+    its *parent's* size at fork time; ``VmHWM`` belongs to the child's own address space.
     """
     try:
         with open("/proc/self/status") as f:
@@ -199,6 +203,41 @@ def _child(model: nn.Module, side: int, spec: StepSpec, out: mp.Queue,
         out.put(("error", f"{type(e).__name__}: {e}"))
 
 
+def _probe_context() -> Any:
+    """Where CPU probes start: forks of a server that imported torch once.
+
+    The first probe starts the server. A fresh interpreter per probe would import torch
+    again for every tile size a search tries; a fork of this process would carry its
+    memory into the measurement.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", __name__])
+    return ctx
+
+
+_SERVER_USERS = 0  # open probe_server() blocks in this process
+
+
+@contextlib.contextmanager
+def probe_server() -> Iterator[None]:
+    """CPU probes inside the block fork from one server, stopped when the outermost block ends.
+
+    An idle server holds ~300 MB (torch) that the training after a search would not have
+    in its budget. :func:`measure_step` opens a block of its own.
+    """
+    global _SERVER_USERS
+    _SERVER_USERS += 1
+    try:
+        yield
+    finally:
+        _SERVER_USERS -= 1
+        if _SERVER_USERS == 0:
+            server = getattr(mp_forkserver, "_forkserver", None)
+            stop = getattr(server, "_stop", None)  # the standard library's own shutdown
+            if stop is not None:
+                stop()
+
+
 def measure_step(model: nn.Module, side: int, spec: StepSpec, *,
                  budget_bytes: int | None = None, device: str | torch.device = "cpu",
                  poll_s: float = 0.02) -> StepMeasure:
@@ -211,13 +250,19 @@ def measure_step(model: nn.Module, side: int, spec: StepSpec, *,
         budget_bytes: on CPU, stop the child once its RSS passes this (``fits=False``); the
             child also cannot allocate more than this + 1 GiB (``RLIMIT_DATA``), so a
             sudden large allocation fails there rather than exhausting the machine.
-        device: ``"cpu"`` (fresh child process) or a CUDA device (this process).
+        device: ``"cpu"`` (a child process of its own) or a CUDA device (this process).
         poll_s: RSS sampling period.
     """
     dev = torch.device(device)
     if dev.type == "cuda":
         return _measure_cuda(model, side, spec, dev, budget_bytes)
-    ctx = mp.get_context("spawn")
+    with probe_server():
+        return _measure_cpu(model, side, spec, budget_bytes, poll_s)
+
+
+def _measure_cpu(model: nn.Module, side: int, spec: StepSpec, budget_bytes: int | None,
+                 poll_s: float) -> StepMeasure:
+    ctx = _probe_context()
     out: mp.Queue = ctx.Queue()
     cap = None if budget_bytes is None else budget_bytes + CAP_SLACK
     proc = ctx.Process(target=_child, args=(model, side, spec, out, cap), daemon=True)

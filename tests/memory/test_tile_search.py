@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -31,6 +33,28 @@ from seg_at_scale.tiling import footprint, make_grid
 from seg_at_scale.tiling.tile_sides import smallest_side
 
 # ----- the largest tile within a budget ----------------------------------------------------
+
+
+def test_a_searchs_cpu_probes_fork_from_one_server_that_stops_with_the_search(monkeypatch):
+    """Each probe is a process of its own (its peak RSS is the figure), forked from one
+    server that imported torch once; the server is gone when the search returns (an idle
+    one would hold ~300 MB the training after the search has not budgeted)."""
+    parents: list[int] = []
+    real = psutil.Process
+
+    def watched(pid: int) -> psutil.Process:
+        parents.append(real(pid).ppid())
+        return real(pid)
+
+    monkeypatch.setattr(probe_mod, "psutil", SimpleNamespace(Process=watched,
+                                                             Error=psutil.Error))
+    search = find_largest_tile(tiny(), int(1.5 * GIB), StepSpec(threads=1), max_probes=3,
+                               rel_tol=0.5)
+    assert len(search.probes) == len(parents) == 3 and search.side > smallest_side(
+        footprint(tiny()))
+    (server,) = set(parents)
+    assert server != os.getpid()
+    assert not psutil.pid_exists(server) or real(server).status() == psutil.STATUS_ZOMBIE
 
 
 def test_budget_below_the_smallest_tile_is_refused():
