@@ -49,6 +49,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
             yield band
 
     h, w = store.labels.shape
+    classes = len(names)  # the histogram's length: one count per class of the model
     if kind == "cog":
         if store.probabilities is not None:  # first: the labels' file, last, marks "done"
             k = store.probabilities.shape[0]
@@ -67,11 +68,11 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
                   nodata=NODATA, colormap=class_colors(len(names)), resampling="mode",
                   overwrite=True, tags=lambda: {
                       FINGERPRINT_TAG: done, TILING_TAG: tiling,
-                      CLASS_PIXELS_TAG: json.dumps([int(v) for v in hist[:NODATA]])})
+                      CLASS_PIXELS_TAG: json.dumps([int(v) for v in hist[:classes]])})
     else:
         for _ in counted():
             pass
-    class_pixels = [int(v) for v in hist[:NODATA]]
+    class_pixels = [int(v) for v in hist[:classes]]
     store.finish(class_pixels)
     if kind == "cog" and not keep_store:
         shutil.rmtree(store.path, ignore_errors=True)

@@ -91,7 +91,8 @@ class PredictionStats:
     background chunk writer (on a GPU this includes the device finishing the batch before);
     ``finalize_s`` is rank 0's COG (or store) finalisation; ``statistics_s`` the first pass
     of a model with whole-image statistics. ``tiles_computed`` counts this process's tiles
-    (a resumed run skips the batches already on disk: ``tiles_resumed``).
+    (a resumed run skips the batches already on disk: ``tiles_resumed``). ``class_pixels``
+    (rank 0) holds the output's pixels per class of the model, no data not counted.
     """
 
     path: Path

@@ -106,7 +106,6 @@ def _predict_scene(trained: TrainedModel, model: torch.nn.Module, image: Path, o
                            exact=exact)
     out = _result(image, output, stats)
     out["exact"] = exact
-    out["class_pixels"] = stats.class_pixels[:trained.num_classes]
     if rank_world()[0] != 0:
         return out  # rank 0 scores and draws
     if mask is not None:
@@ -247,4 +246,5 @@ def _result(image: Path, output: Path, stats: PredictionStats) -> dict[str, Any]
             "tiles_computed": stats.tiles_computed, "tiles_resumed": stats.tiles_resumed,
             "seconds": round(stats.total_s, 2), "mpix_per_s": round(stats.mpix_per_s, 3),
             "read_s": round(stats.read_s, 2), "model_s": round(stats.model_s, 2),
-            "write_s": round(stats.write_s, 2), "finalize_s": round(stats.finalize_s, 2)}
+            "write_s": round(stats.write_s, 2), "finalize_s": round(stats.finalize_s, 2),
+            "class_pixels": stats.class_pixels}

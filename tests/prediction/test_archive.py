@@ -86,6 +86,9 @@ def test_an_archive_equals_one_run_per_scene_whatever_the_ranks(archive, process
         assert (out / f"{stem}.tif").read_bytes() == (tmp / "single" / f"{stem}.tif").read_bytes()
         single = json.loads((tmp / "single" / f"{stem}.stac.json").read_text())
         assert single["id"] == stem and (out / f"{stem}.stac.json").exists()
+        labels = read_raster(out / f"{stem}.tif")[0]  # one count per class (5), as image=
+        assert json.loads(rows[stem]["class_pixels"]) == np.bincount(
+            labels[labels != 255], minlength=5).tolist()
     big = json.loads(rows["s2"]["tiles_by_rank"])
     assert len(big) == processes and all(n > 0 for n in big)  # every rank had tiles of s2
     assert sum(int(r["tiles_computed"]) for r in rows.values()) == sum(

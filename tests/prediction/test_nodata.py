@@ -105,9 +105,16 @@ def test_tiles_wholly_in_no_data_are_written_and_the_run_completes(tmp_path, one
     probs = read_raster(tmp_path / "m_probabilities.tif")
     assert int(probs[:, invalid].max()) == 0 and int(probs[:, ~invalid].sum(0).min()) >= 250
     assert stats.tiles_computed == stats.tiles > 20
+    # one count per class of the model, no data not counted; the same from a reused output
+    # (it held 255 counts, one per byte value, through the Python API)
+    counts = np.bincount(labels[~invalid], minlength=model.num_classes).tolist()
+    assert stats.class_pixels == counts and len(counts) == model.num_classes
+    assert predict_raster(model, path, tmp_path / "m.tif", opts,
+                          normalizer=NORM).class_pixels == counts
     store = tmp_path / "m.zarr"
     first = predict_raster(model, path, store, opts, normalizer=NORM)
     empty = sum(1 for p in (store / "labels" / "c").rglob("*") if p.is_file())
     assert first.tiles_computed == first.tiles == empty  # every chunk, the empty ones too
     again = predict_raster(model, path, store, opts, normalizer=NORM)
     assert again.reused and again.tiles_computed == 0
+    assert first.class_pixels == again.class_pixels == counts
