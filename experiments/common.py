@@ -46,15 +46,20 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
-    """The checkout's commit (``+dirty`` when files differ from it), or ``unknown``."""
+    """The checkout's commit (``+dirty`` when files differ from it), or ``unknown``.
+
+    The benchmarks' own outputs (``experiments/results/``, ``docs/benchmarks.md``) do not
+    count: a second benchmark run after a first is still of the same code.
+    """
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
                               capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True).stdout.strip()
+        own = [":(exclude)experiments/results", ":(exclude)docs/benchmarks.md"]
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", *own], cwd=root, capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
