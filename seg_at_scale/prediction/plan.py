@@ -195,7 +195,7 @@ def reusable(plan: RasterPlan, overwrite: bool) -> list[int] | None:
         raise OutputExistsError(f"output '{plan.output}' was made by another prediction "
                                 "(another model, input, tiling or options); pass "
                                 "overwrite=true to replace it, or choose another path")
-    return state[1][:plan.num_classes]  # an output finished by 0.x held 255 counts
+    return state[1][:plan.num_classes]  # one count per class (older tags: per byte value)
 
 
 def open_store(plan: RasterPlan, options: PredictOptions) -> PredictionStore:
