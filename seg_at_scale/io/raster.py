@@ -32,7 +32,7 @@ import tifffile
 
 from seg_at_scale.errors import InputError
 from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags
-from seg_at_scale.io.segments import PageLayout, mask_page
+from seg_at_scale.io.segments import PageLayout, SegmentCache, mask_page
 from seg_at_scale.io.writer import check_output_path, write_raster, write_raster_bands
 from seg_at_scale.tiling.geometry import Fill, Window, source_indices
 
@@ -85,6 +85,8 @@ class RasterReader:
         has_mask: the file has a GDAL internal mask (:meth:`read_mask`).
         layout: where page 0's pixels are (segment shape, compression, memory-mappable).
         bytes_read: bytes of tile / strip data read (or copied from the map) so far.
+        segments: the decoded segments kept for overlapping windows (image, mask), see
+            :class:`~seg_at_scale.io.segments.SegmentCache`.
 
     """
 
@@ -98,6 +100,7 @@ class RasterReader:
     has_mask: bool
     layout: PageLayout
     bytes_read: int
+    segments: dict[bool, SegmentCache]
 
     def __init__(self, path: str | os.PathLike[str], *, nodata: float | None = None) -> None:
         self.path = Path(path)
@@ -151,6 +154,7 @@ class RasterReader:
             raise _cannot_read(self.path, exc) from exc
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self.segments = {False: SegmentCache(), True: SegmentCache()}  # image / mask
         return page
 
     def _nodata_tag(self, page: tifffile.TiffPage) -> float | None:
@@ -196,6 +200,8 @@ class RasterReader:
         """Close the file (it is reopened if the reader is used again)."""
         if self._pid == os.getpid():
             self._close_handles()
+        for cache in self.segments.values():
+            cache.clear()
         self._tif = self._fh = None
         self._maps = {}
 
@@ -307,7 +313,8 @@ class RasterReader:
                 return out
             self._warn_if_wasteful(layout, r0, r1, c0, c1)
             return layout.decode_box(self._read_bytes, decode, tables, r0, r1, c0, c1,
-                                     pool=decoders())
+                                     pool=decoders(),
+                                     cache=self.segments[mask] if layout.compressed else None)
         except (ValueError, RuntimeError, OSError, tifffile.TiffFileError) as exc:
             raise InputError(f"cannot decode rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
                              f"{exc}. Re-copy or re-generate the file.") from exc

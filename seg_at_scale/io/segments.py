@@ -17,6 +17,8 @@ segments into the box. Two ways to read a box:
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -26,11 +28,60 @@ from typing import Any, Literal, cast
 import numpy as np
 import tifffile
 
-__all__ = ["PageLayout", "mask_page"]
+__all__ = ["PageLayout", "SegmentCache", "mask_page"]
 
 GDAL_MASK_BIT = 4  # NewSubfileType bit of a transparency mask (TIFF 6.0, FILETYPE_MASK)
 REDUCED_BIT = 1  # ... of a reduced-resolution copy (an overview)
 MAX_PAGES = 64  # IFDs searched for the mask (it follows the image and its overviews)
+
+
+class SegmentCache:
+    """Decoded segments of one page, kept for the boxes that share them.
+
+    The windows of neighbouring tiles overlap (twice the halo), and a segment under the
+    overlap is needed by both: decoding it for each would decode 1.27x the image's
+    pixels with tiles of 2048 and a halo of 46 over 256-pixel segments, 1.72x with tiles
+    of 1024. Segments are dropped least recently used first past ``max_bytes``, so the
+    next tile in a row always finds its left neighbour's; the next row of tiles finds
+    the row above's while a row of windows fits (the default holds one of 2048-pixel
+    tiles across a 4-band 8-bit scene 10,000 pixels wide). Safe to share between threads.
+    """
+
+    def __init__(self, max_bytes: int = 96 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.hits = self.misses = 0
+        self._items: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, k: int) -> Any:
+        """Segment ``k``'s decoded value, or None."""
+        with self._lock:
+            item = self._items.get(k)
+            if item is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._items.move_to_end(k)
+            return item[0]
+
+    def put(self, k: int, value: Any, nbytes: int) -> None:
+        """Keep ``value`` (``nbytes`` of memory) for segment ``k``."""
+        if nbytes > self.max_bytes:
+            return
+        with self._lock:
+            if k in self._items:
+                return
+            self._items[k] = (value, nbytes)
+            self.nbytes += nbytes
+            while self.nbytes > self.max_bytes:
+                _, (_, n) = self._items.popitem(last=False)
+                self.nbytes -= n
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.nbytes = 0
 
 
 @dataclass(frozen=True)
@@ -120,18 +171,26 @@ class PageLayout:
     def decode_box(self, read_bytes: Callable[[int, int], bytes | None],
                    decode: Callable[..., Any], jpegtables: bytes | None,
                    r0: int, r1: int, c0: int, c1: int,
-                   pool: Executor | None = None) -> np.ndarray:
+                   pool: Executor | None = None,
+                   cache: SegmentCache | None = None) -> np.ndarray:
         """``[C, r1-r0, c1-c0]`` decoded from the segments the box touches.
 
         With ``pool``, the segments of a compressed page are decoded by its threads
-        (the codecs release the GIL; each segment fills its own part of the box).
+        (the codecs release the GIL; each segment fills its own part of the box). With
+        ``cache``, a segment decoded for an earlier box is taken from it.
         """
         out = np.zeros((self.bands, r1 - r0, c1 - c0), self.dtype)
         index = sorted(self.segments(r0, r1, c0, c1), key=lambda k: self.offsets[k])
 
         def one(k: int) -> None:
-            data = read_bytes(self.offsets[k], self.counts[k])
-            seg, (plane, _, y, x, _), _ = decode(data, k, jpegtables=jpegtables)
+            found = cache.get(k) if cache is not None else None
+            if found is None:
+                data = read_bytes(self.offsets[k], self.counts[k])
+                seg, (plane, _, y, x, _), _ = decode(data, k, jpegtables=jpegtables)
+                found = (seg, plane, y, x)
+                if cache is not None and seg is not None:
+                    cache.put(k, found, seg.nbytes)
+            seg, plane, y, x = found
             if seg is not None:
                 self._place(out, seg, plane, y, x, r0, c0)
 

@@ -76,6 +76,40 @@ def test_tiled_file_read_in_tiles_does_not_warn(tmp_path: Path,
     assert not caplog.messages
 
 
+@pytest.mark.parametrize("max_bytes", [96 << 20, 3 * 128 * 128 * 4], ids=["default", "small"])
+def test_overlapping_windows_decode_a_shared_segment_once(tmp_path: Path, max_bytes: int,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """The windows of a tile grid overlap by twice the halo: a segment under the overlap
+    is decoded for the first window that needs it and taken from the reader's cache by
+    the next, whatever the cache's size (a small one drops segments and decodes again);
+    every window equals the image's pixels, reflect padding at the borders included."""
+    array = make_array((4, 1000, 900), "uint8")  # 8 x 8 tiles of 128, the last ones cut
+    path = tmp_path / "tiled.tif"
+    tifffile.imwrite(path, np.moveaxis(array, 0, -1), tile=(128, 128), compression="zlib",
+                     photometric="rgb", extrasamples=[0])
+    padded = np.pad(array, ((0, 0), (46, 46), (46, 46)), mode="reflect")
+    windows = [Window(r - 46, c - 46, min(300, 1000 - r) + 92, min(300, 900 - c) + 92)
+               for r in range(0, 1000, 300) for c in range(0, 900, 300)]  # cores of 300
+    with RasterReader(path) as r:
+        decoded: list[int] = []
+        real = r._decode
+        monkeypatch.setattr(r, "_decode", lambda data, k, **kw: (decoded.append(k),
+                                                                  real(data, k, **kw))[1])
+        r.segments[False].max_bytes = max_bytes
+        for w in windows:
+            np.testing.assert_array_equal(r.read(w, fill="reflect"), padded[
+                :, w.row + 46:w.row_end + 46, w.col + 46:w.col_end + 46])
+        touched = {k for w in windows for k in r.layout.segments(
+            max(w.row, 0), min(w.row_end, 1000), max(w.col, 0), min(w.col_end, 900))}
+        if max_bytes > 1 << 20:
+            assert sorted(decoded) == sorted(touched)  # each once
+            assert r.segments[False].hits > 0
+        else:
+            assert len(decoded) > len(touched) and r.segments[False].nbytes <= max_bytes
+    assert r.segments[False].nbytes == 0  # closing frees them
+
+
 # ----- GDAL internal masks --------------------------------------------------------------
 
 rasterio = pytest.importorskip("rasterio")
