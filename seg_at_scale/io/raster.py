@@ -200,8 +200,9 @@ class RasterReader:
         """Close the file (it is reopened if the reader is used again)."""
         if self._pid == os.getpid():
             self._close_handles()
-        for cache in self.segments.values():
-            cache.clear()
+        # new caches rather than clearing the old: after a fork, another thread of the
+        # parent may have held a cache's lock at the fork, forever locked in this process
+        self.segments = {False: SegmentCache(), True: SegmentCache()}
         self._tif = self._fh = None
         self._maps = {}
 

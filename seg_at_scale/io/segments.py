@@ -78,11 +78,6 @@ class SegmentCache:
                 _, (_, n) = self._items.popitem(last=False)
                 self.nbytes -= n
 
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self.nbytes = 0
-
 
 @dataclass(frozen=True)
 class PageLayout:
