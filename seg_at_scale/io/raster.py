@@ -312,19 +312,24 @@ class RasterReader:
                 with self._lock:
                     self.bytes_read += out.nbytes
                 return out
-            self._warn_if_wasteful(layout, r0, r1, c0, c1)
+            cache = self.segments[mask] if layout.compressed else None
+            self._warn_if_wasteful(layout, r0, r1, c0, c1, cache)
             return layout.decode_box(self._read_bytes, decode, tables, r0, r1, c0, c1,
-                                     pool=decoders(),
-                                     cache=self.segments[mask] if layout.compressed else None)
+                                     pool=decoders(), cache=cache)
         except (ValueError, RuntimeError, OSError, tifffile.TiffFileError) as exc:
             raise InputError(f"cannot decode rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
                              f"{exc}. Re-copy or re-generate the file.") from exc
 
-    def _warn_if_wasteful(self, layout: PageLayout, r0: int, r1: int, c0: int, c1: int) -> None:
-        """One warning per file when a window decodes far more pixels than it holds."""
+    def _warn_if_wasteful(self, layout: PageLayout, r0: int, r1: int, c0: int, c1: int,
+                          cache: SegmentCache | None) -> None:
+        """One warning per file when every window decodes far more pixels than it holds.
+
+        Segments that fit the reader's cache are decoded once for the windows after.
+        """
         decoded = layout.decoded_pixels(r0, r1, c0, c1)
-        if (self.path in _warned or not layout.compressed or decoded < WASTE_MIN_PIXELS
-                or decoded < WASTE_RATIO * (r1 - r0) * (c1 - c0)):
+        if (self.path in _warned or cache is None or decoded < WASTE_MIN_PIXELS
+                or decoded < WASTE_RATIO * (r1 - r0) * (c1 - c0)
+                or decoded * layout.bands * layout.dtype.itemsize <= cache.max_bytes):
             return
         _warned.add(self.path)
         kind = "tiles" if layout.tiled else "strips"

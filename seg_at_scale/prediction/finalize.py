@@ -65,7 +65,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
                   "approximate: tiling.exact=false, overlapping tiles; not the whole-image "
                   "forward")
         write_cog(out_path, (1, h, w), "uint8", counted(), geotags=reader.geotags,
-                  nodata=NODATA, colormap=class_colors(len(names)), resampling="mode",
+                  nodata=NODATA, colormap=class_colors(classes), resampling="mode",
                   overwrite=True, tags=lambda: {
                       FINGERPRINT_TAG: done, TILING_TAG: tiling,
                       CLASS_PIXELS_TAG: json.dumps([int(v) for v in hist[:classes]])})

@@ -56,7 +56,15 @@ def test_huge_compressed_strip_warns_once_with_the_fix(tmp_path: Path,
     path = tmp_path / "one_strip.tif"
     tifffile.imwrite(path, array[0], rowsperstrip=4096, compression="zlib")
     raster_mod._warned.discard(path)
+    # a strip the reader's cache holds is decoded once for every window: no warning
     with caplog.at_level(logging.WARNING), RasterReader(path) as r:
+        for row in (0, 700, 2000):
+            np.testing.assert_array_equal(r.read(Window(row, 0, 100, 100))[0],
+                                          array[0, row:row + 100, :100])
+        assert r.segments[False].misses == 1
+    assert not [m for m in caplog.messages if "one_strip.tif" in m]
+    with caplog.at_level(logging.WARNING), RasterReader(path) as r:
+        r.segments[False].max_bytes = 1 << 20  # smaller than the strip: decoded per window
         assert r.layout.contiguous is None
         for row in (0, 700, 2000):
             np.testing.assert_array_equal(r.read(Window(row, 0, 100, 100))[0],
