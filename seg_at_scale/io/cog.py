@@ -28,7 +28,12 @@ from seg_at_scale.io.overviews import NODATA, ModePyramid
 from seg_at_scale.io.preview import default_palette
 from seg_at_scale.io.writer import check_output_path, temporary_path, write_raster_bands
 
-__all__ = ["write_cog", "class_colors"]
+__all__ = ["write_cog", "class_colors", "DEFLATE_LEVEL"]
+
+#: libdeflate's level for the COGs' tiles. GDAL's default, 6, took twice the time of 5 on
+#: an 8192^2 label raster (0.55 s against 0.31 s on 2 cores) for a file 5 % smaller; every
+#: DEFLATE reader reads any level.
+DEFLATE_LEVEL = 5
 
 def class_colors(num_classes: int) -> dict[int, tuple[int, int, int, int]]:
     """The preview's class colours as a colour table (255, no data, is transparent)."""
@@ -41,7 +46,8 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
               bands: Iterable[np.ndarray], *, geotags: GeoTags | None = None,
               nodata: float | None = None, colormap: Mapping[int, Sequence[int]] | None = None,
               resampling: str = "mode", overwrite: bool = False, blocksize: int = 512,
-              compress: str = "DEFLATE", descriptions: Sequence[str] | None = None,
+              compress: str = "DEFLATE", level: int | None = DEFLATE_LEVEL,
+              descriptions: Sequence[str] | None = None,
               tags: Callable[[], dict[str, str]] | None = None) -> Path:
     """Write a COG from row bands ``[C, h, W]`` (top to bottom); memory: one band.
 
@@ -57,6 +63,7 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
         overwrite: replace an existing ``path``.
         blocksize: internal tile side.
         compress: GDAL compression.
+        level: its level (``DEFLATE``, ``ZSTD``, ``LERC_*``; None: GDAL's default).
         descriptions: per-band descriptions (e.g. class names of probability bands).
         tags: GDAL metadata to write, asked for once every band has been consumed (so it
             may hold what the bands taught, e.g. a class histogram).
@@ -90,7 +97,9 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
                     for k, d in enumerate(descriptions or ()):
                         ds.set_band_description(k + 1, d)
             # our mode levels when we made them (GDAL's MODE is slow), else GDAL's own
-            rasterio.shutil.copy(plain, cog, driver="COG", COMPRESS=compress,
+            extra = {} if level is None or compress.upper() in ("NONE", "LZW", "PACKBITS") \
+                else {"LEVEL": level}
+            rasterio.shutil.copy(plain, cog, driver="COG", COMPRESS=compress, **extra,
                                  BLOCKSIZE=blocksize, OVERVIEW_RESAMPLING=resampling.upper(),
                                  OVERVIEWS="FORCE_USE_EXISTING" if pyramid else "AUTO",
                                  NUM_THREADS="ALL_CPUS", BIGTIFF="IF_SAFER")
