@@ -15,8 +15,9 @@ Two comparisons, each alternated in one run so that the shared cores' drift canc
    process (``predict_scene``) and as the whole ``seg-predict`` command, against the same
    network on the same tiles already in memory (normalised, channels-last, bf16, cores
    cropped, labels made): the bare model's seconds over the file path's. This process
-   runs torch as the commands do (huge pages for its tensors, :mod:`seg_at_scale.cli`),
-   so the in-memory network is as fast here as inside ``seg-predict``.
+   runs torch as the commands do (huge pages for its tensors, :mod:`seg_at_scale.cli`,
+   and tcmalloc where installed, :mod:`seg_at_scale.cli.malloc`), so the in-memory network
+   is as fast here as inside ``seg-predict``.
 
 Each ``seg-predict`` prints its own split (read, model, write, finalize seconds); the
 medians go into the JSON with the machine's load.
@@ -36,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import seg_at_scale.cli  # noqa: F401 - before torch: huge pages for torch's tensors, as the commands run
+from seg_at_scale.cli.malloc import preload
+
+preload(command=False)  # and tcmalloc where installed: this process re-executed with it
 
 # isort: split
 import torch

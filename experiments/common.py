@@ -24,7 +24,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict[str, Any]:
-    """CPU model, cores, memory, library versions."""
+    """CPU model, cores, memory, library versions, the malloc this process runs."""
+    from seg_at_scale.cli.malloc import allocator
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -42,6 +44,7 @@ def machine() -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "allocator": allocator(),
     }
 
 

@@ -4,7 +4,7 @@
 ``experiments/bench.py <name> --quick --out <tmp>/r.json`` in a subprocess, as a person
 would, and checks the exit status and the JSON: the keys ``common.save`` writes, and at
 least one figure beyond them. A benchmark this machine cannot run (``bench_gpu`` without
-CUDA, ``bench_slurm`` without Slurm) must say ``skipped: ...`` on one line, exit 0 and
+CUDA, ``bench_slurm`` without Slurm, ``bench_allocator`` without tcmalloc) must say ``skipped: ...`` on one line, exit 0 and
 write nothing.
 """
 
@@ -39,6 +39,10 @@ def _cannot_run(name: str) -> str | None:
         import torch
 
         return None if torch.cuda.is_available() else "needs CUDA"
+    if name == "bench_allocator":
+        from seg_at_scale.cli.malloc import find_tcmalloc
+
+        return None if find_tcmalloc() else "no tcmalloc installed"
     if name == "bench_slurm":
         sys.path.insert(0, str(ROOT / "tests" / "slurm"))
         try:

@@ -1,14 +1,19 @@
 """The entry points (``seg-train``, ``seg-predict``, ``seg-export``, ``seg-synth``).
 
 Importing this package prepares the process as the commands need it, before any of them
-imports torch: transparent huge pages for torch's CPU tensors, and the configs' resolvers.
-Importing :mod:`seg_at_scale` alone changes nothing.
+imports torch: tcmalloc preloaded where installed, for a command starting
+(:mod:`seg_at_scale.cli.malloc`), transparent huge pages for torch's CPU tensors, and the
+configs' resolvers. Importing :mod:`seg_at_scale` alone changes nothing.
 """
 
 import os
 from pathlib import Path
 
-from seg_at_scale.cli.resolvers import register_resolvers
+from seg_at_scale.cli.malloc import preload
+
+preload()  # a command starting: re-executed with tcmalloc (where installed) before torch
+
+from seg_at_scale.cli.resolvers import register_resolvers  # noqa: E402
 
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

@@ -247,6 +247,7 @@ def _predict(job: PredictJob, device: torch.device, work: Any = None) -> dict[st
     import torch
 
     from seg_at_scale.cli.archive import predict_archive_job
+    from seg_at_scale.cli.malloc import allocator
     from seg_at_scale.models.loading import load_trained
     from seg_at_scale.prediction.scene import predict_scene
 
@@ -263,6 +264,7 @@ def _predict(job: PredictJob, device: torch.device, work: Any = None) -> dict[st
         res["checkpoint"] = str(trained.checkpoint)
     res["halo"] = trained.footprint.halo
     res["threads"] = torch.get_num_threads()  # per process
+    res["allocator"] = allocator()  # tcmalloc where preloaded (seg_at_scale.cli.malloc)
     if "miou" in res:
         log.info("scores:\n%s", format_iou(res, trained.class_names))
     return res

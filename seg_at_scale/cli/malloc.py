@@ -1,0 +1,153 @@
+"""tcmalloc for the commands' CPU tensors, preloaded where it is installed.
+
+glibc's ``malloc`` maps every block of 32 MiB or more afresh and unmaps it when it is freed.
+A forward on the CPU allocates its activations (hundreds of MiB for a 2048² tile) and frees
+them tile after tile, so the kernel maps and zeroes the same amount of memory again for every
+forward. On the 2-core machine this project is developed on, the demo U-Net predicting an
+8192² scene spent a third of its CPU time in the kernel, and one forward took 0.32-0.86 s.
+tcmalloc keeps freed blocks for the next forward: 1.4-1.5x faster at the same peak memory
+(``experiments/bench_allocator.py``). jemalloc, as configured by default, returns its pages
+and was no faster here.
+
+A command (``seg-train``, ``seg-predict``, ``seg-export``, ``seg-synth``, or ``python -m``
+of their modules) re-executes itself once as it starts, before it imports anything else,
+with ``LD_PRELOAD`` naming tcmalloc: the same process id, arguments and environment.
+``SEG_AT_SCALE_MALLOC`` chooses:
+
+* unset or ``auto``: tcmalloc where one is installed (Debian and Ubuntu:
+  ``apt-get install libtcmalloc-minimal4``; conda: ``gperftools``), else glibc's;
+* ``system``: glibc's;
+* a path: that library (one that does not exist is refused, naming the variable).
+
+An ``LD_PRELOAD`` the user set is left as it is, and nothing happens outside Linux. Importing
+:mod:`seg_at_scale` or :mod:`seg_at_scale.cli` from Python (a notebook, a test) changes
+nothing; :func:`preload` with ``command=False`` does it for a script (the benchmarks, which
+compare against the commands).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["preload", "preloaded_library", "allocator", "find_tcmalloc", "ENV"]
+
+ENV = "SEG_AT_SCALE_MALLOC"
+COMMAND_MODULES = frozenset({"seg_at_scale.cli.train", "seg_at_scale.cli.predict",
+                             "seg_at_scale.cli.export", "seg_at_scale.cli.synth"})
+COMMAND_SCRIPTS = frozenset({"seg-train", "seg-predict", "seg-export", "seg-synth"})
+_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so",
+          "libtcmalloc.so")
+# tcmalloc reports each allocation of 1 GiB or more on stderr unless told otherwise
+_QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 60)}
+
+
+def is_command(argv: Sequence[str]) -> bool:
+    """Whether the interpreter's arguments (``sys.orig_argv``) start one of the commands.
+
+    >>> is_command(["python", "-u", "-m", "seg_at_scale.cli.predict", "image=a.tif"])
+    True
+    >>> is_command(["/venv/bin/python", "/venv/bin/seg-train", "model=unet"])
+    True
+    >>> is_command(["python", "-c", "import seg_at_scale.cli"])
+    False
+    """
+    args = iter(argv[1:])
+    for a in args:
+        if a == "-m":
+            return next(args, "") in COMMAND_MODULES
+        if a == "-c":
+            return False
+        if a in ("-X", "-W"):
+            next(args, None)
+        elif not a.startswith("-"):
+            return Path(a).name in COMMAND_SCRIPTS
+    return False
+
+
+def _prog(argv: Sequence[str]) -> str:
+    """The command's name: ``seg-predict`` for its script or its module."""
+    for i, a in enumerate(argv[1:], 1):
+        if a == "-m" and i + 1 < len(argv):
+            return "seg-" + argv[i + 1].rsplit(".", 1)[-1]
+        if not a.startswith("-"):
+            return Path(a).name
+    return "seg-at-scale"
+
+
+def find_tcmalloc(env: Mapping[str, str] = os.environ) -> Path | None:
+    """The first tcmalloc in this environment's and the system's library folders."""
+    folders = [Path(sys.prefix) / "lib"]
+    if env.get("CONDA_PREFIX"):
+        folders.append(Path(env["CONDA_PREFIX"]) / "lib")
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    for root in ("/usr/lib", "/usr/local/lib", "/lib"):
+        if multiarch:
+            folders.append(Path(root) / str(multiarch))
+        folders.append(Path(root))
+    folders.append(Path("/usr/lib64"))
+    for folder in folders:
+        for name in _NAMES:
+            if (folder / name).is_file():
+                return folder / name
+    return None
+
+
+def preloaded_library(env: Mapping[str, str] = os.environ) -> Path | None:
+    """The library a start should preload, or None (``ENV``, the user's ``LD_PRELOAD``).
+
+    Raises:
+        ValueError: ``SEG_AT_SCALE_MALLOC`` names a file that does not exist.
+    """
+    choice = env.get(ENV, "auto").strip() or "auto"
+    if choice == "system" or env.get("LD_PRELOAD") or not sys.platform.startswith("linux"):
+        return None
+    if choice == "auto":
+        return find_tcmalloc(env)
+    path = Path(choice).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{ENV}={choice!r}: no such file; give the path of a malloc library "
+                         "(libtcmalloc_minimal.so.4), 'auto' (tcmalloc where installed) or "
+                         "'system' (glibc's)")
+    return path
+
+
+def preload(*, command: bool = True) -> None:
+    """Re-execute this process with tcmalloc preloaded, where :func:`preloaded_library` says.
+
+    ``command``: only when the process is one of the commands starting
+    (:func:`is_command`); a script passes False. Returns where nothing is to be done (or the
+    process could not be re-executed); otherwise it does not return.
+    """
+    argv = list(getattr(sys, "orig_argv", []))
+    if not argv or (command and not is_command(argv)) or "torch" in sys.modules:
+        return
+    try:
+        lib = preloaded_library()
+    except ValueError as exc:  # before any work, as the commands refuse a bad key
+        print(f"{_prog(argv)}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if lib is None:
+        return
+    env = {**_QUIET, **os.environ, "LD_PRELOAD": str(lib)}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, [sys.executable, *argv[1:]], env)
+    except OSError:  # the process goes on with glibc's malloc
+        return
+
+
+def allocator() -> str:
+    """The malloc this process runs: ``tcmalloc``, ``jemalloc``, ``mimalloc`` or ``system``."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "system"
+    for name in ("tcmalloc", "jemalloc", "mimalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "system"
