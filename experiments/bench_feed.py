@@ -36,10 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import seg_at_scale.cli  # noqa: F401 - before torch: huge pages for torch's tensors, as the commands run
-from seg_at_scale.cli.malloc import preload
-
-preload(command=False)  # and tcmalloc where installed: this process re-executed with it
+import as_commands  # noqa: F401 - before torch: huge pages and tcmalloc, as the commands run
 
 # isort: split
 import torch

@@ -4,8 +4,8 @@
 ``experiments/bench.py <name> --quick --out <tmp>/r.json`` in a subprocess, as a person
 would, and checks the exit status and the JSON: the keys ``common.save`` writes, and at
 least one figure beyond them. A benchmark this machine cannot run (``bench_gpu`` without
-CUDA, ``bench_slurm`` without Slurm, ``bench_allocator`` without tcmalloc) must say ``skipped: ...`` on one line, exit 0 and
-write nothing.
+CUDA, ``bench_slurm`` without Slurm, ``bench_allocator`` without tcmalloc) must say
+``skipped: ...`` on one line, exit 0 and write nothing.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ users make with SEG_AT_SCALE_MALLOC, and a command under it writing the same byt
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,7 @@ def test_a_missing_library_is_refused_before_any_work(cli_case, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(bool(os.environ.get("LD_PRELOAD")), reason="pytest runs with LD_PRELOAD")
 def test_this_process_is_not_re_executed_by_importing_the_commands():
     """pytest imported seg_at_scale.cli (conftest, the tests): not a command, so glibc's."""
     assert "seg_at_scale.cli" in sys.modules

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from helpers.smp import lively
 from torch import nn
 
 import seg_at_scale.tiling.staged.stages as staged
+from seg_at_scale.cli.malloc import find_tcmalloc
 from seg_at_scale.models.smp import SMPModel
 from seg_at_scale.models.smp_stage_split import smp_stages
 from seg_at_scale.tiling.staged import Chain, Stage, plan_stages, predict_staged
@@ -177,11 +179,40 @@ def test_large_tensors_are_mapped_after_glibc_would_have_raised_its_threshold():
     """After a 20 MiB tile is freed, glibc puts a 6 MiB map on the heap, where freed maps of
     other sizes fragment it; with the threshold fixed the map is mapped (and unmapped when
     freed). A fresh process: the setting lasts for the process."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # glibc's malloc
     out = subprocess.run([sys.executable, "-c", _HEAP_CHILD], capture_output=True, text=True,
-                         check=True, timeout=120).stdout.split()
+                         check=True, timeout=120, env=env).stdout.split()
     plain, was_set, fixed = int(out[0]), out[1], int(out[2])
     assert plain == 0  # the behaviour the fix is for
     assert was_set == "True" and fixed >= 6 << 20
+
+
+_TCMALLOC_CHILD = r"""
+import torch
+from seg_at_scale.cli.malloc import allocator
+from seg_at_scale.tiling.staged.heap_return import give_back_heap, large_tensors_mapped
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+t = torch.ones(64 << 20)  # 256 MiB, freed: tcmalloc keeps it for the next allocation
+del t
+kept = rss()
+gave = give_back_heap()
+print(allocator(), large_tensors_mapped(), gave, kept - rss())
+"""
+
+
+@pytest.mark.skipif(find_tcmalloc() is None,
+                    reason="no tcmalloc installed (apt-get install libtcmalloc-minimal4)")
+def test_under_tcmalloc_the_stages_freed_memory_is_returned_by_tcmalloc():
+    """The commands preload tcmalloc, where glibc's settings do nothing: between stages its
+    free pages go back to the system (a freed 256 MiB tile: RSS down by at least 200 MiB)."""
+    env = {**os.environ, "LD_PRELOAD": str(find_tcmalloc())}
+    out = subprocess.run([sys.executable, "-c", _TCMALLOC_CHILD], capture_output=True,
+                         text=True, check=True, timeout=120, env=env).stdout.split()
+    assert out[:3] == ["tcmalloc", "False", "True"]
+    assert int(out[3]) >= 200 << 20, out
 
 
 def test_staged_runs_map_large_tensors(monkeypatch):

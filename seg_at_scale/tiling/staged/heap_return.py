@@ -1,4 +1,4 @@
-"""Memory the C heap keeps after tiles are freed, given back to the system (glibc).
+"""Memory the C heap keeps after tiles are freed, given back to the system.
 
 Staged prediction allocates tiles of many shapes, stage after stage. glibc keeps freed
 heap memory for later allocations, and it moves its ``mmap`` threshold up to the largest
@@ -10,6 +10,11 @@ tiles held. Two remedies, both no-ops where the C library is not glibc (macOS, m
   mapped and returned when freed (Unet-ConvNeXt-T at 4096^2, 512 MB stage tiles: each
   stage's peak 250-300 MB lower, no slower within this machine's noise);
 * :func:`give_back_heap` trims the heap between stages (``malloc_trim``).
+
+Where tcmalloc is the process's malloc (the commands preload it,
+:mod:`seg_at_scale.cli.malloc`), glibc's settings do nothing: tcmalloc keeps freed blocks in
+its own page heap, and :func:`give_back_heap` returns them to the system
+(``MallocExtension_ReleaseFreeMemory``) instead.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["give_back_heap", "large_tensors_mapped", "MAPPED_FROM"]
 
@@ -34,14 +41,28 @@ def _libc() -> ctypes.CDLL | None:
     return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
 
 
+@functools.cache
+def _tcmalloc_release() -> Callable[[], Any] | None:
+    """Tcmalloc's ``ReleaseFreeMemory``, where tcmalloc is this process's malloc."""
+    try:
+        return getattr(ctypes.CDLL(None), "MallocExtension_ReleaseFreeMemory", None)
+    except OSError:
+        return None
+
+
 def give_back_heap() -> bool:
     """Return the freed heap to the system between stages (glibc's ``malloc_trim``).
 
     A stage's tiles are freed when it ends, but glibc keeps freed heap memory for later
     allocations; the next stage's tiles have other shapes, so the process grew by what
     earlier stages had held (Unet-ConvNeXt-T at 4096^2, 128 MB stage tiles: peak 2.24 GB,
-    1.89 GB with this after each stage, no slower). Returns whether it ran.
+    1.89 GB with this after each stage, no slower). Under tcmalloc, its free pages are
+    returned instead. Returns whether it ran.
     """
+    release = _tcmalloc_release()
+    if release is not None:
+        release()
+        return True
     libc = _libc()
     if libc is None:
         return False
@@ -54,7 +75,9 @@ def large_tensors_mapped(threshold: int = MAPPED_FROM) -> bool:
 
     Fixing the threshold also stops glibc from raising it as blocks are freed. For the
     whole process, as the environment's ``MALLOC_MMAP_THRESHOLD_`` would. Returns whether
-    it was set.
+    it was set (not under tcmalloc, whose large blocks :func:`give_back_heap` returns).
     """
+    if _tcmalloc_release() is not None:
+        return False
     libc = _libc()
     return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
