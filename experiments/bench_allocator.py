@@ -11,6 +11,9 @@ the shared cores' drift cancels:
    ``tile_size=auto``) on the synthetic 8192^2 4-band scene (256^2 zlib tiles) to a COG.
 2. ``train``: ``seg-train`` of the demo's default config for 2 epochs on the synthetic data
    (no prediction after it, CSV logger).
+3. ``staged``: ``seg-predict staged=true`` (fp32) of an smp Unet-ResNet34 (random weights)
+   on a 2048^2 scene: the path whose memory bound rests on returning freed memory between
+   stages (glibc's trim, tcmalloc's release).
 
 Per run: wall seconds, the process's user and system CPU seconds and its peak RSS (from
 ``wait4``), and for ``seg-predict`` its own split. The labels of both predictions are
@@ -60,9 +63,9 @@ def timed(cmd: list[str], kind: str, cwd: Path) -> dict[str, Any]:
     return res
 
 
-def predict_cmd(run: Path, image: Path, out: Path) -> list[str]:
+def predict_cmd(run: Path, image: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "seg_at_scale.cli.predict", f"run={run}", f"image={image}",
-            f"output={out}", "preview=false", "progress=false", "fast=true", "overwrite=true",
+            f"output={out}", "preview=false", "progress=false", *extra, "overwrite=true",
             "stac=false", f"hydra.run.dir={out.parent / 'hydra'}"]
 
 
@@ -72,6 +75,33 @@ def train_cmd(folder: Path, epochs: int, quick: bool) -> list[str]:
            f"hydra.run.dir={folder}"]
     return cmd + (["+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1"]
                   if quick else [])
+
+
+def smp_run(folder: Path) -> Path:
+    """A run folder holding an smp Unet-ResNet34 (4 bands, 5 classes, random weights)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers.prediction import write_run
+
+    from seg_at_scale.models import SMPModel
+
+    if (folder / "checkpoints" / "last.ckpt").exists():
+        return folder
+    torch.manual_seed(0)
+    net = SMPModel("Unet", "resnet34", 4, 5)
+    node = {"_target_": "seg_at_scale.models.SMPModel", "arch": "Unet", "encoder": "resnet34",
+            "in_channels": 4, "num_classes": 5}
+    data = {"bands": 4, "num_classes": 5, "class_names": None, "ignore_index": 255,
+            "nodata": None, "scale": 1 / 255, "mean": [0.5], "std": [0.25]}
+    return write_run(folder, node, net.eval(), data)
+
+
+def labels_equal(a: Path, b: Path) -> bool:
+    import rasterio
+
+    with rasterio.open(a) as x, rasterio.open(b) as y:
+        return bool((x.read() == y.read()).all())
 
 
 def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -89,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1536 px, one alternation (smoke)")
     p.add_argument("--size", type=int, default=0, help="scene side (default 8192)")
     p.add_argument("--repeats", type=int, default=0, help="alternations (default 3)")
-    p.add_argument("--skip", default="", help="comma list of parts to skip: predict,train")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: "
+                                              "predict,train,staged")
     p.add_argument("--out", default="", help="result JSON (default results/bench_allocator.json)")
     args = p.parse_args(argv)
     lib = find_tcmalloc()
@@ -107,15 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         image = synthetic_scene(DATA, size)
         run = fake_run(DATA / "demo_unet_run")
         outs = {k: work / f"{k}.tif" for k in KINDS}
-        timed(predict_cmd(run, image, outs["auto"]), "auto", work)  # layout=auto's timing
+        timed(predict_cmd(run, image, outs["auto"], "fast=true"), "auto", work)  # layout=auto
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
         for _ in range(repeats):
             for k in KINDS:
-                runs[k].append(timed(predict_cmd(run, image, outs[k]), k, work))
-        import rasterio
-
-        with rasterio.open(outs["system"]) as a, rasterio.open(outs["auto"]) as b:
-            same = bool((a.read() == b.read()).all())
+                runs[k].append(timed(predict_cmd(run, image, outs[k], "fast=true"), k, work))
+        same = labels_equal(outs["system"], outs["auto"])
         figures["predict"] = {"what": f"seg-predict, demo U-Net, fast, tile_size=auto, "
                                       f"{size}^2 zlib scene -> COG", **summary(runs),
                               "labels_equal": same}
@@ -131,6 +159,20 @@ def main(argv: list[str] | None = None) -> int:
         figures["train"] = {"what": "seg-train, the demo's default config (synthetic data, "
                                     "U-Net small), 2 epochs, no prediction after it",
                             **summary(runs)}
+        load.append(list(os.getloadavg()))
+    if "staged" not in skip:
+        side = 512 if args.quick else 2048
+        image = synthetic_scene(DATA, side)
+        run = smp_run(DATA / "unet_resnet34_run")
+        outs = {k: work / f"staged_{k}.tif" for k in KINDS}
+        runs = {k: [] for k in KINDS}
+        for _ in range(repeats):
+            for k in KINDS:
+                cmd = predict_cmd(run, image, outs[k], "staged=true", "fast=false")
+                runs[k].append(timed(cmd, k, work))
+        figures["staged"] = {"what": f"seg-predict staged=true fp32, smp Unet-ResNet34, "
+                                     f"{side}^2 zlib scene -> COG", **summary(runs),
+                             "labels_equal": labels_equal(outs["system"], outs["auto"])}
         load.append(list(os.getloadavg()))
     figures["load_avg"] = load
     save("bench_allocator", figures, Path(args.out) if args.out else None)
