@@ -170,15 +170,17 @@ def random_feature_init(net: nn.Module) -> nn.Module:
     return net
 
 
-def fake_run(folder: Path, levels: int = 4, base_width: int = 16) -> Path:
-    """A run folder as seg-train leaves it, holding a U-Net with random weights.
+def fake_run(folder: Path, levels: int = 4, base_width: int = 16,
+             node: dict[str, Any] | None = None) -> Path:
+    """A run folder as seg-train leaves it, holding a network with random weights.
 
     The default is the demo's small U-Net (levels 4, base width 16); levels 3 / width 8 is
-    the tiny one. Prediction throughput is the same as a trained model's.
+    the tiny one. ``node``: another model config instead (4 bands, 5 classes), e.g. an smp
+    network's. Prediction throughput is the same as a trained model's.
     """
     import sys
 
-    from seg_at_scale.models import UNet
+    from seg_at_scale.models.registry import build_model
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from helpers.prediction import write_run
@@ -186,9 +188,10 @@ def fake_run(folder: Path, levels: int = 4, base_width: int = 16) -> Path:
     if (folder / "checkpoints" / "last.ckpt").exists():
         return folder
     torch.manual_seed(0)
-    net = UNet(4, 5, levels=levels, convs_per_level=2, base_width=base_width, padding="same")
-    node = {"_target_": "seg_at_scale.models.UNet", "in_channels": 4, "num_classes": 5,
-            "levels": levels, "convs_per_level": 2, "base_width": base_width, "padding": "same"}
+    node = node or {"_target_": "seg_at_scale.models.UNet", "levels": levels,
+                    "convs_per_level": 2, "base_width": base_width, "padding": "same"}
+    node = {**node, "in_channels": 4, "num_classes": 5}
+    net = build_model(node, where="fake_run").eval()
     data = {"bands": 4, "num_classes": 5, "class_names": None, "ignore_index": 255,
             "nodata": None, "scale": 1 / 255, "mean": [0.5], "std": [0.25]}
     return write_run(folder, node, net, data)

@@ -46,6 +46,24 @@ _NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.s
 _QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 60)}
 
 
+def _started(argv: Sequence[str]) -> tuple[str, str] | None:
+    """What the interpreter runs: ``("module", name)``, ``("script", path)`` or None.
+
+    None for ``-c`` and an interactive interpreter.
+    """
+    args = iter(argv[1:])
+    for a in args:
+        if a == "-m":
+            return "module", next(args, "")
+        if a == "-c":
+            return None
+        if a in ("-X", "-W"):
+            next(args, None)
+        elif not a.startswith("-"):
+            return "script", a
+    return None
+
+
 def is_command(argv: Sequence[str]) -> bool:
     """Whether the interpreter's arguments (``sys.orig_argv``) start one of the commands.
 
@@ -56,27 +74,21 @@ def is_command(argv: Sequence[str]) -> bool:
     >>> is_command(["python", "-c", "import seg_at_scale.cli"])
     False
     """
-    args = iter(argv[1:])
-    for a in args:
-        if a == "-m":
-            return next(args, "") in COMMAND_MODULES
-        if a == "-c":
-            return False
-        if a in ("-X", "-W"):
-            next(args, None)
-        elif not a.startswith("-"):
-            return Path(a).name in COMMAND_SCRIPTS
-    return False
+    started = _started(argv)
+    if started is None:
+        return False
+    kind, name = started
+    return name in COMMAND_MODULES if kind == "module" else Path(name).name in COMMAND_SCRIPTS
 
 
 def _prog(argv: Sequence[str]) -> str:
-    """The command's name: ``seg-predict`` for its script or its module."""
-    for i, a in enumerate(argv[1:], 1):
-        if a == "-m" and i + 1 < len(argv):
-            return "seg-" + argv[i + 1].rsplit(".", 1)[-1]
-        if not a.startswith("-"):
-            return Path(a).name
-    return "seg-at-scale"
+    """The command's name: ``seg-predict`` for its script or its module.
+
+    >>> _prog(["python", "-X", "dev", "-m", "seg_at_scale.cli.predict"])
+    'seg-predict'
+    """
+    kind, name = _started(argv) or ("script", "seg-at-scale")
+    return "seg-" + name.rsplit(".", 1)[-1] if kind == "module" else Path(name).name
 
 
 def find_tcmalloc(env: Mapping[str, str] = os.environ) -> Path | None:
