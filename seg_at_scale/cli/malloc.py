@@ -12,7 +12,9 @@ configured by default, returns its pages and was no faster here.
 
 A command (``seg-train``, ``seg-predict``, ``seg-export``, ``seg-synth``, or ``python -m``
 of their modules) re-executes itself once as it starts, before it imports anything else,
-with ``LD_PRELOAD`` naming tcmalloc: the same process id, arguments and environment.
+with ``LD_PRELOAD`` naming tcmalloc: the same process id, arguments and environment. What
+the command starts inherits it: its ranks, and the Slurm jobs it submits (``sbatch`` passes
+the environment on by default).
 ``SEG_AT_SCALE_MALLOC`` chooses:
 
 * unset or ``auto``: tcmalloc where one is installed (Debian and Ubuntu:

@@ -35,6 +35,7 @@ from seg_at_scale.cli.data_setup import (
     run_preflight,
     synthesize,
 )
+from seg_at_scale.cli.malloc import allocator
 from seg_at_scale.cli.pretrained import run_footprint, use_weights_normalization
 from seg_at_scale.cli.runs import RunFolder, global_rank, run_lock
 from seg_at_scale.config_check import check_types, known_keys, resolved
@@ -326,7 +327,8 @@ def _train(cfg: DictConfig, folder: Path) -> float | None:
         return None
     metric = trainer.callback_metrics.get("val/miou")
     summary: dict[str, Any] = {"run": str(run.path), "val/miou": float(metric)
-                               if metric is not None else None, "computed": computed}
+                               if metric is not None else None, "computed": computed,
+                               "allocator": allocator()}  # tcmalloc where preloaded
     saver = trainer.checkpoint_callback  # ModelCheckpoint (conf/callbacks), or None
     best = saver.best_model_path if isinstance(saver, ModelCheckpoint) else ""
     if best:

@@ -4,6 +4,7 @@ sweep cancelled (``scancel`` of its jobs, Ctrl+C of the sweeper) and run again t
 from __future__ import annotations
 
 import csv
+import json
 import re
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from seg_at_scale.cli.malloc import find_tcmalloc
 from seg_at_scale.sweeps.report import collect_trials
 from seg_at_scale.sweeps.study import INTERRUPTED
 
@@ -104,6 +106,9 @@ def test_a_cancelled_slurm_sweep_resumes_and_reports_every_trial(
     for r in rows[2:]:
         own = _miou_history(folder / r["job"])
         assert len(own) == 2 and float(r["objective"]) == pytest.approx(max(own), rel=1e-6)
+        # the command's tcmalloc reached its jobs (sbatch exports the environment)
+        summary = json.loads((folder / r["job"] / "summary.json").read_text())
+        assert summary["allocator"] == ("tcmalloc" if find_tcmalloc() else "system")
     report = collect_trials(folder)
     command = (folder / "best_command.txt").read_text()
     assert command.startswith("seg-train ") and "hparams_search" not in command
