@@ -322,8 +322,7 @@ def _lock_scenes(scenes: Sequence[ArchiveScene], held: contextlib.ExitStack,
 
     A scene a one-scene run is writing is refused on every rank (``on_error=skip``: as a
     ``skipped`` record), and a one-scene run of a claimed scene is refused at its lock
-    (:func:`~.lock.archive_claim`): the two never write one scene at once (was: both wrote
-    the scene's store, and one found tiles missing).
+    (:func:`~.lock.archive_claim`): the two never write one scene at once.
     """
     from seg_at_scale.prediction.lock import archive_claim
 

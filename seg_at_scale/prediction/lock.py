@@ -7,9 +7,8 @@ file is removed when the run ends; a killed run's stays, empty and unlocked, and
 run takes it.
 
 Every writer of a scene's output goes through this module, a one-scene run and an archive
-alike, so the two never write one scene at once (was: the archive held only its folder's
-lock, and a one-scene run of one of its scenes wrote the same store; one of the two found
-tiles missing):
+alike, so the two never write one scene at once (both would write the scene's store, and
+one of them would find tiles missing):
 
 * a one-scene run holds its output's lock (:func:`scene_lock`, from before its first tile
   until its preview, polygons and STAC Item are written) and, once it holds it, is refused
