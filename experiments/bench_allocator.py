@@ -3,9 +3,11 @@
     .venv/bin/python experiments/bench_allocator.py            # 8192^2 scene, 3 alternations
     .venv/bin/python experiments/bench_allocator.py --quick    # 1536^2, 1 alternation (smoke)
 
-The same command line is started with ``SEG_AT_SCALE_MALLOC=system`` (glibc) and with the
-default (tcmalloc preloaded where installed, :mod:`seg_at_scale.cli.malloc`), alternated so
-the shared cores' drift cancels:
+The same command line is started with ``SEG_AT_SCALE_MALLOC=system`` (glibc, with huge
+pages for torch's tensors), with the default (tcmalloc preloaded where installed,
+:mod:`seg_at_scale.cli.malloc`, without huge pages) and with tcmalloc and huge pages
+(``auto_thp``: ``THP_MEM_ALLOC_ENABLE=1``, the choice the default does not make), alternated
+so the shared cores' drift cancels:
 
 1. ``predict``: ``seg-predict`` of the demo U-Net (levels 4, width 16, random weights, fast,
    ``tile_size=auto``) on the synthetic 8192^2 4-band scene (256^2 zlib tiles) to a COG.
@@ -18,6 +20,8 @@ the shared cores' drift cancels:
 Per run: wall seconds, the process's user and system CPU seconds and its peak RSS (from
 ``wait4``), and for ``seg-predict`` its own split. The labels of both predictions are
 compared (the allocator must not change a bit). Skipped where no tcmalloc is installed.
+``speedup_wall`` is glibc's seconds over the default's, ``thp_cost`` tcmalloc with huge
+pages over the default (above 1: the default, without them, is faster).
 """
 
 from __future__ import annotations
@@ -38,12 +42,15 @@ from common import fake_run, save, synthetic_scene
 from seg_at_scale.cli.malloc import ENV, find_tcmalloc
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bench" / "allocator"
-KINDS = ("system", "auto")
+KINDS = ("system", "auto", "auto_thp")
 
 
 def timed(cmd: list[str], kind: str, cwd: Path) -> dict[str, Any]:
-    """Run ``cmd`` with ``SEG_AT_SCALE_MALLOC=kind``: wall, CPU, peak RSS, its JSON."""
-    env = {**os.environ, "CI": "true", ENV: kind}
+    """Run ``cmd`` as ``kind`` (above): wall, CPU, peak RSS, its JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    env.update({"CI": "true", ENV: "system" if kind == "system" else "auto"})
+    if kind == "auto_thp":
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     logs = cwd / f"{kind}.out", cwd / f"{kind}.err"
     with open(logs[0], "w") as out_f, open(logs[1], "w") as err_f:
         t0 = time.perf_counter()
@@ -85,12 +92,14 @@ def labels_equal(a: Path, b: Path) -> bool:
 
 
 def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Medians of each allocator and glibc's over tcmalloc's (above 1: tcmalloc faster)."""
+    """Medians of each kind, glibc's over the default's (above 1: the default faster) and
+    tcmalloc with huge pages over the default."""
     med = {k: {f: statistics.median(r[f] for r in rs) for f in rs[0]
                if isinstance(rs[0][f], (int, float))} for k, rs in runs.items()}
-    sysm, tcm = med["system"], med["auto"]
+    sysm, tcm, thp = med["system"], med["auto"], med["auto_thp"]
     return {"median": med, "speedup_wall": round(sysm["wall_s"] / tcm["wall_s"], 3),
-            "peak_rss_ratio": round(tcm["peak_rss_mib"] / sysm["peak_rss_mib"], 3), "runs": runs}
+            "peak_rss_ratio": round(tcm["peak_rss_mib"] / sysm["peak_rss_mib"], 3),
+            "thp_cost": round(thp["wall_s"] / tcm["wall_s"], 3), "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(repeats):
             for k in KINDS:
                 runs[k].append(timed(predict_cmd(run, image, outs[k], "fast=true"), k, work))
-        same = labels_equal(outs["system"], outs["auto"])
+        same = all(labels_equal(outs["system"], outs[k]) for k in KINDS[1:])
         figures["predict"] = {"what": f"seg-predict, demo U-Net, fast, tile_size=auto, "
                                       f"{size}^2 zlib scene -> COG", **summary(runs),
                               "labels_equal": same}
@@ -152,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[k].append(timed(cmd, k, work))
         figures["staged"] = {"what": f"seg-predict staged=true fp32, smp Unet-ResNet34, "
                                      f"{side}^2 zlib scene -> COG", **summary(runs),
-                             "labels_equal": labels_equal(outs["system"], outs["auto"])}
+                             "labels_equal": all(labels_equal(outs["system"], outs[k])
+                                                 for k in KINDS[1:])}
         load.append(list(os.getloadavg()))
     figures["load_avg"] = load
     save("bench_allocator", figures, Path(args.out) if args.out else None)
