@@ -15,9 +15,9 @@ Two comparisons, each alternated in one run so that the shared cores' drift canc
    process (``predict_scene``) and as the whole ``seg-predict`` command, against the same
    network on the same tiles already in memory (normalised, channels-last, bf16, cores
    cropped, labels made): the bare model's seconds over the file path's. This process
-   runs torch as the commands do (huge pages for its tensors, :mod:`seg_at_scale.cli`,
-   and tcmalloc where installed, :mod:`seg_at_scale.cli.malloc`), so the in-memory network
-   is as fast here as inside ``seg-predict``.
+   runs torch as the commands do (tcmalloc where installed, :mod:`seg_at_scale.cli.malloc`,
+   and huge pages for its tensors under glibc's malloc, :mod:`seg_at_scale.cli`), so the
+   in-memory network is as fast here as inside ``seg-predict``.
 
 Each ``seg-predict`` prints its own split (read, model, write, finalize seconds); the
 medians go into the JSON with the machine's load.
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import as_commands  # noqa: F401 - before torch: huge pages and tcmalloc, as the commands run
+import as_commands  # noqa: F401 - before torch: tcmalloc (or huge pages), as the commands run
 
 # isort: split
 import torch
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         figures["bare"] = {
             "what": "the demo U-Net (fast, tile_size=auto) on the scene: predict_scene in "
                     "process (file -> COG) and seg-predict (whole command) vs the same "
-                    "network on the same tiles in memory (huge pages in both, as the "
-                    "commands run), alternated; ratios of the fastest",
+                    "network on the same tiles in memory (the commands' malloc and huge "
+                    "pages in both), alternated; ratios of the fastest",
             "tile_size": options.tile_size, "tiles": len(grid), "bare_s": bares,
             "library_s": library, "command": command,
             "library_over_bare": round(bare_s / min(library), 3),
