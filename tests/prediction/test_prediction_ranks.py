@@ -3,6 +3,7 @@ run OpenMP, give the one-process output, and stop together on SIGTERM, resumably
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -84,7 +85,16 @@ def test_a_stopped_launcher_stops_every_rank_and_the_rerun_completes(cli_case, c
         time.sleep(0.01)
     ranks = psutil.Process(proc.pid).children()
     assert len(ranks) == 2
+    # the ranks held still while the launcher takes the signal, so that it lands mid-run on a
+    # loaded machine too (408 tiles take the ranks about a second); a rank that went on
+    # after the stop would finish them once resumed, and the rerun below would find no work
+    for r in ranks:
+        r.suspend()
     proc.send_signal(sig)
+    time.sleep(0.3)
+    for r in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            r.resume()
     proc.wait(60)
     assert proc.returncode == (143 if sig == signal.SIGTERM else -9) and not out.exists()
     if sig == signal.SIGTERM:
