@@ -6,9 +6,9 @@ them tile after tile, so the kernel maps and zeroes the same amount of memory ag
 forward: on the 2-core machine this project is developed on, the demo U-Net's bf16 forward
 of one 1736² tile took 0.32-1.0 s under glibc and a steady 0.28 s under tcmalloc, which
 keeps freed blocks for the next forward. ``experiments/bench_allocator.py`` (8192² scene,
-alternated, two runs): ``seg-predict`` 1.26-1.35x faster (system time 5.5 → 1.8 s), staged
-1.27x, ``seg-train`` 1.18-1.23x, peak memory -12 % to +6 %, the same labels. jemalloc, as
-configured by default, returns its pages and was no faster here.
+alternated, three runs): ``seg-predict`` 1.26-1.37x faster (system time 5.9 → 0.9 s), staged
+1.27-1.30x, ``seg-train`` 1.18-1.23x, peak memory -14 % to +6 %, the same labels. jemalloc,
+as configured by default, returns its pages and was no faster here.
 
 A command (``seg-train``, ``seg-predict``, ``seg-export``, ``seg-synth``, or ``python -m``
 of their modules) re-executes itself once as it starts, before it imports anything else,
