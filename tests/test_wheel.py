@@ -33,7 +33,7 @@ def test_wheel_installs_and_trains_from_an_empty_folder(tmp_path: Path) -> None:
     src = tmp_path / "src"  # a copy: building leaves build/ and *.egg-info behind
     shutil.copytree(ROOT / "seg_at_scale", src / "seg_at_scale",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
        "-w", tmp_path / "dist", src)
@@ -41,6 +41,9 @@ def test_wheel_installs_and_trains_from_an_empty_folder(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "seg_at_scale/conf/train.yaml" in names
     assert "seg_at_scale/conf/experiment/unet2015.yaml" in names
+    meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA")))
+    assert b"License-Expression: Apache-2.0" in meta.splitlines()  # SPDX, not a free text
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
     venv = tmp_path / "venv"  # fresh; the dependencies come from this interpreter's
     sh(sys.executable, "-m", "venv", venv)
