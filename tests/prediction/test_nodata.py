@@ -16,7 +16,7 @@ from helpers.prediction import make_model, seg_predict
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import example_geotags, read_raster, write_raster
 from seg_at_scale.prediction import PredictOptions, predict_raster
-from seg_at_scale.tiling import predict_full
+from seg_at_scale.tiling import make_grid, predict_full
 
 NORM = Normalizer(1.0, (0.5,), (0.25,))
 
@@ -98,13 +98,15 @@ def test_tiles_wholly_in_no_data_are_written_and_the_run_completes(tmp_path, one
                         nodata=0)
     invalid = (img == 0).all(0)
     model = make_model("same", levels=3, width=4)
-    opts = PredictOptions(tile_size=64, probabilities="uint8", progress=False)
+    opts = PredictOptions(tile_size=96, probabilities="uint8", progress=False)
     stats = predict_raster(model, path, tmp_path / "m.tif", opts, normalizer=NORM)
     labels = read_raster(tmp_path / "m.tif")[0]
     np.testing.assert_array_equal(labels, _reference(model, img.astype(np.float32), invalid))
     probs = read_raster(tmp_path / "m_probabilities.tif")
     assert int(probs[:, invalid].max()) == 0 and int(probs[:, ~invalid].sum(0).min()) >= 250
     assert stats.tiles_computed == stats.tiles > 20
+    cores = [t.core for t in make_grid(301, 233, model.footprint(), tile_size=96).tiles]
+    assert sum(bool(invalid[c.row : c.row_end, c.col : c.col_end].all()) for c in cores) >= 4
     # one count per class of the model, no data not counted; the same from a reused output
     # (it held 255 counts, one per byte value, through the Python API)
     counts = np.bincount(labels[~invalid], minlength=model.num_classes).tolist()

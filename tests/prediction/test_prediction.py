@@ -60,7 +60,7 @@ def test_file_prediction_equals_untiled_forward(tmp_path, padding, layout, one_t
     contiguous untiled forward; ``layout=contiguous`` gives the same labels."""
     model = make_model(padding, levels=4, width=4)
     image = make_image(tmp_path / "a.tif")
-    options = PredictOptions(tile_size=120, probabilities="float16", progress=False,
+    options = PredictOptions(tile_size=160, probabilities="float16", progress=False,
                              layout=layout)
     assert options.channels_last == (layout == "auto") and options.autocast is None
     stats = predict_raster(model, image, tmp_path / "a.zarr", options, normalizer=NORMALIZER)

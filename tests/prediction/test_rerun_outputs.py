@@ -125,7 +125,7 @@ def test_an_archive_rerun_refuses_a_users_file_at_a_scenes_companion(run, tmp_pa
 
 def _archive_cmd(run: Path, scenes: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "seg_at_scale.cli.predict", f"run={run}", "progress=false",
-            "ckpt=last", "tile_size=64", "preview=false", "stac=false", f"images={scenes}",
+            "ckpt=last", "tile_size=96", "preview=false", "stac=false", f"images={scenes}",
             f"output_dir={out}"]
 
 
@@ -152,9 +152,9 @@ def test_an_archive_and_a_one_scene_run_never_write_one_scene_at_once(run, tmp_p
     store meanwhile (and reported tiles missing), or the archive wrote the one-scene run's."""
     scenes, out = tmp_path / "scenes", tmp_path / "out"
     scenes.mkdir()
-    image = make_image(scenes / "s.tif")  # 517 x 743: many tiles of 64
+    image = make_image(scenes / "s.tif")  # 517 x 743: 150 tiles of 96
     output = out / "s.tif"
-    single = predict_cmd(run, image, output, "ckpt=last", "tile_size=64", "preview=false",
+    single = predict_cmd(run, image, output, "ckpt=last", "tile_size=96", "preview=false",
                          "stac=false")
     archive = _archive_cmd(run, scenes, out)
     proc = _stopped_mid_scene(archive if first == "archive" else single, out / ".s.tif.zarr")
