@@ -193,21 +193,29 @@ def untiled_limit(args: argparse.Namespace, known: dict[str, Any]) -> dict[str, 
     px = np.array([r["side"] ** 2 for r in runs], float)
     mem = np.array([r["peak_rss_mib"] for r in runs])
     b, a = np.polyfit(px, mem, 1)
-    side = int(math.sqrt((LIMIT_MIB - a) / b))
+    side = side_at_limit(a, b)
     out: dict[str, Any] = {
         "runs": [{k: r[k] for k in ("side", "peak_rss_mib", "step_s")} for r in runs],
         "fit_mib": {"a": round(a, 1), "b_bytes_per_pixel": round(b * 2**20, 1)},
         "side_at_16gib_extrapolated": side}
     avail = psutil.virtual_memory().available / 2**20
-    if args.confirm and LIMIT_MIB + 2048 < avail:
+    if side is not None and args.confirm and LIMIT_MIB + 2048 < avail:
         s = side // 16 * 16
         print(f"  confirming untiled at {s} (predicted {a + b * s * s:.0f} MiB)")
         r = run(s, {}, 0)
         out["confirm"] = {k: r.get(k) for k in ("side", "peak_rss_mib", "step_s", "error")}
     else:
-        out["confirm"] = (f"skipped: --confirm not given or {avail:.0f} MiB available < "
-                          f"{LIMIT_MIB + 2048} MiB needed")
+        out["confirm"] = (f"skipped: --confirm not given, no side to confirm, or {avail:.0f} "
+                          f"MiB available < {LIMIT_MIB + 2048} MiB needed")
     return out
+
+
+def side_at_limit(a: float, b: float) -> int | None:
+    """The side whose fitted peak ``a + b * side**2`` (MiB) reaches :data:`LIMIT_MIB`, or
+    None where the peak did not grow with the side over the sides measured (a tiled run's
+    peak is flat by design; the quick run's small sides give noise): nothing to extrapolate.
+    """
+    return int(math.sqrt((LIMIT_MIB - a) / b)) if b > 0 and LIMIT_MIB > a else None
 
 
 def tiled_limit(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,7 +233,7 @@ def tiled_limit(args: argparse.Namespace) -> dict[str, Any]:
                                     "step_increment_mib", "step_s", "tiles", "efficiency")}
                  for r in runs],
         "fit_mib": {"a": round(a, 1), "b_bytes_per_pixel": round(b * 2**20, 1)},
-        "side_at_16gib_extrapolated": int(math.sqrt((LIMIT_MIB - a) / b)),
+        "side_at_16gib_extrapolated": side_at_limit(a, b),
         "held_bytes_per_pixel_expected": held,
         "side_at_16gib_if_image_uint8_in_ram": int(math.sqrt((LIMIT_MIB - a) * 2**20 / 5)),
         "note": TILED_NOTE,

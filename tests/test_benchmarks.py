@@ -91,3 +91,18 @@ def test_quick_run_writes_the_schema(name: str, tmp_path: Path) -> None:
     assert isinstance(doc["machine"], dict) and doc["machine"]["cores"]
     assert len(doc["loadavg_at_save"]) == 3
     assert set(doc) - set(SCHEMA), "no figures beyond the schema"
+
+
+def test_a_memory_extrapolation_needs_a_peak_that_grows_with_the_side() -> None:
+    """bench_train_step fits peak = a + b * side^2 and solves it at 16 GiB. A tiled run's peak
+    is flat by design, and the quick run's small sides once gave a falling fit (885 MiB at
+    384, 888 at 256): ``sqrt`` of a negative ended the smoke run. Nothing is extrapolated."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from bench_train_step import LIMIT_MIB, side_at_limit
+    finally:
+        sys.path.pop(0)
+    assert side_at_limit(900.0, -3e-5) is None and side_at_limit(900.0, 0.0) is None
+    assert side_at_limit(LIMIT_MIB + 1.0, 1e-3) is None  # already past the limit
+    side = side_at_limit(700.0, 2e-4)
+    assert side is not None and 700.0 + 2e-4 * side**2 <= LIMIT_MIB < 700.0 + 2e-4 * (side + 1) ** 2
