@@ -213,7 +213,8 @@ def untiled_limit(args: argparse.Namespace, known: dict[str, Any]) -> dict[str, 
 def side_at_limit(a: float, b: float) -> int | None:
     """The side whose fitted peak ``a + b * side**2`` (MiB) reaches :data:`LIMIT_MIB`, or
     None where the peak did not grow with the side over the sides measured (a tiled run's
-    peak is flat by design; the quick run's small sides give noise): nothing to extrapolate.
+    peak is flat by design; the quick run's small sides give noise) or is past the limit
+    already: nothing to extrapolate.
     """
     return int(math.sqrt((LIMIT_MIB - a) / b)) if b > 0 and LIMIT_MIB > a else None
 
