@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -17,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from seg_at_scale.errors import ConfigError, SegAtScaleError, disk_full
 
 __all__ = ["disk_full", "format_iou", "save_run_config", "reports_errors", "class_names_of",
-           "USER_ERROR_EXIT"]  # and RUN_CONFIG, read on first use (__getattr__)
+           "USER_ERROR_EXIT", "long_lived"]  # and RUN_CONFIG, read on first use (__getattr__)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,40 @@ def __getattr__(name: str) -> str:
 
         return RUN_CONFIG
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_FROZEN: list[bool] = []  # long_lived() has frozen this process's objects
+
+
+@contextlib.contextmanager
+def long_lived() -> Iterator[None]:
+    """Import the network stack as the long-lived objects it is: a command's start, once.
+
+    Importing torch and Lightning makes about 900,000 objects that live as long as the
+    process. Python's cyclic collector would scan them all in every full collection, during
+    the import (seven of them) and during the run, and a DataLoader worker or a rank forked
+    from the command would copy every page they lie on by writing the collector's marks.
+    Inside this block the collector is off; at its end every object made so far is moved
+    out of its reach (``gc.freeze``) and it is switched back on. A tiny ``seg-train`` ran
+    1.45x faster on 2 cores (``experiments/bench_startup.py``), ``seg-predict`` of a 1024^2
+    scene 1.23x. The import's own cyclic garbage (about 14,000 small objects) stays.
+
+    Only the commands use it (never a library call, which would freeze a caller's objects),
+    and only once per process: a sweep's later trials in the same process freeze nothing.
+    A collector the user switched off stays off.
+    """
+    if _FROZEN:
+        yield
+        return
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        _FROZEN.append(True)
+        if enabled:
+            gc.enable()
 
 
 def _own_error(exc: BaseException) -> SegAtScaleError | None:

@@ -46,7 +46,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from seg_at_scale.cli.common import USER_ERROR_EXIT, disk_full, format_iou, reports_errors
+from seg_at_scale.cli.common import (
+    USER_ERROR_EXIT,
+    disk_full,
+    format_iou,
+    long_lived,
+    reports_errors,
+)
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError, SegAtScaleError
 from seg_at_scale.parallel.environment import launcher, plain_environment
@@ -477,6 +483,9 @@ def _main(cfg: DictConfig) -> None:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         with _claim_output(cfg):
+            with long_lived():  # the network stack, once the output is claimed
+                from seg_at_scale.cli import archive  # noqa: F401
+                from seg_at_scale.models import loading  # noqa: F401
             res = run_prediction(cfg, fork=True)
     except KeyboardInterrupt as exc:
         what = "SIGTERM" if isinstance(exc, Stopped) else "Ctrl-C"

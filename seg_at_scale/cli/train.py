@@ -26,7 +26,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from seg_at_scale.cli.common import reports_errors
+from seg_at_scale.cli.common import long_lived, reports_errors
 from seg_at_scale.errors import ConfigError
 
 __all__ = ["main", "check_model_bands", "check_hub_weights", "CONFIG_DIR"]
@@ -85,7 +85,8 @@ def main(cfg: DictConfig) -> float | None:
     """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
     check_model_bands(cfg)  # before any work: nothing written, nothing built
     check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
-    from seg_at_scale.cli import training  # Lightning and the network stack: now
+    with long_lived():
+        from seg_at_scale.cli import training  # Lightning and the network stack: now
 
     return training.run(cfg)
 

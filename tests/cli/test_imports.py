@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -19,3 +20,74 @@ def test_seg_predict_starts_without_the_libraries_only_polygons_or_compiling_nee
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-2:] == ["[]", "False"], out.stdout
+
+
+BLOCK = """
+import gc
+from seg_at_scale.cli.common import long_lived
+{before}
+with long_lived():
+    import torch
+frozen = gc.get_freeze_count()
+class Cycle:
+    pass
+made = Cycle()
+made.me = made
+with long_lived():  # a second command in this process (a sweep's next trial)
+    later = Cycle()
+    later.me = later
+del made, later
+print(frozen, gc.get_freeze_count(), gc.isenabled(), gc.collect())
+"""
+
+
+def _block(before: str = "") -> list[str]:
+    out = subprocess.run([sys.executable, "-c", BLOCK.format(before=before)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
+
+
+def test_the_stack_leaves_the_collector_once_and_what_the_run_makes_stays_in_it():
+    """torch's objects are frozen by the first block; the second freezes nothing, so the
+    cycles made after the first are collected, not kept for the process's life."""
+    frozen, again, enabled, collected = _block()
+    assert int(frozen) > 100_000  # torch's modules, classes and functions
+    assert again == frozen
+    assert enabled == "True"
+    assert int(collected) >= 2
+
+
+def test_a_collector_the_user_switched_off_stays_off():
+    frozen, _, enabled, _ = _block("gc.disable()")
+    assert int(frozen) > 100_000
+    assert enabled == "False"
+
+
+COMMAND = """
+import gc, sys
+from seg_at_scale.cli.{module} import main
+sys.argv = {argv!r}
+try:
+    main()
+except SystemExit as exc:
+    print("exit", exc.code)
+print(gc.get_freeze_count(), gc.isenabled())
+"""
+
+
+def test_both_commands_import_the_stack_as_long_lived_objects(tmp_path):
+    """``seg-train`` and ``seg-predict`` refused after the network stack's import (an unknown
+    ``predict.`` key, a missing run): its objects left the collector, which runs again."""
+    cases = {"train": ["seg-train", f"hydra.run.dir={tmp_path / 'run'}", "+predict.colour=red"],
+             "predict": ["seg-predict", f"run={tmp_path / 'no_run'}",
+                         f"image={tmp_path / 'a.tif'}", f"output={tmp_path / 'a_mask.tif'}"]}
+    for module, argv in cases.items():
+        out = subprocess.run([sys.executable, "-c", COMMAND.format(module=module, argv=argv)],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "SEG_DATA_DIR": str(tmp_path / "data")})
+        lines = out.stdout.strip().splitlines()
+        assert lines[-2] == "exit 2", (module, out.stdout[-1000:], out.stderr[-2000:])
+        frozen, enabled = lines[-1].split()
+        assert int(frozen) > 100_000, module
+        assert enabled == "True", module
