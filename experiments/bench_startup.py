@@ -16,9 +16,11 @@ processes, alternated so that the shared cores' drift cancels:
 3. ``predict``: ``seg-predict`` of the demo U-Net (random weights) on a 1024^2 scene to a
    COG; the labels of both arms are compared (must be equal).
 
-Per run: wall seconds, user and system CPU seconds and peak RSS of the process and the
-children it waited for (``wait4``). ``speedup_wall`` is the baseline's median seconds over
-the default's.
+Both arms run under tcmalloc where it is installed (``LD_PRELOAD``), as the commands
+re-execute themselves (:mod:`seg_at_scale.cli.malloc`; the wrapper, a ``python -c``, is not
+re-executed). Per run: wall seconds, user and system CPU seconds and peak RSS of the
+process and the children it waited for (``wait4``). ``speedup_wall`` is the baseline's
+median seconds over the default's.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from common import fake_run, save, synthetic_scene
+
+from seg_at_scale.cli.malloc import find_tcmalloc
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "bench" / "startup"
 ARMS = ("stock_gc", "long_lived")
@@ -55,6 +59,9 @@ TINY = ["model=unet_tiny", "trainer=fast", "logger=csv", "data.synthetic.height=
 def timed(arm: str, module: str, args: list[str], cwd: Path) -> dict[str, float]:
     """One fresh run of ``module`` as ``arm``: wall, CPU and peak RSS (``wait4``)."""
     env = {**os.environ, "CI": "true", "SEG_DATA_DIR": str(DATA / "data")}
+    lib = find_tcmalloc()
+    if lib is not None and not env.get("LD_PRELOAD"):
+        env["LD_PRELOAD"] = str(lib)  # as the commands run (seg_at_scale.cli.malloc)
     cmd = [sys.executable, "-c", WRAPPER, arm, module, *args]
     with open(cwd / f"{arm}.log", "w") as log:
         t0 = time.perf_counter()
@@ -102,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     load = [list(os.getloadavg())]
-    figures: dict[str, Any] = {"repeats": repeats}
+    lib = find_tcmalloc()
+    figures: dict[str, Any] = {"repeats": repeats, "tcmalloc": str(lib) if lib else None}
 
     def train(arm: str, extra: list[str]) -> dict[str, float]:
         folder = work / f"train_{arm}"
