@@ -46,7 +46,11 @@ WARM_MODULES = ("seg_at_scale.cli.train", "seg_at_scale.cli.predict", "seg_at_sc
 _PRELOAD = ("numpy", "torch", "pytorch_lightning", "hydra", "omegaconf",
             "seg_at_scale.cli.train", "seg_at_scale.cli.training", "seg_at_scale.cli.predict",
             "seg_at_scale.cli.synth",
-            "seg_at_scale.prediction.raster", "seg_at_scale.prediction.archive")
+            "seg_at_scale.prediction.raster", "seg_at_scale.prediction.archive",
+            # what a tiny run imports after those: the training task, the sweeps' record,
+            # the COG's and the reader's codecs
+            "seg_at_scale.tasks.segmentation", "seg_at_scale.sweeps.record", "rasterio.shutil",
+            "rasterio.warp", "imagecodecs")
 # the settings tests/conftest.py passes on to every subprocess, given an environment or not
 PASSED_ON = ("OMP_WAIT_POLICY", "SEG_AT_SCALE_CACHE")
 _SERVER: list[Any] = []  # (Popen of the server, socket path)
@@ -258,6 +262,9 @@ def _serve(path: str) -> None:
     gc.disable()  # as the commands import it (seg_at_scale.cli.common.long_lived)
     for name in _PRELOAD:
         importlib.import_module(name)
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # Hydra's scan of its plugins, which every command's start makes
     gc.freeze()  # a child's collections neither scan nor copy the server's objects
     gc.enable()
     parent = os.getppid()
