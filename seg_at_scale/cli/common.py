@@ -54,7 +54,8 @@ def long_lived() -> Iterator[None]:
     Inside this block the collector is off; at its end every object made so far is moved
     out of its reach (``gc.freeze``) and it is switched back on. A tiny ``seg-train`` ran
     1.47x faster on 2 cores (``experiments/bench_startup.py``), a demo epoch 1.09x,
-    ``seg-predict`` of a 1024^2 scene 1.12x. The import's own cyclic garbage (about 14,000 small objects) stays.
+    ``seg-predict`` of a 1024^2 scene 1.12x. The import's own cyclic garbage (about 14,000
+    small objects) stays.
 
     Only the commands use it (never a library call, which would freeze a caller's objects),
     and only once per process: a sweep's later trials in the same process freeze nothing.
