@@ -31,13 +31,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from common import fake_run, save, synthetic_scene
+from common import fake_run, labels_equal, run_measured, save, synthetic_scene
 
 from seg_at_scale.cli.malloc import ENV, find_tcmalloc
 
@@ -51,19 +49,8 @@ def timed(cmd: list[str], kind: str, cwd: Path) -> dict[str, Any]:
     env.update({"CI": "true", ENV: "system" if kind == "system" else "auto"})
     if kind == "auto_thp":
         env["THP_MEM_ALLOC_ENABLE"] = "1"
-    logs = cwd / f"{kind}.out", cwd / f"{kind}.err"
-    with open(logs[0], "w") as out_f, open(logs[1], "w") as err_f:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out_f, stderr=err_f)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own CPU and peak RSS
-        wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-    out, err = logs[0].read_text(), logs[1].read_text()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[2]} failed ({kind}): {err[-2000:]}")
-    res: dict[str, Any] = {"wall_s": round(wall, 2), "user_s": round(usage.ru_utime, 2),
-                           "sys_s": round(usage.ru_stime, 2),
-                           "peak_rss_mib": round(usage.ru_maxrss / 1024)}
+    res: dict[str, Any]
+    res, out = run_measured(cmd, cwd, env, kind)
     if "{" in out:
         got = json.loads(out[out.index("{"):])
         res.update({k: got[k] for k in ("model_s", "finalize_s", "allocator") if k in got})
@@ -82,13 +69,6 @@ def train_cmd(folder: Path, epochs: int, quick: bool) -> list[str]:
            f"hydra.run.dir={folder}"]
     return cmd + (["+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1"]
                   if quick else [])
-
-
-def labels_equal(a: Path, b: Path) -> bool:
-    import rasterio
-
-    with rasterio.open(a) as x, rasterio.open(b) as y:
-        return bool((x.read() == y.read()).all())
 
 
 def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

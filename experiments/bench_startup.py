@@ -29,13 +29,11 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from common import fake_run, save, synthetic_scene
+from common import fake_run, labels_equal, run_measured, save, synthetic_scene
 
 from seg_at_scale.cli.malloc import find_tcmalloc
 
@@ -62,17 +60,7 @@ def timed(arm: str, module: str, args: list[str], cwd: Path) -> dict[str, float]
     lib = find_tcmalloc()
     if lib is not None and not env.get("LD_PRELOAD"):
         env["LD_PRELOAD"] = str(lib)  # as the commands run (seg_at_scale.cli.malloc)
-    cmd = [sys.executable, "-c", WRAPPER, arm, module, *args]
-    with open(cwd / f"{arm}.log", "w") as log:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-    if proc.returncode != 0:
-        raise RuntimeError(f"{module} ({arm}) failed: {(cwd / f'{arm}.log').read_text()[-2000:]}")
-    return {"wall_s": round(wall, 2), "user_s": round(usage.ru_utime, 2),
-            "sys_s": round(usage.ru_stime, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024)}
+    return run_measured([sys.executable, "-c", WRAPPER, arm, module, *args], cwd, env, arm)[0]
 
 
 def summary(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
@@ -89,13 +77,6 @@ def alternate(repeats: int, one: Any) -> dict[str, list[dict[str, float]]]:
         for arm in ARMS:
             runs[arm].append(one(arm))
     return runs
-
-
-def labels_equal(a: Path, b: Path) -> bool:
-    import rasterio
-
-    with rasterio.open(a) as x, rasterio.open(b) as y:
-        return bool((x.read() == y.read()).all())
 
 
 def main(argv: list[str] | None = None) -> int:

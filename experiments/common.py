@@ -146,6 +146,36 @@ def run_isolated(fn: Callable[..., Any], *args: Any, poll_s: float = 0.01) -> di
             "wall_s": time.perf_counter() - t0}
 
 
+def run_measured(cmd: list[str], cwd: Path, env: dict[str, str], name: str
+                 ) -> tuple[dict[str, float], str]:
+    """Run ``cmd`` as a process of its own, output into ``cwd/<name>.out`` and ``.err``: its
+    wall seconds, user and system CPU seconds and peak RSS (``wait4``: the process and the
+    children it waited for), and its standard output. Raises on a non-zero exit."""
+    import subprocess
+
+    logs = cwd / f"{name}.out", cwd / f"{name}.err"
+    with open(logs[0], "w") as out_f, open(logs[1], "w") as err_f:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out_f, stderr=err_f)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])} ({name}) failed: "
+                           f"{logs[1].read_text()[-2000:]}")
+    return {"wall_s": round(wall, 2), "user_s": round(usage.ru_utime, 2),
+            "sys_s": round(usage.ru_stime, 2),
+            "peak_rss_mib": round(usage.ru_maxrss / 1024)}, logs[0].read_text()
+
+
+def labels_equal(a: Path, b: Path) -> bool:
+    """Whether two label rasters hold the same values."""
+    import rasterio
+
+    with rasterio.open(a) as x, rasterio.open(b) as y:
+        return bool((x.read() == y.read()).all())
+
+
 def peak_rss_self_mib() -> float:
     """This process's peak resident set size so far (Linux ``ru_maxrss``), MiB."""
     import resource
