@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ("hydra-core", "omegaconf", "segmentation-models-pytorch", "albumentations",
           "albucore", "stringzilla", "simsimd", "pydantic", "pydantic-core", "annotated-types",
           "typing-inspection", "rasterio", "affine", "click-plugins", "cligj", "shapely",
-          "zarr", "numcodecs", "donfig", "google-crc32c", "monai")  # and pystac's packages
+          "zarr", "numcodecs", "donfig", "google-crc32c", "monai",
+          "blake3")  # and pystac's packages
 SOURCE_ONLY = ("antlr4-python3-runtime", "fairscale")  # sdists: built into wheels here
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64",

@@ -29,7 +29,7 @@ from seg_at_scale.models.fold import fold_batchnorm
 from seg_at_scale.prediction.checks import rewritten_by_resume, store_path
 from seg_at_scale.prediction.finalize import cog_outputs
 from seg_at_scale.prediction.options import PredictOptions, default_batch_size, output_kind
-from seg_at_scale.prediction.provenance import digest, file_sha256, finished
+from seg_at_scale.prediction.provenance import digest, file_blake3, file_sha256, finished
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, make_grid
 from seg_at_scale.tiling.auto_tile import auto_side
@@ -174,13 +174,22 @@ def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footp
 
 
 def input_id(path: Path) -> str:
-    """What the fingerprint knows the input by: ``sha256:<hex>`` of its bytes.
+    """What the fingerprint knows the input by: ``blake3:<hex>`` of its bytes.
 
-    Read whole at disk speed (SHA-256 runs at about 1 GB/s per core), once per run: the
-    content, not the path, size or mtime, decides whether a finished output or a store is
-    this prediction's.
+    Read whole at disk speed, hashed on every core (:func:`~.provenance.file_blake3`), once
+    per run: the content, not the path, size or mtime, decides whether a finished output or
+    a store is this prediction's.
     """
-    return file_sha256(path)
+    return file_blake3(path)
+
+
+def _with_sha256_input(plan: RasterPlan) -> dict[str, Any]:
+    """The plan's fingerprint with the input named by SHA-256, as before BLAKE3 named it.
+
+    An output finished or a store begun then by this same prediction is still recognised
+    (the input is hashed again only when the BLAKE3 fingerprint does not match).
+    """
+    return {**plan.fingerprint, "input": file_sha256(plan.image)}
 
 
 def reusable(plan: RasterPlan, overwrite: bool) -> list[int] | None:
@@ -191,7 +200,7 @@ def reusable(plan: RasterPlan, overwrite: bool) -> list[int] | None:
     state = finished(plan.output)
     if state is None or overwrite:
         return None
-    if state[0] != digest(plan.fingerprint):
+    if state[0] != digest(plan.fingerprint) and state[0] != digest(_with_sha256_input(plan)):
         raise OutputExistsError(f"output '{plan.output}' was made by another prediction "
                                 "(another model, input, tiling or options); pass "
                                 "overwrite=true to replace it, or choose another path")
@@ -215,10 +224,24 @@ def open_store(plan: RasterPlan, options: PredictOptions) -> PredictionStore:
         resume = False  # overwrite=true on a finished store: start afresh
     attrs = {"class_names": plan.names, "nodata": NODATA, "source": str(plan.image),
              **_georeference(plan.image)}
-    return PredictionStore.open(plan.working, plan.grid, fingerprint=plan.fingerprint,
+    fingerprint = plan.fingerprint
+    if resume and str(_begun_input(plan.working)).startswith("sha256:"):
+        fingerprint = _with_sha256_input(plan)  # a store begun before blake3 named inputs
+    return PredictionStore.open(plan.working, plan.grid, fingerprint=fingerprint,
                                 num_classes=plan.num_classes,
                                 probabilities=options.probabilities, attrs=attrs,
                                 resume=resume)
+
+
+def _begun_input(working: Path) -> Any:
+    """The input's name in the fingerprint of a store at ``working``, if there is one."""
+    if not (working / "zarr.json").is_file():
+        return None
+    try:
+        fingerprint = PredictionStore.attach(working).group.attrs.get("fingerprint")
+    except OutputExistsError:
+        return None  # not a prediction store: PredictionStore.open refuses it
+    return fingerprint.get("input") if isinstance(fingerprint, dict) else None
 
 
 def _georeference(path: Path) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 __all__ = ["digest", "finished", "FINGERPRINT_TAG", "CLASS_PIXELS_TAG", "TILING_TAG",
-           "file_sha256", "written_by", "mark_png", "mark_item", "vector_record",
+           "file_sha256", "file_blake3", "written_by", "mark_png", "mark_item", "vector_record",
            "WRITTEN_KEY"]
 
 FINGERPRINT_TAG = "SEG_AT_SCALE_FINGERPRINT"
@@ -86,6 +86,29 @@ def file_sha256(path: Path) -> str:
     """``sha256:<hex>`` of a file's bytes, streamed (about 1 GB/s with SHA extensions)."""
     with open(path, "rb") as f:
         return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+
+
+#: bytes read per BLAKE3 update: large enough for every core to hash a share of it
+_BLAKE3_CHUNK = 16 * 2**20
+
+
+def file_blake3(path: Path) -> str:
+    """``blake3:<hex>`` of a file's bytes, hashed on every core (BLAKE3's tree mode).
+
+    What a prediction's fingerprint names its input by: an 8192^2 4-band scene (230 MB)
+    hashes in 0.04 s on 2 cores and 0.16 s by SHA-256, which is one core's work however
+    many the machine has. Read in chunks rather than memory-mapped: a file truncated
+    while it is hashed raises an error instead of killing the process (SIGBUS).
+    """
+    import blake3
+
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    buf = bytearray(_BLAKE3_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return "blake3:" + h.hexdigest()
 
 
 def _sha256(data: bytes) -> str:

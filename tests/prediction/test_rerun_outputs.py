@@ -250,3 +250,82 @@ def test_an_archive_rerun_over_a_replaced_scene_does_not_reuse_it(run, tmp_path)
     _ok(seg_predict_here(f"run={run}", f"image={image}", f"output={alone}", *OPTS,
                          "preview=false", "stac=false"))
     assert (out / "s.tif").read_bytes() == alone.read_bytes()
+
+
+# -- 4. the input's hash: BLAKE3, outputs named by SHA-256 before still recognised ----------
+
+def test_the_input_is_named_by_the_blake3_of_its_bytes_read_in_chunks(net, tmp_path):
+    """The fingerprint's ``input`` is BLAKE3 of the whole file; a file of several read
+    chunks (not a multiple of one) hashes as its bytes do in one piece."""
+    import blake3
+
+    from seg_at_scale.prediction import provenance
+
+    big = tmp_path / "big.bin"
+    big.write_bytes(np.random.default_rng(3).bytes(2 * provenance._BLAKE3_CHUNK + 4099))
+    assert provenance.file_blake3(big) == "blake3:" + blake3.blake3(big.read_bytes()).hexdigest()
+    image, out = _same_size_image(tmp_path / "scene.tif", 1), tmp_path / "a.zarr"
+    _predict(net, image, out)
+    import zarr
+
+    fingerprint = zarr.open_group(out, mode="r").attrs["fingerprint"]
+    assert fingerprint["input"] == "blake3:" + blake3.blake3(image.read_bytes()).hexdigest()
+
+
+def _as_before_blake3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Predict as builds before BLAKE3 did: the input named by the SHA-256 of its bytes."""
+    from seg_at_scale.prediction import plan, provenance
+
+    monkeypatch.setattr(plan, "input_id", provenance.file_sha256)
+
+
+def test_an_output_finished_when_sha256_named_inputs_is_still_recognised(
+        net, tmp_path, monkeypatch):
+    """Rerunning the command over an output an earlier build finished keeps it (no tile
+    computed, the same bytes) instead of refusing it as another prediction's; the same
+    output over replaced pixels is still refused."""
+    image, out = _same_size_image(tmp_path / "scene.tif", 1), tmp_path / "a.tif"
+    with monkeypatch.context() as m:
+        _as_before_blake3(m)
+        _predict(net, image, out)
+    before = out.read_bytes()
+    stats = predict_raster(net, image, out, PredictOptions(tile_size=64, progress=False),
+                           normalizer=Normalizer(NORM["scale"], NORM["mean"], NORM["std"]))
+    assert stats.reused and stats.tiles_computed == 0 and out.read_bytes() == before
+    _replace_keeping_mtime(image, 2)
+    with pytest.raises(OutputExistsError, match="was made by another prediction"):
+        _predict(net, image, out)
+
+
+def test_a_store_begun_when_sha256_named_inputs_resumes_to_the_same_labels(
+        net, tmp_path, monkeypatch):
+    """A store an earlier build left (killed mid-way) resumes: its finished tiles are kept
+    and the labels equal a fresh prediction's; over replaced pixels it is refused."""
+    import zarr
+
+    image = _same_size_image(tmp_path / "scene.tif", 1)
+    fresh = _predict(net, image, tmp_path / "fresh.zarr")
+
+    def killed_store(out: Path) -> int:
+        with monkeypatch.context() as m:
+            _as_before_blake3(m)
+            _predict(net, image, out)
+        group = zarr.open_group(out, mode="r+")  # what a run killed mid-way leaves
+        group.attrs["complete"] = False
+        assert group.attrs["fingerprint"]["input"].startswith("sha256:")
+        chunks = sorted(p for p in (out / "labels" / "c").rglob("*") if p.is_file())
+        for p in chunks[: len(chunks) // 3]:
+            p.unlink()
+        return len(chunks) - len(chunks) // 3
+
+    out = tmp_path / "a.zarr"
+    kept = killed_store(out)
+    stats = predict_raster(net, image, out, PredictOptions(tile_size=64, progress=False),
+                           normalizer=Normalizer(NORM["scale"], NORM["mean"], NORM["std"]))
+    assert stats.tiles_resumed == kept > 0 and stats.tiles_computed > 0
+    np.testing.assert_array_equal(zarr.open_group(out, mode="r")["labels"][:], fresh)
+    other = tmp_path / "b.zarr"
+    killed_store(other)
+    _replace_keeping_mtime(image, 2)
+    with pytest.raises(OutputExistsError, match=r"differs in: input"):
+        _predict(net, image, other)
