@@ -45,11 +45,11 @@ from seg_at_scale.prediction.layout_choice import with_layout
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.plan import (
     RasterPlan,
-    input_id,
     model_digest,
     open_store,
     plan_raster,
     prediction_network,
+    readable_input_id,
     reusable,
 )
 from seg_at_scale.prediction.progress import progress_bar
@@ -429,14 +429,8 @@ def _input_hashes(scenes: Sequence[ArchiveScene]) -> dict[int, str]:
     every rank.
     """
     rank, world = rank_world()
-    mine: dict[int, str] = {}
-    for i, s in enumerate(scenes):
-        if i % world == rank:
-            try:
-                mine[i] = input_id(s.image)
-            except OSError:
-                pass
-    return _everyone(mine)
+    mine = {i: readable_input_id(s.image) for i, s in enumerate(scenes) if i % world == rank}
+    return _everyone({i: h for i, h in mine.items() if h is not None})
 
 
 def _in_order(units: list[tuple[int, Any]]) -> list[int]:

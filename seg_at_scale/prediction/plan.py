@@ -37,7 +37,7 @@ from seg_at_scale.tiling.engine import Batch, plan_batches
 from seg_at_scale.tiling.tile_sides import legal_side
 
 __all__ = ["RasterPlan", "plan_raster", "model_digest", "prediction_network", "reusable",
-           "open_store", "input_id", "with_tile"]
+           "open_store", "input_id", "readable_input_id", "with_tile"]
 
 
 def model_digest(model: nn.Module) -> str:
@@ -181,6 +181,18 @@ def input_id(path: Path) -> str:
     a store is this prediction's.
     """
     return file_blake3(path)
+
+
+def readable_input_id(path: Path) -> str | None:
+    """:func:`input_id`, or None for a file that cannot be read.
+
+    :func:`plan_raster` then refuses that file on every rank, naming it. Hashed by one
+    rank and given to the others: every rank hashing the whole input was work done N times.
+    """
+    try:
+        return input_id(path)
+    except OSError:
+        return None
 
 
 def _with_sha256_input(plan: RasterPlan) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from seg_at_scale.prediction.plan import (
     open_store,
     plan_raster,
     prediction_network,
+    readable_input_id,
     reusable,
     with_tile,
 )
@@ -156,7 +157,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     o = scene_tile(o, model, fp, image, world)
     plan = plan_raster(image, out_path, o, fp=fp, normalizer=norm,
                        names=_names(model, image, fp, class_names), weights=model_digest(model),
-                       device=device, exact=exact)
+                       device=device, exact=exact,
+                       input_hash=on_rank0(lambda: readable_input_id(Path(image))))
     model = prediction_network(model, o, plan.reader.bands, fp)  # BatchNorm folded
     stages = check_staged(model, o, world) if o.staged else None  # or refused, before work
     grid, batches = plan.grid, plan.batches

@@ -107,3 +107,18 @@ def test_a_stopped_launcher_stops_every_rank_and_the_rerun_completes(cli_case, c
     assert res["tiles_computed"] > 0  # the ranks stopped with work left
     assert out.read_bytes() == ref.read_bytes()
     assert read_raster(out).tobytes() == read_raster(ref).tobytes()
+
+
+def test_the_input_is_hashed_by_one_rank_for_all(cli_case, tmp_path):
+    """Rank 0 hashes the input and gives its fingerprint to the other ranks (each rank
+    hashed the whole file before: work done N times)."""
+    run, image = cli_case
+    hashed = tmp_path / "hashed"
+    cmd = [sys.executable, "-m", "helpers.noted_hashes",
+           *predict_cmd(run, image, tmp_path / "mask.tif", "tile_size=96", "processes=2")[3:]]
+    proc = warm.run(cmd, capture_output=True, text=True,
+                    env={**env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                         "SEG_TEST_HASHED": str(hashed)}, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout[proc.stdout.index("{"):])["processes"] == 2
+    assert len(hashed.read_text().split()) == 1
