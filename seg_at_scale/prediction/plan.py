@@ -186,8 +186,9 @@ def input_id(path: Path) -> str:
 def readable_input_id(path: Path) -> str | None:
     """:func:`input_id`, or None for a file that cannot be read.
 
-    :func:`plan_raster` then refuses that file on every rank, naming it. Hashed by one
-    rank and given to the others: every rank hashing the whole input was work done N times.
+    :func:`plan_raster` then refuses that file on every rank, naming it. One rank hashes
+    a scene and gives the others its fingerprint, so N ranks do not each read the whole
+    input.
     """
     try:
         return input_id(path)
