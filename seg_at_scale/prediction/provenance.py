@@ -96,9 +96,10 @@ def file_blake3(path: Path) -> str:
     """``blake3:<hex>`` of a file's bytes, hashed on every core (BLAKE3's tree mode).
 
     What a prediction's fingerprint names its input by: an 8192^2 4-band scene (230 MB)
-    hashes in 0.04 s on 2 cores and 0.16 s by SHA-256, which is one core's work however
-    many the machine has. Read in chunks rather than memory-mapped: a file truncated
-    while it is hashed raises an error instead of killing the process (SIGBUS).
+    hashes in 0.06 s on 2 cores and 0.16 s by SHA-256, which is one core's work however
+    many the machine has (``experiments/bench_input_hash.py``). Read in chunks rather than
+    memory-mapped: a file truncated while it is hashed raises an error instead of killing
+    the process (SIGBUS).
     """
     import blake3
 
