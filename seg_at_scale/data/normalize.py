@@ -69,7 +69,26 @@ class Normalizer:
         if mean.shape[0] not in (1, c) or std.shape[0] not in (1, c):
             self.standardize(np.zeros((c, 1, 1), np.float32))  # the same message
         x.mul_(scale)
+        if c > 1 and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+            # channels-last puts the bands innermost: broadcast [C, 1, 1] along them is
+            # torch's slow path, rows of width * C samples against the values repeated
+            # along a row its fast one (the same operations on each sample: the same bits)
+            n, _, h, w = x.shape
+            mean, std = _along_rows(mean, std, c, w)
+            x.permute(0, 2, 3, 1).view(n * h, w * c).sub_(mean).div_(std)
+            return x
         return x.sub_(mean).div_(std)
+
+
+@functools.lru_cache(maxsize=64)
+def _along_rows(mean: Tensor, std: Tensor, bands: int, width: int) -> tuple[Tensor, Tensor]:
+    """Means and stds (``[C or 1, 1, 1]``) repeated along a channels-last row.
+
+    A row holds ``width`` pixels of ``bands`` bands each.
+    """
+    with torch.inference_mode(False):
+        return (mean.reshape(-1).expand(bands).repeat(width),
+                std.reshape(-1).expand(bands).repeat(width))
 
 
 @functools.lru_cache(maxsize=64)

@@ -282,8 +282,8 @@ class RasterReader:
                 "read inside the image or pass fill='reflect' or fill='constant'")
         rows = source_indices(window.row, window.height, self.height, fill)
         cols = source_indices(window.col, window.width, self.width, fill)
-        bands, dtype = (1, np.dtype(np.uint8)) if mask else (self.bands, self.dtype)
-        out = np.full((bands, window.height, window.width), 1 if mask else 0, dtype)
+        out = (np.ones((1, window.height, window.width), np.uint8) if mask
+               else self.layout.empty_box(window.height, window.width, 0))
         vr, vc = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)
         if vr.size == 0 or vc.size == 0:
             return out  # entirely outside, constant fill

@@ -174,7 +174,7 @@ class PageLayout:
         (the codecs release the GIL; each segment fills its own part of the box). With
         ``cache``, a segment decoded for an earlier box is taken from it.
         """
-        out = np.zeros((self.bands, r1 - r0, c1 - c0), self.dtype)
+        out = self.empty_box(r1 - r0, c1 - c0, 0)
         index = sorted(self.segments(r0, r1, c0, c1), key=lambda k: self.offsets[k])
 
         def one(k: int) -> None:
@@ -197,6 +197,19 @@ class PageLayout:
                 pass
         return out
 
+    def empty_box(self, height: int, width: int, value: int) -> np.ndarray:
+        """A box ``[C, height, width]`` filled with ``value``, laid out like the page.
+
+        An interleaved page's box is a view of ``[height, width, C]`` memory, as its
+        segments decode: placing them is a plain copy, and so is casting the box into a
+        channels-last model input. Reordering the samples to band after band and back
+        cost reading and preparing the 25 windows of an 8192² 4-band scene 0.1 CPU-s
+        more (1.57 against 1.46).
+        """
+        if self.planar or self.bands == 1:
+            return np.full((self.bands, height, width), value, self.dtype)
+        return np.moveaxis(np.full((height, width, self.bands), value, self.dtype), -1, 0)
+
     def _place(self, out: np.ndarray, seg: np.ndarray, plane: int, y: int, x: int,
                r0: int, c0: int) -> None:
         """Copy the overlap of a decoded segment ``[1, h, w, S]`` into ``out[C, h, w]``."""
@@ -218,9 +231,13 @@ class PageLayout:
         return np.memmap(path, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
 
     def map_box(self, mm: np.memmap, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
-        """``[C, r1-r0, c1-c0]`` copied from a :meth:`memmap` (native byte order)."""
-        part = mm[:, r0:r1, c0:c1] if self.planar else np.moveaxis(mm[r0:r1, c0:c1], -1, 0)
-        return np.ascontiguousarray(part, dtype=self.dtype)
+        """``[C, r1-r0, c1-c0]`` copied from a :meth:`memmap` (native byte order).
+
+        Laid out like the page, as :meth:`empty_box`.
+        """
+        if self.planar:
+            return np.ascontiguousarray(mm[:, r0:r1, c0:c1], dtype=self.dtype)
+        return np.moveaxis(np.ascontiguousarray(mm[r0:r1, c0:c1], dtype=self.dtype), -1, 0)
 
 
 def mask_page(tif: tifffile.TiffFile, height: int, width: int) -> tifffile.TiffPage | None:

@@ -332,7 +332,7 @@ def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
     for i, (tile, view) in enumerate(zip(batch.tiles, _views(batch, g, height, width, fp),
                                          strict=True)):
         raw, bad = source.load(g.to_source(view.read, height, width))
-        x = g.apply(raw if isinstance(raw, Tensor) else torch.from_numpy(np.ascontiguousarray(raw)))
+        x = g.apply(raw if isinstance(raw, Tensor) else _as_tensor(raw))
         grp = by_size.setdefault(tuple(x.shape[-2:]), _Group([], [], [], [], x.dim() == 4))
         grp.index.append(i)
         grp.raws.append(x if x.dim() == 4 else x[None])
@@ -357,6 +357,19 @@ def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
         for grp in by_size.values():
             grp.raws = [r.to(device) for r in grp.raws]
     return list(by_size.values()), invalid, event, time.perf_counter() - t0
+
+
+def _as_tensor(raw: np.ndarray) -> Tensor:
+    """``raw`` as a tensor over its memory and in its layout.
+
+    Copied (in the same layout) only where torch cannot share it: read-only, or with
+    negative strides. An interleaved file's window keeps its ``[h, w, C]`` memory, which
+    casts into a channels-last batch without reordering
+    (:meth:`seg_at_scale.io.segments.PageLayout.empty_box`).
+    """
+    if not raw.flags.writeable or any(s < 0 for s in raw.strides):
+        raw = np.array(raw, order="K")
+    return torch.from_numpy(raw)
 
 
 def _views(batch: Batch, g: D4, height: int, width: int, fp: Footprint) -> list[Tile]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tifffile
+import torch
 from helpers.io import CountingFile, make_array, write_with_gdal_mask
 
 import seg_at_scale.io.raster as raster_mod
@@ -48,6 +49,46 @@ def test_big_endian_striped_file_is_mapped_in_its_byte_order(tmp_path: Path) -> 
         assert out.dtype == np.float32 and out.dtype.isnative
     padded = np.pad(array, ((0, 0), (3, 0), (0, 10)), mode="reflect")
     np.testing.assert_array_equal(out, padded[:, 0:20, 60:80])
+
+
+@pytest.mark.parametrize("kind", ["tiled", "strips", "mapped"])
+@pytest.mark.parametrize("planar", [False, True], ids=["interleaved", "planar"])
+def test_windows_keep_the_files_band_layout(tmp_path: Path, kind: str, planar: bool) -> None:
+    """A window of an interleaved file is ``[C, h, w]`` over pixel-interleaved memory, as
+    its segments decode (placing them and casting the window into a channels-last batch
+    are then plain copies); a planar file's is band after band. Inside the image and
+    across its borders with either fill, from decoded tiles, decoded strips and a memory
+    map, the samples are the image's."""
+    from seg_at_scale.tiling.engine import _as_tensor
+
+    array = make_array((3, 101, 77), "uint16")
+    path = tmp_path / f"{kind}.tif"
+    layout = {"tiled": {"tile": (32, 32), "compression": "zlib"},
+              "strips": {"rowsperstrip": 9, "compression": "zlib"},
+              "mapped": {"rowsperstrip": 9}}[kind]
+    tifffile.imwrite(path, array if planar else np.moveaxis(array, 0, -1), photometric="rgb",
+                     planarconfig="separate" if planar else "contig", **layout)
+    padded = {fill: np.pad(array, ((0, 0), (20, 20), (20, 20)),
+                           mode="reflect" if fill == "reflect" else "constant")
+              for fill in ("reflect", "constant")}
+    with RasterReader(path) as r:
+        assert (r.layout.contiguous is not None) == (kind == "mapped")
+        for window in (Window(30, 9, 40, 50), Window(-20, -20, 60, 61), Window(70, 50, 51, 47)):
+            for fill in ("reflect", "constant"):
+                out = r.read(window, fill=fill)
+                np.testing.assert_array_equal(
+                    out, padded[fill][:, window.row + 20:window.row_end + 20,
+                                      window.col + 20:window.col_end + 20])
+                memory = out if planar else out.transpose(1, 2, 0)
+                assert memory.flags.c_contiguous, (window, fill)
+                # the engine's tensor shares the window's memory and layout
+                t = _as_tensor(out)
+                assert t.data_ptr() == out.ctypes.data and t.stride() == tuple(
+                    s // out.itemsize for s in out.strides)
+        out.flags.writeable = False  # torch cannot share it: a copy in the same layout
+        t = _as_tensor(out)
+        assert t.data_ptr() != out.ctypes.data and torch.equal(t, torch.from_numpy(out.copy()))
+        assert t.stride() == tuple(s // out.itemsize for s in out.strides)
 
 
 def test_huge_compressed_strip_warns_once_with_the_fix(tmp_path: Path,

@@ -316,32 +316,43 @@ def test_zarr_output_opens_in_xarray_with_coordinates(tmp_path, one_torch_thread
 
 
 @pytest.mark.parametrize("fill", ["constant", "reflect"])
-@pytest.mark.parametrize(("dtype", "nodata"), [("uint8", None), ("uint16", 7), ("float32", None)])
-def test_engine_inputs_are_the_bits_of_the_numpy_windows(tmp_path, fill, dtype, nodata):
+@pytest.mark.parametrize(("dtype", "nodata", "planar"), [
+    ("uint8", None, False), ("uint16", 7, False), ("float32", None, False),
+    ("uint8", None, True)])
+def test_engine_inputs_are_the_bits_of_the_numpy_windows(tmp_path, fill, dtype, nodata, planar):
     """The engine reads raw windows and normalises them with torch on the model's thread:
-    the same bits as the numpy windows of training, borders, no-data and per-band
-    statistics included, in both memory layouts."""
+    the same bits as the numpy windows of training, borders, no-data and per-band or
+    single statistics included, in both memory layouts, one window or a batch of two, from
+    interleaved and planar files."""
     from seg_at_scale.data.windows import RasterWindows
     from seg_at_scale.io import RasterReader, write_raster
     from seg_at_scale.tiling import Window
+    from seg_at_scale.tiling.engine import _as_tensor
     from seg_at_scale.tiling.geometry import inside
 
     rng = np.random.default_rng(3)
     img = (rng.random((3, 53, 71)) * (255 if dtype == "uint8" else 4000)).astype(dtype)
     img[:, 10:14, 20:30] = 7 if nodata is not None else img[:, 10:14, 20:30]
-    path = write_raster(tmp_path / "a.tif", img, tile=(16, 16), nodata=nodata)
-    norm = Normalizer(1 / 255, (0.5, 0.4, 0.3), (0.25, 0.2, 0.3))
+    path = write_raster(tmp_path / "a.tif", img, tile=(16, 16), nodata=nodata, planar=planar)
     windows = [Window(-9, -13, 40, 48), Window(30, 40, 40, 48), Window(5, 12, 20, 20),
                Window(-9, 40, 71, 40)]
-    with RasterReader(path) as reader:
-        src = RasterWindows(reader, norm, fill)
-        for w in windows:
-            want, want_bad = src.read(w)
-            raw, bad = src.load(w)
-            for cl in (False, True):
-                got = src.prepare([torch.from_numpy(raw)[None]], [inside(w, 53, 71)], cl)
-                assert got.dtype == torch.float32 and got.shape == (1, *want.shape)
-                assert got[0].numpy().tobytes() == np.ascontiguousarray(want).tobytes(), w
-            assert (bad is None) == (want_bad is None)
-            if bad is not None:
-                np.testing.assert_array_equal(bad, want_bad)
+    for norm in (Normalizer(1 / 255, (0.5, 0.4, 0.3), (0.25, 0.2, 0.3)),
+                 Normalizer(1 / 255, (0.45,), (0.27,))):
+        with RasterReader(path) as reader:
+            src = RasterWindows(reader, norm, fill)
+            wants, raws = [], []
+            for w in windows:
+                want, want_bad = src.read(w)
+                raw, bad = src.load(w)
+                wants.append(want)
+                raws.append(_as_tensor(raw)[None])
+                for cl in (False, True):
+                    got = src.prepare([raws[-1]], [inside(w, 53, 71)], cl)
+                    assert got.dtype == torch.float32 and got.shape == (1, *want.shape)
+                    assert got[0].numpy().tobytes() == np.ascontiguousarray(want).tobytes(), w
+                assert (bad is None) == (want_bad is None)
+                if bad is not None:
+                    np.testing.assert_array_equal(bad, want_bad)
+            for cl in (False, True):  # the first two windows are one size: one batch
+                got = src.prepare(raws[:2], [inside(w, 53, 71) for w in windows[:2]], cl)
+                assert got.numpy().tobytes() == np.stack(wants[:2]).tobytes()
