@@ -91,9 +91,11 @@ class RasterWindows:
     def load(self, window: Window) -> tuple[np.ndarray, np.ndarray | None]:
         """Raw samples of ``window`` (fill rule applied, no-data zeroed), no-data mask.
 
-        The engine's reader thread only reads; :meth:`prepare` does the arithmetic.
+        The engine's reader thread only reads; :meth:`prepare` does the arithmetic. A
+        pixel-interleaved file's window keeps the file's ``[h, w, C]`` memory, which casts
+        into a channels-last batch without reordering.
         """
-        return read_valid(self.reader, window, self.fill)
+        return read_valid(self.reader, window, self.fill, pixels=True)
 
     def prepare(self, raws: list[Tensor], keeps: list[tuple[slice, slice]],
                 channels_last: bool) -> Tensor:

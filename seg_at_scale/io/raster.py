@@ -236,7 +236,8 @@ class RasterReader:
 
     # -- reading -----------------------------------------------------------------------
 
-    def read(self, window: Window, *, fill: Fill | None = None) -> np.ndarray:
+    def read(self, window: Window, *, fill: Fill | None = None,
+             pixels: bool = False) -> np.ndarray:
         """Read a window of all bands.
 
         Args:
@@ -244,6 +245,9 @@ class RasterReader:
                 with ``fill``.
             fill: ``"reflect"`` (``numpy.pad`` reflect, repeated as often as needed) or
                 ``"constant"`` (zeros) for the pixels outside the image.
+            pixels: for a pixel-interleaved file, return a view of ``[h, w, C]`` memory
+                (the file's own order, for a channels-last consumer) instead of band
+                after band (:meth:`~seg_at_scale.io.segments.PageLayout.empty_box`).
 
         Returns:
             ``[C, window.height, window.width]`` in the file's dtype.
@@ -253,7 +257,7 @@ class RasterReader:
                 segment cannot be decoded.
 
         """
-        return self._read_window(window, fill, mask=False)
+        return self._read_window(window, fill, mask=False, pixels=pixels)
 
     def read_mask(self, window: Window, *, fill: Fill | None = None) -> np.ndarray | None:
         """GDAL's internal mask over a window: ``[h, w]`` bool, False where no-data.
@@ -269,13 +273,15 @@ class RasterReader:
             return None
         return self._read_window(window, fill, mask=True)[0] != 0
 
-    def _read_window(self, window: Window, fill: Fill | None, mask: bool) -> np.ndarray:
+    def _read_window(self, window: Window, fill: Fill | None, mask: bool,
+                     pixels: bool = False) -> np.ndarray:
         if window.height < 1 or window.width < 1:
             raise InputError(f"cannot read {window} from '{self.path}': the window is empty")
         inside = (window.row >= 0 and window.col >= 0 and window.row_end <= self.height
                   and window.col_end <= self.width)
         if inside:
-            return self._read_box(window.row, window.row_end, window.col, window.col_end, mask)
+            return self._read_box(window.row, window.row_end, window.col, window.col_end, mask,
+                                  pixels)
         if fill not in ("reflect", "constant"):
             raise InputError(
                 f"{window} reaches outside '{self.path}' ({self.height}x{self.width} pixels); "
@@ -283,20 +289,21 @@ class RasterReader:
         rows = source_indices(window.row, window.height, self.height, fill)
         cols = source_indices(window.col, window.width, self.width, fill)
         out = (np.ones((1, window.height, window.width), np.uint8) if mask
-               else self.layout.empty_box(window.height, window.width, 0))
+               else self.layout.empty_box(window.height, window.width, 0, pixels))
         vr, vc = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)
         if vr.size == 0 or vc.size == 0:
             return out  # entirely outside, constant fill
         r0, r1 = int(rows[vr].min()), int(rows[vr].max()) + 1
         c0, c1 = int(cols[vc].min()), int(cols[vc].max()) + 1
-        box = _take(_take(self._read_box(r0, r1, c0, c1, mask), rows[vr] - r0, 1),
+        box = _take(_take(self._read_box(r0, r1, c0, c1, mask, pixels), rows[vr] - r0, 1),
                     cols[vc] - c0, 2)
         # the pixels inside are one block of the window (constant: the rest stays 0;
         # reflect: the block is the whole window)
         out[:, vr[0] : vr[-1] + 1, vc[0] : vc[-1] + 1] = box
         return out
 
-    def _read_box(self, r0: int, r1: int, c0: int, c1: int, mask: bool = False) -> np.ndarray:
+    def _read_box(self, r0: int, r1: int, c0: int, c1: int, mask: bool = False,
+                  pixels: bool = False) -> np.ndarray:
         """``[C, r1-r0, c1-c0]`` for a box inside the image (``mask``: the mask's box)."""
         self._ensure_open()
         if mask:
@@ -308,14 +315,14 @@ class RasterReader:
             if layout.contiguous is not None:
                 if mask not in self._maps:
                     self._maps[mask] = layout.memmap(self.path)
-                out = layout.map_box(self._maps[mask], r0, r1, c0, c1)
+                out = layout.map_box(self._maps[mask], r0, r1, c0, c1, pixels)
                 with self._lock:
                     self.bytes_read += out.nbytes
                 return out
             cache = self.segments[mask] if layout.compressed else None
             self._warn_if_wasteful(layout, r0, r1, c0, c1, cache)
             return layout.decode_box(self._read_bytes, decode, tables, r0, r1, c0, c1,
-                                     pool=decoders(), cache=cache)
+                                     pool=decoders(), cache=cache, pixels=pixels)
         except (ValueError, RuntimeError, OSError, tifffile.TiffFileError) as exc:
             raise InputError(f"cannot decode rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
                              f"{exc}. Re-copy or re-generate the file.") from exc

@@ -10,7 +10,7 @@ from seg_at_scale.tiling.geometry import Fill, Window
 __all__ = ["read_valid"]
 
 
-def read_valid(reader: RasterReader, window: Window, fill: Fill
+def read_valid(reader: RasterReader, window: Window, fill: Fill, *, pixels: bool = False
                ) -> tuple[np.ndarray, np.ndarray | None]:
     """Raw window ``[C, h, w]`` with no-data samples zeroed, and its no-data mask ``[h, w]``.
 
@@ -18,9 +18,10 @@ def read_valid(reader: RasterReader, window: Window, fill: Fill
     not finite (NaN, +-Inf: whatever the nodata tag says, such a sample would poison every
     output whose receptive field holds it), or where GDAL's internal mask band marks it
     (COGs, JPEG-compressed files); the mask is None when there is none. Its samples are
-    zeroed before normalising, like the fill outside the image.
+    zeroed before normalising, like the fill outside the image. ``pixels``: as
+    :meth:`RasterReader.read`.
     """
-    raw = reader.read(window, fill=fill)
+    raw = reader.read(window, fill=fill, pixels=pixels)
     keep = reader.read_mask(window, fill=fill)  # GDAL's internal mask: False = no data
     masked = None if keep is None or keep.all() else ~keep
     bad = None
@@ -33,5 +34,8 @@ def read_valid(reader: RasterReader, window: Window, fill: Fill
     if bad is not None and bad.any():
         masked = bad if masked is None else masked | bad
     if masked is not None:
-        raw = np.where(masked, 0, raw)  # like the fill outside the image: zero, then normalised
+        # like the fill outside the image: zero, then normalised (a copy: the reader's
+        # window may be a read-only map; in the window's own memory order)
+        raw = raw.copy(order="K")
+        raw[:, masked] = 0
     return raw, masked

@@ -363,9 +363,9 @@ def _as_tensor(raw: np.ndarray) -> Tensor:
     """``raw`` as a tensor over its memory and in its layout.
 
     Copied (in the same layout) only where torch cannot share it: read-only, or with
-    negative strides. An interleaved file's window keeps its ``[h, w, C]`` memory, which
-    casts into a channels-last batch without reordering
-    (:meth:`seg_at_scale.io.segments.PageLayout.empty_box`).
+    negative strides. An interleaved file's window keeps its ``[h, w, C]`` memory
+    (:meth:`seg_at_scale.data.windows.RasterWindows.load`), which casts into a
+    channels-last batch without reordering.
     """
     if not raw.flags.writeable or any(s < 0 for s in raw.strides):
         raw = np.array(raw, order="K")

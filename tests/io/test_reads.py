@@ -53,12 +53,14 @@ def test_big_endian_striped_file_is_mapped_in_its_byte_order(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("kind", ["tiled", "strips", "mapped"])
 @pytest.mark.parametrize("planar", [False, True], ids=["interleaved", "planar"])
-def test_windows_keep_the_files_band_layout(tmp_path: Path, kind: str, planar: bool) -> None:
-    """A window of an interleaved file is ``[C, h, w]`` over pixel-interleaved memory, as
-    its segments decode (placing them and casting the window into a channels-last batch
-    are then plain copies); a planar file's is band after band. Inside the image and
-    across its borders with either fill, from decoded tiles, decoded strips and a memory
-    map, the samples are the image's."""
+def test_windows_are_band_after_band_or_in_the_files_pixel_order(tmp_path: Path, kind: str,
+                                                                 planar: bool) -> None:
+    """A window is ``[C, h, w]`` band after band in memory (numpy's per-band arithmetic
+    runs along rows), or with ``pixels=True`` over an interleaved file's ``[h, w, C]``
+    memory, as its segments decode (placing them and casting the window into a
+    channels-last batch are then plain copies). Inside the image and across its borders
+    with either fill, from decoded tiles, decoded strips and a memory map, the samples are
+    the image's."""
     from seg_at_scale.tiling.engine import _as_tensor
 
     array = make_array((3, 101, 77), "uint16")
@@ -75,10 +77,13 @@ def test_windows_keep_the_files_band_layout(tmp_path: Path, kind: str, planar: b
         assert (r.layout.contiguous is not None) == (kind == "mapped")
         for window in (Window(30, 9, 40, 50), Window(-20, -20, 60, 61), Window(70, 50, 51, 47)):
             for fill in ("reflect", "constant"):
+                want = padded[fill][:, window.row + 20:window.row_end + 20,
+                                    window.col + 20:window.col_end + 20]
                 out = r.read(window, fill=fill)
-                np.testing.assert_array_equal(
-                    out, padded[fill][:, window.row + 20:window.row_end + 20,
-                                      window.col + 20:window.col_end + 20])
+                np.testing.assert_array_equal(out, want)
+                assert out.flags.c_contiguous, (window, fill)
+                out = r.read(window, fill=fill, pixels=True)
+                np.testing.assert_array_equal(out, want)
                 memory = out if planar else out.transpose(1, 2, 0)
                 assert memory.flags.c_contiguous, (window, fill)
                 # the engine's tensor shares the window's memory and layout

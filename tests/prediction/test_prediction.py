@@ -343,7 +343,8 @@ def test_engine_inputs_are_the_bits_of_the_numpy_windows(tmp_path, fill, dtype, 
             wants, raws = [], []
             for w in windows:
                 want, want_bad = src.read(w)
-                raw, bad = src.load(w)
+                raw, bad = src.load(w)  # an interleaved file's window in its pixel order
+                assert (raw if planar else raw.transpose(1, 2, 0)).flags.c_contiguous
                 wants.append(want)
                 raws.append(_as_tensor(raw)[None])
                 for cl in (False, True):
