@@ -24,10 +24,13 @@ demo: $(STAMP)
 
 ## the fast test suite, in parallel (slow tests, and every command started fresh: `make test-all`);
 ## the modules compiled first, once: under PYTHONDONTWRITEBYTECODE each of the suite's fresh
-## processes would compile the package again (0.3 s each); a failure here stops nothing
+## processes would compile the package again (0.3 s each); a failure here stops nothing.
+## One worker per core and one more: the Slurm modules share a worker that mostly waits on
+## its cluster (tests/conftest.py), and the others keep every core busy meanwhile
+WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN) + 1 )))
 test: $(STAMP)
 	-$(PY) -m compileall -q -j 0 seg_at_scale tests experiments >/dev/null
-	$(PY) -m pytest -q -n auto --dist loadscope --no-loadscope-reorder $(ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
 
 test-all: $(STAMP)
 	SEG_TEST_COLD=1 $(PY) -m pytest -q -m "" $(ARGS)
