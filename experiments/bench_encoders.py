@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -340,30 +339,30 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or RESULTS / f"{args.name}.json"
     partial = out.with_name(f"{out.stem}_partial.json")
     torch.set_num_threads(args.threads)
-    workdir = Path(tempfile.mkdtemp(prefix="bench_encoders_"))
-    base = {"size": args.size, "tile": args.tile, "threads": args.threads,
-            "budget": args.budget, "runs": args.runs, "store": args.store,
-            "image": str(workdir / "image.tif"), "workdir": str(workdir)}
-    write_input(Path(base["image"]), args.size)
-    loads: list = [("start", os.getloadavg())]
-    t0 = time.perf_counter()
-    earlier = json.loads(args.merge.read_text()) if args.merge else {}
-    results = dict(earlier.get("models", {}))
-    loads = earlier.get("loadavg", []) + loads
-    for k, m in enumerate(args.models):
-        results[m] = bench_model(m, base, loads, contiguous=k == 0 and not results)
-        save(args.name, {"models": results, "loadavg": loads}, partial)  # a crash keeps it
-    save(args.name, {
-        "what": "smp networks: exact tiled prediction (predict_raster, file to file) vs the "
-                "untiled forward and MONAI's Gaussian sliding window, same model, same run",
-        "targets": "throughput ours/MONAI >= 1.2; peak RSS ours/MONAI <= 0.25; 0 labels off "
-                   "the untiled result; tiled >= 0.9 / E of untiled",
-        "method": __doc__.split("Setup:")[1].strip(),
-        "config": {k: v for k, v in base.items() if k not in ("image", "workdir")},
-        "wall_s": round(time.perf_counter() - t0) + earlier.get("wall_s", 0),
-        "loadavg": loads, "models": results}, out)
-    partial.unlink(missing_ok=True)
-    shutil.rmtree(workdir)
+    with tempfile.TemporaryDirectory(prefix="bench_encoders_") as name:  # removed however it ends
+        workdir = Path(name)
+        base = {"size": args.size, "tile": args.tile, "threads": args.threads,
+                "budget": args.budget, "runs": args.runs, "store": args.store,
+                "image": str(workdir / "image.tif"), "workdir": str(workdir)}
+        write_input(Path(base["image"]), args.size)
+        loads: list = [("start", os.getloadavg())]
+        t0 = time.perf_counter()
+        earlier = json.loads(args.merge.read_text()) if args.merge else {}
+        results = dict(earlier.get("models", {}))
+        loads = earlier.get("loadavg", []) + loads
+        for k, m in enumerate(args.models):
+            results[m] = bench_model(m, base, loads, contiguous=k == 0 and not results)
+            save(args.name, {"models": results, "loadavg": loads}, partial)  # a crash keeps it
+        save(args.name, {
+            "what": "smp networks: exact tiled prediction (predict_raster, file to file) vs the "
+                    "untiled forward and MONAI's Gaussian sliding window, same model, same run",
+            "targets": "throughput ours/MONAI >= 1.2; peak RSS ours/MONAI <= 0.25; 0 labels off "
+                       "the untiled result; tiled >= 0.9 / E of untiled",
+            "method": __doc__.split("Setup:")[1].strip(),
+            "config": {k: v for k, v in base.items() if k not in ("image", "workdir")},
+            "wall_s": round(time.perf_counter() - t0) + earlier.get("wall_s", 0),
+            "loadavg": loads, "models": results}, out)
+        partial.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

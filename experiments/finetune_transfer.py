@@ -130,6 +130,28 @@ def pretrain(args: argparse.Namespace, folder: Path) -> tuple[Path, float]:
     return path, curve[-1]
 
 
+def compare(args: argparse.Namespace, folder: Path, load: list[Any]
+            ) -> tuple[dict[str, list[list[float]]], float]:
+    """Pretrain on domain A (its encoder saved in ``folder``), then per seed fine-tune it on
+    domain B's few labels against the same network from scratch; mIoU curves on held-out B
+    and the pretrained network's mIoU on domain A. The load average is added per seed."""
+    weights, pre_miou = pretrain(args, folder)
+    held = domain_b(900, 16, 256)
+    curves: dict[str, list[list[float]]] = {"fine-tuned from domain A": [], "from scratch": []}
+    for seed in range(args.seeds):
+        few = domain_b(500 + seed, args.labels, 128)
+        torch.manual_seed(seed)
+        tuned = unet(4, encoder_weights=str(weights), band_map=[None, 0, 1, 2])
+        curves["fine-tuned from domain A"].append(train(
+            tuned, few, args.epochs, 4, 1e-3, freeze_bn="all", freeze_epochs=1, enc_scale=0.1,
+            evaluate=lambda m: miou(m, held), seed=seed))
+        torch.manual_seed(seed)
+        curves["from scratch"].append(train(unet(4), few, args.epochs, 4, 1e-3,
+                                            evaluate=lambda m: miou(m, held), seed=seed))
+        load.append(os.getloadavg())
+    return curves, pre_miou
+
+
 def plot(curves: dict[str, list[list[float]]], path: Path) -> None:
     import matplotlib
 
@@ -167,21 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     load = [os.getloadavg()]
-    folder = Path(tempfile.mkdtemp(prefix="finetune_transfer_"))
-    weights, pre_miou = pretrain(args, folder)
-    held = domain_b(900, 16, 256)
-    curves: dict[str, list[list[float]]] = {"fine-tuned from domain A": [], "from scratch": []}
-    for seed in range(args.seeds):
-        few = domain_b(500 + seed, args.labels, 128)
-        torch.manual_seed(seed)
-        tuned = unet(4, encoder_weights=str(weights), band_map=[None, 0, 1, 2])
-        curves["fine-tuned from domain A"].append(train(
-            tuned, few, args.epochs, 4, 1e-3, freeze_bn="all", freeze_epochs=1, enc_scale=0.1,
-            evaluate=lambda m: miou(m, held), seed=seed))
-        torch.manual_seed(seed)
-        curves["from scratch"].append(train(unet(4), few, args.epochs, 4, 1e-3,
-                                            evaluate=lambda m: miou(m, held), seed=seed))
-        load.append(os.getloadavg())
+    with tempfile.TemporaryDirectory(prefix="finetune_transfer_") as folder:
+        curves, pre_miou = compare(args, Path(folder), load)
     png = args.out.with_suffix(".png") if args.out else RESULTS / f"{args.name}.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     plot(curves, png)

@@ -6,7 +6,8 @@ would, and checks the exit status and the JSON: the keys ``common.save`` writes,
 least one figure beyond them. A benchmark this machine cannot run (``bench_gpu`` without
 CUDA, ``bench_slurm`` without Slurm, ``bench_allocator`` without tcmalloc) must say
 ``skipped: ...`` on one line, exit 0 and write nothing. ``bench_feed`` without GDAL's tools
-(``gdal-bin``, which ``.ci/run`` installs) runs its bare-model comparison alone.
+(``gdal-bin``, which ``.ci/run`` installs) runs its bare-model comparison alone. A run leaves
+nothing in its temporary folder (``TMPDIR``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,16 +71,25 @@ def test_list_names_every_benchmark_with_its_description() -> None:
 @pytest.mark.parametrize("name", _names())
 def test_quick_run_writes_the_schema(name: str, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    env = {**os.environ, "CI": "true"}
+    # the run's own temporary folder (short: sockets are made there), left as it was found
+    # but for torch's compile cache (torchinductor_<user>, kept by design)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-", dir="/tmp"))
+    env = {**os.environ, "CI": "true", "TMPDIR": str(scratch)}
     extra = []
     if name == "bench_feed" and shutil.which("gdal_translate") is None:
         extra = ["--skip", "gdal"]  # no GDAL tools (apt-get install gdal-bin): bare model only
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(BENCH), name, "--quick", "--out", str(out), *extra],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    try:
+        proc = subprocess.run([sys.executable, str(BENCH), name, "--quick", "--out", str(out),
+                               *extra], capture_output=True, text=True, timeout=600,
+                              cwd=tmp_path, env=env)
+        left = sorted(p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.perf_counter() - t0
     print(f"{name} --quick: {seconds:.1f} s")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert left == []  # its temporary files removed
     reason = _cannot_run(name)
     if reason:
         skips = [line for line in proc.stdout.splitlines() if line.startswith("skipped: ")]

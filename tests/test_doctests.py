@@ -1,12 +1,14 @@
 """The ``>>>`` examples in the docstrings are part of the documentation: keep them true.
 
 Every module of the package is discovered (none is listed by hand); a module whose
-examples are all marked ``+SKIP`` (they need files) counts as having none.
+examples are all marked ``+SKIP`` (they need files) counts as having none. An example that
+makes temporary files removes them: run in a folder of their own, nothing is left there.
 """
 
 import doctest
 import importlib
 import pkgutil
+import tempfile
 
 import pytest
 
@@ -17,9 +19,13 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(seg_at_scale.__path__, "s
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_docstring_examples(name):
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+def test_docstring_examples(name, tmp_path, monkeypatch):
+    module = importlib.import_module(name)
+    import timm  # noqa: F401 - its first import makes wandb's and torch's folders, not an example
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the examples' temporary files
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # removed by the example
 
 
 def test_discovery_finds_the_modules_with_examples():

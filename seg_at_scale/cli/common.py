@@ -94,6 +94,31 @@ def file_system(exc: BaseException) -> SegAtScaleError | None:
     return None
 
 
+class _KeptOut:
+    """A finder that refuses to import the named modules (see :func:`keep_out`)."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name in self.names:
+            raise ModuleNotFoundError(
+                f"this command does not import '{name}' (it logs nothing there); a library "
+                "that only uses it when installed goes on without it", name=name)
+
+
+def keep_out(*names: str) -> None:
+    """Refuse, from now on in this process, to import ``names`` (top-level modules).
+
+    For a command that never uses a module a library imports whenever it is installed:
+    timm imports wandb (``timm.utils.summary``), which takes 0.6-1 s and makes two
+    temporary folders that only the interpreter's teardown removes, and
+    :func:`exit_now` skips that teardown. Such a library's ``import`` is in a ``try``: it
+    goes on without the module. Already imported, a module stays.
+    """
+    sys.meta_path.insert(0, _KeptOut(frozenset(n for n in names if n not in sys.modules)))
+
+
 def exit_now(main: Callable[[], Any]) -> None:
     """Run a console entry point's ``main``, then end the process without the teardown.
 

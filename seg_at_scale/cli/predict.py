@@ -560,9 +560,13 @@ def main() -> None:
 
 
 def entry() -> None:
-    """``seg-predict`` as a command: :func:`main`, then the process ends at once."""
-    from seg_at_scale.cli.common import exit_now
+    """``seg-predict`` as a command: :func:`main`, then the process ends at once.
 
+    Without wandb, which it never uses: timm (any smp or timm model) would import it.
+    """
+    from seg_at_scale.cli.common import exit_now, keep_out
+
+    keep_out("wandb")
     exit_now(main)
 
 

@@ -16,7 +16,8 @@ The manifest is written last (:func:`save`, atomically), so it only ever describ
 complete folder.
 
 >>> import tempfile
->>> root = Path(tempfile.mkdtemp())
+>>> tmp = tempfile.TemporaryDirectory()
+>>> root = Path(tmp.name)
 >>> reuse(root, "demo", {"seed": 1}, overwrite=False)
 False
 >>> _ = save(root, "demo", {"seed": 1})
@@ -26,6 +27,7 @@ True
 Traceback (most recent call last):
 ...
 seg_at_scale.errors.InputError: demo: ... other parameters (seed: 1 there, 2 asked); ...
+>>> tmp.cleanup()
 """
 
 from __future__ import annotations

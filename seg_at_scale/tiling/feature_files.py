@@ -15,6 +15,7 @@ drop). A short read or write (the disk full) raises ``OSError`` naming the file.
 True
 >>> m.close(); (d / "m.bin").exists()
 False
+>>> d.rmdir()
 """
 
 from __future__ import annotations

@@ -22,6 +22,36 @@ def test_seg_predict_starts_without_the_libraries_only_polygons_or_compiling_nee
     assert out.stdout.strip().splitlines()[-2:] == ["[]", "False"], out.stdout
 
 
+KEPT_OUT = """
+import os, sys
+import seg_at_scale.cli.common as common
+
+def loading(main):  # in place of the command's run: what loading an smp or timm model imports
+    import timm
+    print('wandb' in sys.modules, sorted(p for p in os.listdir(os.environ['TMPDIR'])
+                                         if 'wandb' in p))
+    os._exit(0)
+
+common.exit_now = loading
+from seg_at_scale.cli.predict import entry
+entry()
+"""
+
+
+def test_seg_predict_keeps_wandb_out_which_timm_imports_and_its_exit_would_leave_behind(
+        tmp_path):
+    """timm imports wandb when installed: 0.6-1 s of every smp or timm model's prediction,
+    and two folders in the temporary folder that ``seg-predict``'s immediate exit (no
+    interpreter teardown) left behind, one pair per run. The command refuses the import;
+    timm goes on without it."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = subprocess.run([sys.executable, "-c", KEPT_OUT], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "TMPDIR": str(scratch)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "[]"], out.stdout
+
+
 BLOCK = """
 import gc
 from seg_at_scale.cli.common import long_lived
