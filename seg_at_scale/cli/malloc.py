@@ -25,7 +25,8 @@ the environment on by default).
 An ``LD_PRELOAD`` the user set is left as it is, and nothing happens outside Linux. Importing
 :mod:`seg_at_scale` or :mod:`seg_at_scale.cli` from Python (a notebook, a test) changes
 nothing; :func:`preload` with ``command=False`` does it for a script (the benchmarks, which
-compare against the commands).
+compare against the commands), and :func:`run_under` starts another program under it (``make
+test`` runs the test suite so, as the commands run).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import sys
 import sysconfig
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
-__all__ = ["preload", "preloaded_library", "allocator", "find_tcmalloc", "ENV"]
+__all__ = ["preload", "run_under", "preloaded_library", "allocator", "find_tcmalloc", "ENV"]
 
 ENV = "SEG_AT_SCALE_MALLOC"
 COMMAND_MODULES = frozenset({"seg_at_scale.cli.train", "seg_at_scale.cli.predict",
@@ -147,13 +149,36 @@ def preload(*, command: bool = True) -> None:
         raise SystemExit(2) from None
     if lib is None:
         return
-    env = {**_QUIET, **os.environ, "LD_PRELOAD": str(lib)}
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, [sys.executable, *argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, *argv[1:]], _preloading(lib))
     except OSError:  # the process goes on with glibc's malloc
         return
+
+
+def _preloading(lib: Path) -> dict[str, str]:
+    """This environment with ``lib`` preloaded (and tcmalloc's large-allocation reports off)."""
+    return {**_QUIET, **os.environ, "LD_PRELOAD": str(lib)}
+
+
+def run_under(cmd: Sequence[str]) -> NoReturn:
+    """Replace this process by ``cmd`` under the malloc a command would preload.
+
+    ``cmd`` is a program (looked up on ``PATH``) and its arguments; the library is
+    :func:`preloaded_library`'s: the same choice, the same refusal of a missing library
+    (exit status 2). ``make test`` runs the suite so, as the commands run.
+    """
+    if not cmd:
+        raise ValueError("run_under: no program to run")
+    try:
+        lib = preloaded_library()
+    except ValueError as exc:
+        print(f"{cmd[0]}: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(cmd[0], list(cmd), os.environ if lib is None else _preloading(lib))
 
 
 def allocator() -> str:

@@ -14,7 +14,6 @@ from helpers.prediction import env, predict_cmd
 
 from seg_at_scale.cli.malloc import (
     ENV,
-    allocator,
     find_tcmalloc,
     is_command,
     preloaded_library,
@@ -66,11 +65,45 @@ def test_a_missing_library_is_refused_before_any_work(cli_case, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(bool(os.environ.get("LD_PRELOAD")), reason="pytest runs with LD_PRELOAD")
-def test_this_process_is_not_re_executed_by_importing_the_commands():
-    """pytest imported seg_at_scale.cli (conftest, the tests): not a command, so glibc's."""
-    assert "seg_at_scale.cli" in sys.modules
-    assert allocator() == "system"
+def _glibc_env(**more: str) -> dict[str, str]:
+    """This environment without a preload (``make test`` runs the suite under tcmalloc)."""
+    return {**{k: v for k, v in os.environ.items()
+               if k not in ("LD_PRELOAD", ENV) and not k.startswith("TCMALLOC_")}, **more}
+
+
+def test_a_script_is_not_re_executed_by_importing_the_commands():
+    """A Python script (a notebook, pytest) that imports seg_at_scale.cli: not a command, so
+    glibc's malloc, in the same process."""
+    code = ("import os, sys; pid = os.getpid(); import seg_at_scale.cli; "
+            "from seg_at_scale.cli.malloc import allocator; "
+            "print(allocator(), os.getpid() == pid, 'LD_PRELOAD' in os.environ)")
+    out = subprocess.run([sys.executable, "-c", code], env=_glibc_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert (out.returncode, out.stdout.split()) == (0, ["system", "True", "False"]), out.stderr
+
+
+@pytest.mark.skipif(find_tcmalloc() is None,
+                    reason="no tcmalloc installed (apt-get install libtcmalloc-minimal4)")
+def test_run_under_starts_a_program_under_the_commands_malloc_as_the_user_chooses(tmp_path):
+    """``make test`` runs pytest so: tcmalloc by default, glibc's when the user says
+    ``system``, a missing library refused in one line before the program starts."""
+    probe = ("from seg_at_scale.cli.malloc import allocator; import os; "
+             "print(allocator(), os.environ.get('TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD'))")
+    launch = "import sys; from seg_at_scale.cli.malloc import run_under; run_under(sys.argv[1:])"
+
+    def under(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", launch, sys.executable, "-c", probe],
+                              env=_glibc_env(**env), capture_output=True, text=True,
+                              timeout=60)
+
+    assert under().stdout.split() == ["tcmalloc", str(1 << 60)]  # its large-allocation
+    assert under(**{ENV: "system"}).stdout.split() == ["system", "None"]  # reports off
+    refused = under(**{ENV: str(tmp_path / "libnope.so")})
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr.strip() == (
+        f"{sys.executable}: error: {ENV}='{tmp_path}/libnope.so': no such file; give the "
+        "path of a malloc library (libtcmalloc_minimal.so.4), 'auto' (tcmalloc where "
+        "installed) or 'system' (glibc's)")
 
 
 @pytest.mark.skipif(find_tcmalloc() is None,
