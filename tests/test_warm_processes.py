@@ -24,19 +24,26 @@ def _env(**extra: str) -> dict[str, str]:
             "HOME": "/nowhere", **extra}
 
 
-@pytest.mark.parametrize("threads", ["1", None])
-def test_a_warm_process_sees_what_a_fresh_one_sees(tmp_path, monkeypatch, threads):
+@pytest.mark.parametrize(("threads", "limits"), [
+    ("1", {}), (None, {}),
+    # a full disk and few open files (the fault tests' limits), no bytecode written
+    (None, {"RLIMIT_FSIZE": (50_000, 50_000), "RLIMIT_NOFILE": (40, 40)})])
+def test_a_warm_process_sees_what_a_fresh_one_sees(tmp_path, monkeypatch, threads, limits):
     monkeypatch.delenv("SEG_TEST_COLD", raising=False)
-    env = _env(**({"OMP_NUM_THREADS": threads} if threads else {}))
+    env = _env(**({"OMP_NUM_THREADS": threads} if threads else {}),
+               **({"PYTHONDONTWRITEBYTECODE": "1"} if limits else {}))
     args = ["3", "a b", "key=value"]
     fresh = subprocess.run([*PROBE, *args], capture_output=True, text=True, env=env,
-                           cwd=tmp_path, timeout=120)
+                           cwd=tmp_path, timeout=120,
+                           preexec_fn=lambda: warm._set_limits(limits))
     started = warm.run([*PROBE, *args], capture_output=True, text=True, env=env,
-                       cwd=tmp_path, timeout=120)
+                       cwd=tmp_path, timeout=120, limits=limits)
     assert (started.returncode, fresh.returncode) == (3, 3), started.stderr + fresh.stderr
     assert json.loads(started.stdout) == json.loads(fresh.stdout)
     assert started.stderr == fresh.stderr == "to stderr\n"
     assert json.loads(started.stdout)["argv"] == args
+    if limits:
+        assert json.loads(started.stdout)["file_size"] == [50_000, 50_000]
 
 
 def test_a_warm_process_takes_sigint_as_the_caller_passes_it_on(tmp_path, monkeypatch):

@@ -16,7 +16,9 @@ them nor copy the pages they lie on (a tiny ``seg-train`` 1.1-1.4 s here, not 2.
 
 ``SEG_TEST_COLD=1`` (``make test-all`` sets it) starts every command fresh.
 
-:func:`run` and :func:`popen` take ``subprocess``'s arguments; a command other than
+:func:`run` and :func:`popen` take ``subprocess``'s arguments, and ``limits``: resource limits
+the child sets before it runs the module (``{"RLIMIT_FSIZE": (soft, hard)}``: a full disk, too
+few open files), which a fresh process gets from a ``preexec_fn``; a command other than
 ``[sys.executable, "-m", <one of WARM_MODULES>, ...]`` runs through ``subprocess``.
 """
 
@@ -40,9 +42,11 @@ from pathlib import Path
 from typing import Any
 
 WARM_MODULES = ("seg_at_scale.cli.train", "seg_at_scale.cli.predict", "seg_at_scale.cli.synth",
+                "seg_at_scale.cli.export",
                 # the suite's own: tests/test_warm_processes.py, a staged prediction's
-                # child, seg-predict with 4 cores reported
-                "helpers.warm_probe", "helpers.staged_child", "helpers.four_cores")
+                # child, seg-predict with 4 cores reported, seg-predict noting its hashes
+                "helpers.warm_probe", "helpers.staged_child", "helpers.four_cores",
+                "helpers.noted_hashes")
 _PRELOAD = ("numpy", "torch", "pytorch_lightning", "hydra", "omegaconf",
             "seg_at_scale.cli.train", "seg_at_scale.cli.training", "seg_at_scale.cli.predict",
             "seg_at_scale.cli.synth",
@@ -73,8 +77,25 @@ def _warm_module(cmd: list[str]) -> str | None:
     return cmd[2] if cmd[2] in WARM_MODULES else None
 
 
-_POPEN_KEYS = {"env", "cwd", "stdout", "stderr", "text", "start_new_session"}
-_RUN_KEYS = {"capture_output", "text", "env", "cwd", "timeout"}
+_POPEN_KEYS = {"env", "cwd", "stdout", "stderr", "text", "start_new_session", "limits"}
+_RUN_KEYS = {"capture_output", "text", "env", "cwd", "timeout", "limits"}
+Limits = dict[str, tuple[int, int]]  # resource.RLIMIT_* name: (soft, hard)
+
+
+def _set_limits(limits: Limits) -> None:
+    import resource
+
+    for name, (soft, hard) in limits.items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+
+
+def _fresh(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``subprocess``'s arguments for a fresh process: ``limits`` as its ``preexec_fn``."""
+    limits = kwargs.pop("limits", None)
+    if limits:
+        assert "preexec_fn" not in kwargs, "limits= or preexec_fn=, not both"
+        kwargs["preexec_fn"] = lambda: _set_limits(limits)
+    return kwargs
 
 
 def popen(cmd: list[str], **kwargs: Any) -> Any:
@@ -82,23 +103,24 @@ def popen(cmd: list[str], **kwargs: Any) -> Any:
     (another command, or another keyword such as ``preexec_fn``: ``subprocess.Popen``)."""
     module = _warm_module(cmd)
     if module is None or set(kwargs) - _POPEN_KEYS:
-        return subprocess.Popen(cmd, **kwargs)
+        return subprocess.Popen(cmd, **_fresh(kwargs))
     env, cwd = kwargs.get("env"), kwargs.get("cwd")
     if env is not None:  # as tests/conftest.py passes them on to any subprocess
         env = passed_on(env)
     return WarmProcess(module, cmd, env=dict(os.environ if env is None else env),
                        cwd=os.fspath(cwd or os.getcwd()), stdout=kwargs.get("stdout"),
                        stderr=kwargs.get("stderr"), text=bool(kwargs.get("text")),
-                       session=bool(kwargs.get("start_new_session")))
+                       session=bool(kwargs.get("start_new_session")),
+                       limits=kwargs.get("limits") or {})
 
 
 def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, **kwargs)``, warm for a ``seg-train`` / ``seg-predict`` module."""
     if _warm_module(cmd) is None or set(kwargs) - _RUN_KEYS:
-        return subprocess.run(cmd, **kwargs)
+        return subprocess.run(cmd, **_fresh(kwargs))
     pipe = subprocess.PIPE if kwargs.get("capture_output") else None
     proc = popen(cmd, env=kwargs.get("env"), cwd=kwargs.get("cwd"), stdout=pipe, stderr=pipe,
-                 text=bool(kwargs.get("text")))
+                 text=bool(kwargs.get("text")), limits=kwargs.get("limits"))
     try:
         out, err = proc.communicate(timeout=kwargs.get("timeout"))
     except subprocess.TimeoutExpired:
@@ -113,7 +135,8 @@ class WarmProcess:
     send_signal, terminate, kill, returncode, stdout/stderr pipes)."""
 
     def __init__(self, module: str, cmd: list[str], *, env: dict[str, str], cwd: str,
-                 stdout: Any, stderr: Any, text: bool, session: bool) -> None:
+                 stdout: Any, stderr: Any, text: bool, session: bool,
+                 limits: Limits) -> None:
         self.args = cmd
         self.returncode: int | None = None
         self.stdout: Any = None
@@ -139,7 +162,7 @@ class WarmProcess:
         # a fresh process inherits SIGINT ignored from a caller that ignores it (a suite
         # started in the background by a shell); the server's own may differ
         request = json.dumps({"module": module, "args": cmd[3:], "env": env, "cwd": cwd,
-                              "session": session,
+                              "session": session, "limits": limits,
                               "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
                               }).encode()
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -328,6 +351,8 @@ def _child(request: dict[str, Any], fds: list[int], base: list[str]) -> None:
     env = request["env"]
     os.environ.clear()
     os.environ.update(env)
+    _set_limits(request["limits"])
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))  # read at start-up
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [request["cwd"], *extra, *base]
     sys.argv = [request["module"], *request["args"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import sys
 import time
@@ -16,7 +17,10 @@ if __name__ == "__main__":
             "threads": torch.get_num_threads(), "main": __spec__.name,
             "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
             "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-            "cache": os.environ.get("SEG_AT_SCALE_CACHE")}
+            "cache": os.environ.get("SEG_AT_SCALE_CACHE"),
+            "files": resource.getrlimit(resource.RLIMIT_NOFILE),
+            "file_size": resource.getrlimit(resource.RLIMIT_FSIZE),
+            "bytecode": not sys.dont_write_bytecode}
     print(json.dumps(what), flush=True)
     print("to stderr", file=sys.stderr)
     if "sleep" in sys.argv:

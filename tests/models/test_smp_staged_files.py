@@ -249,16 +249,10 @@ def test_a_disk_that_fills_during_the_stages_loses_nothing_and_a_rerun_completes
     image = make_image(tmp_path / "scene.tif", height=389, width=461)
     out, folder = tmp_path / "pred.tif", tmp_path / ".pred.tif.staged"
     limit = max(sizes) - 1
-
-    def small_disk() -> None:
-        import resource
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
     proc = warm.run([*CHILD, str(image), str(out)], capture_output=True, text=True,
                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent),
                          "PYTHONDONTWRITEBYTECODE": "1"},  # no .pyc cut at the limit
-                    preexec_fn=small_disk,
-                    timeout=300)
+                    limits={"RLIMIT_FSIZE": (limit, limit)}, timeout=300)
     assert proc.returncode == 1
     assert re.search(r"OSError: \[Errno 27\] File too large: '.*\.pred\.tif\.staged/map\d+"
                      r"\.bin'", proc.stderr), proc.stderr[-2000:]

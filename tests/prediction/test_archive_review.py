@@ -121,15 +121,12 @@ def test_a_scene_refused_by_a_config_check_is_listed_or_skipped(run, tmp_path):
 
 
 def test_an_archive_of_more_scenes_than_open_files_allowed(run, tmp_path):
-    import resource
-
     scenes, limit = tmp_path / "scenes", 20
     for k in range(30):  # each scene's input was held open from planning to the end
         _scene(scenes / f"s{k:02d}.tif", 24, 24, k, k)
     res = warm.run(_cmd(run, f"images={scenes}", f"output_dir={tmp_path / 'out'}"),
                    capture_output=True, text=True, env=env(), timeout=300,
-                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
-                                                               (limit, limit)))
+                   limits={"RLIMIT_NOFILE": (limit, limit)})
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout[res.stdout.index("{"):])["done"] == 30
 

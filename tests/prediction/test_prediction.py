@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import marshal
 import os
-import resource
 import signal
 import subprocess
 import time
@@ -192,14 +191,12 @@ def test_disk_full_leaves_nothing_under_the_final_name_and_reruns(cli_case, tmp_
     run, image = cli_case
     out = tmp_path / "mask.tif"
 
-    def limit() -> None:  # the COG's temporary plain TIFF (~99 KB) cannot be written
-        resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000))
-
     # no .pyc from the limited process: CPython renames a bytecode file cut at the limit
-    # into __pycache__, and every later process importing that module fails to unmarshal it
+    # into __pycache__, and every later process importing that module fails to unmarshal it;
+    # the COG's temporary plain TIFF (~99 KB) cannot be written
     proc = warm.run(predict_cmd(run, image, out, "tile_size=160"),
                     env={**env(), "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True,
-                    text=True, preexec_fn=limit, timeout=300)
+                    text=True, limits={"RLIMIT_FSIZE": (50_000, 50_000)}, timeout=300)
     assert proc.returncode != 0 and not out.exists()
     assert leftovers(tmp_path, out.name) == []
     package = Path(seg_at_scale.__file__).parent

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import warm
 from helpers.prediction import seg_predict_here
 from omegaconf import OmegaConf
 
@@ -278,8 +279,8 @@ def test_a_prediction_leaves_only_its_outputs(cli_case, tmp_path):
 
 def test_help_speaks_prediction():
     """Before: --help listed the training groups (data, experiment, model_family, ...)."""
-    res = subprocess.run([sys.executable, "-m", "seg_at_scale.cli.predict", "--help"],
-                         capture_output=True, text=True, timeout=120)
+    res = warm.run([sys.executable, "-m", "seg_at_scale.cli.predict", "--help"],
+                   capture_output=True, text=True, timeout=120)
     assert res.returncode == 0
     for key in ("run=", "model=", "image=", "images=", "output_dir=", "vector=", "on_error=",
                 "processes=", "nodes=", "trust_run="):
