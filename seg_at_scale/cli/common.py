@@ -103,8 +103,8 @@ class _KeptOut:
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
         if name in self.names:
             raise ModuleNotFoundError(
-                f"this command does not import '{name}' (it logs nothing there); a library "
-                "that only uses it when installed goes on without it", name=name)
+                f"this command does not use '{name}' and keeps it out of its process; a "
+                "library that only uses it when installed goes on without it", name=name)
 
 
 def keep_out(*names: str) -> None:

@@ -121,3 +121,22 @@ def test_both_commands_import_the_stack_as_long_lived_objects(tmp_path):
         frozen, enabled = lines[-1].split()
         assert int(frozen) > 100_000, module
         assert enabled == "True", module
+
+
+def test_a_kept_out_module_is_refused_naming_it_as_not_installed(monkeypatch):
+    """``keep_out``: an import of the module raises ModuleNotFoundError naming it, which a
+    library's ``try: import`` and ``importlib.util.find_spec`` take for "not installed"."""
+    import importlib.util
+
+    import pytest
+
+    from seg_at_scale.cli.common import keep_out
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the finder goes with it
+    keep_out("seg_kept_out_probe")
+    with pytest.raises(ModuleNotFoundError, match=r"does not use 'seg_kept_out_probe' and "
+                       r"keeps it out of its process") as err:
+        import seg_kept_out_probe  # noqa: F401
+    assert err.value.name == "seg_kept_out_probe"
+    with pytest.raises(ModuleNotFoundError, match="seg_kept_out_probe"):
+        importlib.util.find_spec("seg_kept_out_probe")
