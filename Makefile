@@ -37,7 +37,7 @@ test: $(STAMP)
 	$(UNDER_MALLOC) $(PY) -m pytest -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
 
 test-all: $(STAMP)
-	SEG_TEST_COLD=1 $(PY) -m pytest -q -m "" $(ARGS)
+	SEG_TEST_COLD=1 $(UNDER_MALLOC) $(PY) -m pytest -q -m "" $(ARGS)
 
 ## the CUDA paths on a GPU (tests/test_gpu.py; each skips with the reason where CUDA is absent)
 test-gpu: $(STAMP)
@@ -60,7 +60,7 @@ gpu-check: $(if $(NO_VENV),,$(STAMP))
 ## the Slurm tests alone (tests/slurm: a two-node cluster on this host; root and Debian's
 ## slurmctld slurmd slurm-client munge, which .ci/run installs; they skip without them)
 test-slurm: $(STAMP)
-	$(PY) -m pytest -q -m slurm tests/slurm $(ARGS)
+	$(UNDER_MALLOC) $(PY) -m pytest -q -m slurm tests/slurm $(ARGS)
 
 ## a two-node test cluster for a person to try (export SLURM_CONF=$(CURDIR)/.slurm/slurm.conf)
 slurm-up: $(STAMP)
