@@ -107,3 +107,16 @@ def test_cold_starts_every_command_fresh(monkeypatch):
     proc = warm.popen([*PROBE, "0"], env=_env(), stdout=subprocess.DEVNULL,
                       stderr=subprocess.DEVNULL)
     assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=120) == 0
+
+
+def test_the_server_passes_over_an_absent_library_but_not_a_broken_module(tmp_path,
+                                                                         monkeypatch):
+    # the lent GPU machine has no imagecodecs: the server did not start there at all
+    absent = "seg_at_scale_test_absent_library"
+    (tmp_path / "broken_for_the_test.py").write_text(f"import {absent}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    warm.preload(["json", absent])
+    assert absent not in sys.modules
+    with pytest.raises(ModuleNotFoundError, match=absent) as info:
+        warm.preload(["broken_for_the_test"])
+    assert info.value.name == absent

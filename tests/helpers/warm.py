@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -278,16 +279,30 @@ def _stop(proc: subprocess.Popen, path: str) -> None:
 
 # ---- the server (this file run as a script) ------------------------------------------------
 
+def preload(names: Sequence[str]) -> None:
+    """Import ``names``, passing over a library this machine does not have at all.
+
+    The lent GPU machine's wheels leave optional codecs out (imagecodecs); a module that is
+    there but fails to import, a missing library of its own included, is raised.
+    """
+    import importlib
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name != name:
+                raise
+
+
 def _serve(path: str) -> None:
     """Import the stack, then fork a child per request; report each child's wait status."""
     import gc
-    import importlib
 
     base = [p for p in sys.path if p != str(Path(__file__).parent)]
     sys.path[:] = base
     gc.disable()  # as the commands import it (seg_at_scale.cli.common.long_lived)
-    for name in _PRELOAD:
-        importlib.import_module(name)
+    preload(_PRELOAD)
     from hydra.core.plugins import Plugins
 
     Plugins.instance()  # Hydra's scan of its plugins, which every command's start makes
