@@ -184,10 +184,11 @@ def run_monai(cfg: dict[str, Any], setting: tuple[int, float]) -> dict[str, Any]
             "peak_rss_self_mib": peak_rss_self_mib()}
 
 
-def calibrated(name: str, x: torch.Tensor) -> SMPModel:
-    """``MODELS[name]`` (seeded) on ``x``'s device, BatchNorm statistics from one train-mode
-    pass over four crops of ``x`` (DeepLab's pooled BatchNorm needs a batch > 1), eval."""
-    arch, enc = MODELS[name]
+def calibrated(name: str, x: torch.Tensor, spec: tuple[str, str] | None = None) -> SMPModel:
+    """``MODELS[name]`` (or ``spec``: architecture, encoder) seeded on ``x``'s device,
+    BatchNorm statistics from one train-mode pass over four crops of ``x`` (DeepLab's pooled
+    BatchNorm needs a batch > 1), eval."""
+    arch, enc = spec or MODELS[name]
     torch.manual_seed(0)
     net = SMPModel(arch, enc, in_channels=4, num_classes=5).to(x.device)
     for m in net.modules():
