@@ -1,9 +1,15 @@
-"""Rank 0's last step: the class histogram, then the COG(s) or the store marked complete."""
+"""Rank 0's last step: the class histogram, then the COG(s) or the store marked complete.
+
+It runs after the last tile, or beside the tiles (:class:`RowsOnDisk`): each row band of
+the store is read once its chunks are on disk, so the COG's bands are written while the
+model computes the rows below them.
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -24,7 +30,7 @@ from seg_at_scale.prediction.provenance import (
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling.geometry import Tile, Window
 
-__all__ = ["finalize", "cog_outputs"]
+__all__ = ["finalize", "cog_outputs", "RowsOnDisk"]
 
 
 def cog_outputs(out_path: Path, probabilities: str | None) -> list[Path]:
@@ -34,9 +40,14 @@ def cog_outputs(out_path: Path, probabilities: str | None) -> list[Path]:
 
 def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterReader,
              names: list[str], probabilities: str | None, overwrite: bool,
-             keep_store: bool) -> list[int]:
-    """Rank 0: class histogram, then the COG(s) or the store marked complete."""
-    missing = [t.index for t in _all_tiles(store) if not store.done(t)]
+             keep_store: bool, ready: RowsOnDisk | None = None) -> list[int]:
+    """Rank 0: class histogram, then the COG(s) or the store marked complete.
+
+    ``ready``: read each row band once it is on disk (finalising beside the tile writer)
+    instead of refusing a store with tiles missing.
+    """
+    missing = [] if ready is not None else [t.index for t in _all_tiles(store)
+                                            if not store.done(t)]
     if missing:
         raise InputError(f"the store '{store.path}' misses {len(missing)} tiles after every "
                          f"rank finished (first: {missing[0]}); rerun the same command to "
@@ -44,7 +55,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
     hist = np.zeros(256, np.int64)
 
     def counted() -> Iterator[np.ndarray]:
-        for band in store.row_bands(store.labels):
+        for band in store.row_bands(store.labels, ready):
             hist[:] += torch.bincount(torch.from_numpy(band).reshape(-1), minlength=256).numpy()
             yield band
 
@@ -56,7 +67,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
             write_cog(cog_outputs(out_path, probabilities)[1], (k, h, w),
                       str(store.probabilities.dtype).replace("float16", "float32"),
                       (b.astype(np.float32) if b.dtype == np.float16 else b
-                       for b in store.row_bands(store.probabilities)),
+                       for b in store.row_bands(store.probabilities, ready)),
                       geotags=reader.geotags, resampling="average", overwrite=True,
                       descriptions=names[:k])
         fingerprint = cast(dict[str, Any], store.group.attrs["fingerprint"])
@@ -79,10 +90,47 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
     return class_pixels
 
 
-def _all_tiles(store: PredictionStore) -> Iterator[Any]:
+class RowsOnDisk:
+    """Finalising beside the tiles: blocks until a chunk row of ``store`` is on disk.
+
+    Called with a row index by :meth:`~.store.PredictionStore.row_bands`; returns once
+    every chunk of that row exists (the tile writer renames each chunk into place), polling
+    every ``poll_s``. After :meth:`abort` (the prediction failed or was interrupted) it
+    raises :class:`Aborted` instead, and the COG's writer removes its temporary files.
+    """
+
+    class Aborted(Exception):
+        """The prediction stopped before this row was written."""
+
+    def __init__(self, store: PredictionStore, poll_s: float = 0.02) -> None:
+        self.store, self.poll_s = store, poll_s
+        self._stop = threading.Event()
+
+    def abort(self) -> None:
+        self._stop.set()
+
+    def __call__(self, row: int) -> None:
+        tiles = _row_tiles(self.store, row)
+        while True:
+            if self._stop.is_set():
+                raise RowsOnDisk.Aborted(f"the prediction stopped before row {row} of "
+                                         f"'{self.store.path}' was written")
+            tiles = [t for t in tiles if not self.store.done(t)]
+            if not tiles:
+                return
+            self._stop.wait(self.poll_s)
+
+
+def _row_tiles(store: PredictionStore, i: int) -> list[Tile]:
+    """The chunks of chunk row ``i``, as tiles whose core is the chunk."""
     ch, cw = store.chunk
     h, w = store.labels.shape
-    for i, r in enumerate(range(0, h, ch)):
-        for j, c in enumerate(range(0, w, cw)):
-            core = Window(r, c, min(ch, h - r), min(cw, w - c))
-            yield Tile((i, j), core, core, core)
+    r = i * ch
+    return [Tile((i, j), core, core, core) for j, c in enumerate(range(0, w, cw))
+            for core in [Window(r, c, min(ch, h - r), min(cw, w - c))]]
+
+
+def _all_tiles(store: PredictionStore) -> Iterator[Tile]:
+    ch = store.chunk[0]
+    for i in range(-(-store.labels.shape[0] // ch)):
+        yield from _row_tiles(store, i)

@@ -38,7 +38,7 @@ from seg_at_scale.io import RasterReader
 from seg_at_scale.parallel.launch import barrier, rank_world
 from seg_at_scale.prediction.checks import check_outputs, store_path
 from seg_at_scale.prediction.compile_choice import checked_network
-from seg_at_scale.prediction.finalize import finalize
+from seg_at_scale.prediction.finalize import RowsOnDisk, finalize
 from seg_at_scale.prediction.lock import output_lock
 from seg_at_scale.prediction.options import PredictOptions, output_kind
 from seg_at_scale.prediction.plan import (
@@ -90,10 +90,12 @@ class PredictionStats:
     time in the forward passes and turning logits into outputs (on a GPU: queueing them,
     which waits for nothing on the device); ``write_s`` how long it waited for the
     background chunk writer (on a GPU this includes the device finishing the batch before);
-    ``finalize_s`` is rank 0's COG (or store) finalisation; ``statistics_s`` the first pass
-    of a model with whole-image statistics. ``tiles_computed`` counts this process's tiles
-    (a resumed run skips the batches already on disk: ``tiles_resumed``). ``class_pixels``
-    (rank 0) holds the output's pixels per class of the model, no data not counted.
+    ``finalize_s`` is rank 0's COG (or store) finalisation after the last tile (on
+    one GPU it runs beside the tiles, :func:`finalize_beside`: what is left of it then);
+    ``statistics_s`` the first pass of a model with whole-image statistics.
+    ``tiles_computed`` counts this process's tiles (a resumed run skips the batches already
+    on disk: ``tiles_resumed``). ``class_pixels`` (rank 0) holds the output's pixels per
+    class of the model, no data not counted.
     """
 
     path: Path
@@ -189,24 +191,49 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         stats.batches = len(mine)
         source = RasterWindows(plan.reader, norm, fill_of(fp))
         show = o.progress if o.progress is not None else not os.environ.get("CI")
-        if stages is not None:
-            _staged(stages, stage_plan, source, grid, todo, store, o, stats, out_path, show)
-        else:
-            pool_ctx = _image_pool(model, source, grid, batches[rank::world], device,
-                                   o.autocast, o.channels_last, stats, show and rank == 0,
-                                   world)
-            with pool_ctx, progress_bar(sum(len(b.tiles) for b in todo), show and rank == 0,
-                                        grid.height * grid.width / len(grid), world) as bar:
-                predict_batches(model, source, mine, grid, store, o, stats, bar)
-        barrier()
-        if rank == 0:
-            t0 = time.perf_counter()
-            stats.class_pixels = finalize(store, out_path, plan.kind, plan.reader, plan.names,
-                                          o.probabilities, o.overwrite, o.keep_store)
-            stats.finalize_s = time.perf_counter() - t0
+
+        def finish(ready: RowsOnDisk | None = None) -> list[int]:
+            return finalize(store, out_path, plan.kind, plan.reader, plan.names,
+                            o.probabilities, o.overwrite, o.keep_store, ready=ready)
+
+        ready = RowsOnDisk(store) if finalize_beside(device, world, stages) else None
+        with ThreadPoolExecutor(1, thread_name_prefix="finalize") as finisher:
+            finishing = finisher.submit(finish, ready) if ready is not None else None
+            try:
+                if stages is not None:
+                    _staged(stages, stage_plan, source, grid, todo, store, o, stats, out_path,
+                            show)
+                else:
+                    pool_ctx = _image_pool(model, source, grid, batches[rank::world], device,
+                                           o.autocast, o.channels_last, stats,
+                                           show and rank == 0, world)
+                    with pool_ctx, progress_bar(sum(len(b.tiles) for b in todo),
+                                                show and rank == 0,
+                                                grid.height * grid.width / len(grid),
+                                                world) as bar:
+                        predict_batches(model, source, mine, grid, store, o, stats, bar)
+            except BaseException:
+                if ready is not None:  # its COG's temporary files removed as it stops
+                    ready.abort()
+                raise
+            barrier()
+            if rank == 0:
+                t0 = time.perf_counter()
+                stats.class_pixels = finishing.result() if finishing else finish()
+                stats.finalize_s = time.perf_counter() - t0
         barrier()
     stats.total_s = time.perf_counter() - t_start
     return stats
+
+
+def finalize_beside(device: torch.device, world: int, stages: list[Any] | None) -> bool:
+    """Whether the COG is written beside the tiles (:class:`~.finalize.RowsOnDisk`).
+
+    On a GPU, one process: the host's cores are free while the device computes, and the
+    finalisation after the last tile took as long as the network (``bench_gpu.py``). On the
+    CPU the network's threads take every core: a writer beside them only competes.
+    """
+    return device.type == "cuda" and world == 1 and stages is None
 
 
 def _staged(stages: list[Any], plan: Any, source: RasterWindows, grid: TileGrid,

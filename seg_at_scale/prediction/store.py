@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -170,11 +170,18 @@ class PredictionStore:
             n += 1
         return n
 
-    def row_bands(self, array: zarr.Array) -> Iterator[np.ndarray]:
-        """The array top to bottom, one chunk row at a time (``[..., h, W]``)."""
+    def row_bands(self, array: zarr.Array,
+                  ready: Callable[[int], None] | None = None) -> Iterator[np.ndarray]:
+        """The array top to bottom, one chunk row at a time (``[..., h, W]``).
+
+        ``ready(i)``, when given, is called before chunk row ``i`` is read: it returns once
+        that row is on disk (a finalisation beside the tile writer).
+        """
         ch = self.chunk[0]
         height = array.shape[-2]
-        for r in range(0, height, ch):
+        for i, r in enumerate(range(0, height, ch)):
+            if ready is not None:
+                ready(i)
             yield cast(np.ndarray, array[..., r : min(r + ch, height), :])  # numpy-backed
 
     def finish(self, class_pixels: Sequence[int]) -> None:

@@ -1,0 +1,135 @@
+"""On one GPU the COG is written beside the tiles (``raster.finalize_beside``): each row band
+of the store is read once its chunks are on disk. Forced here on the CPU: the same files as
+the finalisation after the last tile, written while the model still runs; a prediction that
+stops midway leaves no output and no temporary file, and its rerun resumes to the same
+bytes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from helpers.prediction import NORM, make_image, make_model
+
+from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.prediction import predict_raster
+from seg_at_scale.prediction import raster as raster_module
+from seg_at_scale.prediction.finalize import RowsOnDisk
+from seg_at_scale.prediction.options import PredictOptions
+
+NORMALIZER = Normalizer(NORM["scale"], tuple(NORM["mean"]), tuple(NORM["std"]))
+
+
+def _options(**extra):
+    return PredictOptions(tile_size=96, progress=False, batch_size=2, **extra)
+
+
+def _beside(monkeypatch, on: bool) -> None:
+    monkeypatch.setattr(raster_module, "finalize_beside", lambda *a: on)
+
+
+def _cog_files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".tif"}
+
+
+@pytest.mark.parametrize("probabilities", [None, "float16"])
+def test_the_cog_written_beside_the_tiles_is_the_one_written_after_them(
+        tmp_path, monkeypatch, one_torch_thread, probabilities):
+    model = make_model(levels=3, width=4)
+    image = make_image(tmp_path / "a.tif", 301, 417)
+    after, beside = tmp_path / "after", tmp_path / "beside"
+    after.mkdir(), beside.mkdir()
+    _beside(monkeypatch, False)
+    predict_raster(model, image, after / "out.tif", _options(probabilities=probabilities),
+                   normalizer=NORMALIZER)
+
+    # each forward takes 50 ms more; each row band read says how many forwards had run
+    forwards, rows = [0], []
+
+    def slow(*_):
+        time.sleep(0.05)
+        forwards[0] += 1
+
+    waited = RowsOnDisk.__call__
+
+    def logged(self, row):
+        waited(self, row)
+        rows.append((row, forwards[0]))
+
+    monkeypatch.setattr(RowsOnDisk, "__call__", logged)
+    handle = model.register_forward_hook(slow)
+    _beside(monkeypatch, True)
+    stats = predict_raster(model, image, beside / "out.tif",
+                           _options(probabilities=probabilities), normalizer=NORMALIZER)
+    handle.remove()
+    assert stats.tiles_computed == stats.tiles > 12
+    assert _cog_files(beside) == _cog_files(after)  # the labels' COG (and probabilities')
+    assert len(_cog_files(after)) == (2 if probabilities else 1)
+    assert sorted(p.name for p in beside.iterdir()) == sorted(p.name for p in after.iterdir())
+    labels_rows = rows[-len({r for r, _ in rows}):]
+    assert [r for r, _ in labels_rows] == list(range(len(labels_rows)))
+    # the first row was written out while the model was still computing later rows
+    assert rows[0][1] < forwards[0], (rows, forwards)
+
+
+def test_a_prediction_stopped_midway_leaves_nothing_final_and_resumes(tmp_path, monkeypatch,
+                                                                      one_torch_thread):
+    model = make_model(levels=3, width=4)
+    image = make_image(tmp_path / "a.tif", 301, 417)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    ref.mkdir(), out.mkdir()
+    _beside(monkeypatch, False)
+    predict_raster(model, image, ref / "out.tif", _options(), normalizer=NORMALIZER)
+    _beside(monkeypatch, True)
+    calls = [0]
+
+    def stop_at_the_fifth(*_):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise KeyboardInterrupt  # as Ctrl-C, or a SIGTERM turned into an exception
+
+    handle = model.register_forward_hook(stop_at_the_fifth)
+    before = set(threading.enumerate())
+    with pytest.raises(KeyboardInterrupt):
+        predict_raster(model, image, out / "out.tif", _options(), normalizer=NORMALIZER)
+    handle.remove()
+    assert set(threading.enumerate()) <= before  # the finalising thread ended with it
+    left = sorted(p.name for p in out.iterdir())
+    assert not (out / "out.tif").exists()
+    assert [n for n in left if n.endswith(".tmp") or "partial" in n] == [], left
+    stats = predict_raster(model, image, out / "out.tif", _options(), normalizer=NORMALIZER)
+    assert 0 < stats.tiles_resumed < stats.tiles
+    assert _cog_files(out) == _cog_files(ref)
+
+
+def test_rows_on_disk_waits_for_a_row_and_stops_when_aborted(tmp_path, monkeypatch):
+    from seg_at_scale.prediction import finalize as finalize_module
+
+    class Store:  # chunks of 10 x 10 over 25 x 30: three rows of three
+        path, chunk = tmp_path, (10, 10)
+
+        class labels:  # noqa: N801 - stands for a zarr array
+            shape = (25, 30)
+
+        on_disk: set[tuple[int, int]] = set()
+
+        def done(self, tile):
+            return tile.index in self.on_disk
+
+    store = Store()
+    ready = RowsOnDisk(store, poll_s=0.005)
+    store.on_disk |= {(0, 0), (0, 1), (0, 2), (1, 0)}
+    ready(0)  # on disk: returns at once
+    waiting = threading.Thread(target=ready, args=(1,))
+    waiting.start()
+    time.sleep(0.05)
+    assert waiting.is_alive()  # (1, 1) and (1, 2) are missing
+    store.on_disk |= {(1, 1), (1, 2)}
+    waiting.join(5)
+    assert not waiting.is_alive()
+    ready.abort()
+    with pytest.raises(RowsOnDisk.Aborted, match="row 2"):
+        ready(2)
+    assert [t.index for t in finalize_module._row_tiles(store, 2)] == [(2, 0), (2, 1), (2, 2)]
+    assert [t.core.height for t in finalize_module._row_tiles(store, 2)] == [5, 5, 5]
