@@ -184,6 +184,7 @@ def prediction(dev: torch.device, sz: Sizes) -> dict[str, Any]:
     out["auto"] = {"tile_size": auto_opts.tile_size, "tiles": best_auto.tiles,
                    "untiled": best_auto.tiles == 1,
                    "mpix_per_s": round(best_auto.mpix_per_s, 3), "bare": auto_bare,
+                   "first_total_s": round(autos[0].total_s, 3),
                    **{k: round(getattr(best_auto, k), 3) for k in TIMES
                       if hasattr(best_auto, k)}}
     if auto_bare.get("mpix_per_s"):
@@ -191,7 +192,10 @@ def prediction(dev: torch.device, sz: Sizes) -> dict[str, Any]:
                                                  / auto_bare["mpix_per_s"], 4)
     best = max(runs, key=lambda s: s.mpix_per_s)
     out["streaming"] = {"mpix_per_s": round(best.mpix_per_s, 3),
-                        **{k: round(getattr(best, k), 3) for k in TIMES if hasattr(best, k)}}
+                        **{k: round(getattr(best, k), 3) for k in TIMES if hasattr(best, k)},
+                        # the first run in the process: its kernels planned, as a user's
+                        # one-scene seg-predict runs
+                        "first_total_s": round(runs[0].total_s, 3)}
     batched = 1 if dev.type != "cuda" else max(1, min(16, (16 << 20) // (tile * tile)))
     for batch in sorted({1, batched}):  # the predictor batches ~16 Mpix of input on a GPU
         out[f"bare_batch{batch}"] = attempt(lambda batch=batch: {
