@@ -21,7 +21,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import seg_at_scale.cli  # noqa: F401 - before torch: huge pages for torch's tensors, as the commands run
 

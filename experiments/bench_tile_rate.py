@@ -15,8 +15,10 @@ as ``bench_encoders.py`` does) on a device-resident ``side``^2 scene normalised 
 512/0.25 (``sw_batch_size=4``), each with ``cudnn.benchmark`` off and on; best of
 ``--repeats`` after a warm-up call. Per run: Mpix/s, the rate of the pixels the network
 computes (``E`` times the scene's: the work's own speed, halo included), and the % of labels
-off the whole image's labels with the benchmark off. The JSON is rewritten after every run,
-so a run cut short keeps what it measured.
+off the whole image's labels with the benchmark off; for tiles, how many input shapes the
+grid gives the network. Then ``new_shape``: what the first forward of a shape not run
+before costs beside the forward (three shapes near 1024^2). The JSON is rewritten after
+every run, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
             grid = make_grid(side, side, fp, tile_size=t)
             run(f"tiles_{t}_{mode}", grid.efficiency,
                 lambda t=t: predict_tiled_exact(net, x, tile_size=t, fp=fp))
+            figures["runs"][f"tiles_{t}_{mode}"]["input_shapes"] = len(
+                {(tile.read.height, tile.read.width) for tile in grid})
         if sliding_window_inference is not None:
             w = min(512, side // 2)
             run(f"monai_{w}_0.25_{mode}", 1 / 0.75**2, lambda w=w: sliding_window_inference(
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     torch.backends.cudnn.benchmark = False
+    figures["new_shape"] = new_shape_cost(net, dev, 256 if args.quick else 1024, fp.align)
+    print(f"new_shape: {figures['new_shape']}", flush=True)
     runs = figures["runs"]
     for mode in ("heuristic", "benchmark"):
         theirs = runs.get(f"monai_{min(512, side // 2)}_0.25_{mode}", {}).get("mpix_per_s")
@@ -113,6 +119,23 @@ def main(argv: list[str] | None = None) -> None:
                                            for k, v in runs.items() if k.endswith(mode)
                                            and not k.startswith("monai")}
     print(save("bench_tile_rate", figures, out))
+
+
+def new_shape_cost(net: torch.nn.Module, dev: torch.device, side: int,
+                   align: int) -> dict[str, Any]:
+    """The first forward of an input shape the process has not run, less the second.
+
+    Three shapes a step of ``align`` apart (a tiled grid's edge tiles differ so): what
+    each new shape costs once, beside the forward itself.
+    """
+    extra = []
+    with torch.inference_mode(), precision("fp32", dev):
+        for k in range(3):
+            x = torch.zeros(1, 4, side + k * align, side, device=dev)
+            first, second = timed(lambda x=x: net(x), dev, 2, warmup=0)
+            extra.append(first - second)
+    return {"side": side, "first_minus_second_s": [round(e, 4) for e in extra],
+            "median_s": round(sorted(extra)[1], 4)}
 
 
 if __name__ == "__main__":
