@@ -13,6 +13,7 @@ complete: a crash never leaves a half-written output under the real name.
 
 from __future__ import annotations
 
+import glob
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -30,6 +31,7 @@ from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags
 __all__ = [
     "BIGTIFF_THRESHOLD",
     "check_output_path",
+    "remove_stale_temporaries",
     "temporary_path",
     "write_atomic",
     "write_raster",
@@ -82,6 +84,35 @@ def temporary_path(path: Path, tag: str = "partial") -> Path:
     True
     """
     return path.with_name(f".{path.name}.{tag}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+
+
+def remove_stale_temporaries(path: Path) -> int:
+    """Remove the temporary files of ``path`` whose writer is dead; returns how many.
+
+    The names this project writes beside an output, ``.{name}.{tag}.{pid}...``
+    (:func:`temporary_path`, a COG's mode levels), of a process that no longer exists: a
+    killed writer leaves them, as large as the output's uncompressed samples. A live
+    writer's (another run of the same output, which its lock refuses) are kept.
+    """
+    gone = 0
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        _, _, tail = tmp.name[len(path.name) + 2:].partition(".")
+        pid = tail.split("-", 1)[0].split(".", 1)[0]
+        if pid.isdigit() and tmp.is_file() and not _alive(int(pid)):
+            with suppress(OSError):
+                tmp.unlink()
+                gone += 1
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _check_band(band: np.ndarray, c: int, w: int, dtype: np.dtype, path: Path) -> np.ndarray:

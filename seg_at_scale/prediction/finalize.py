@@ -20,6 +20,7 @@ import torch
 from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.io.cog import class_colors, write_cog
+from seg_at_scale.io.writer import remove_stale_temporaries
 from seg_at_scale.prediction.checks import probabilities_path
 from seg_at_scale.prediction.provenance import (
     CLASS_PIXELS_TAG,
@@ -46,6 +47,9 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
     ``ready``: read each row band once it is on disk (finalising beside the tile writer)
     instead of refusing a store with tiles missing.
     """
+    if kind == "cog":  # a killed run's, which wrote its COG beside its tiles
+        for path in cog_outputs(out_path, probabilities):
+            remove_stale_temporaries(path)
     missing = [] if ready is not None else [t.index for t in _all_tiles(store)
                                             if not store.done(t)]
     if missing:

@@ -90,8 +90,8 @@ class PredictionStats:
     time in the forward passes and turning logits into outputs (on a GPU: queueing them,
     which waits for nothing on the device); ``write_s`` how long it waited for the
     background chunk writer (on a GPU this includes the device finishing the batch before);
-    ``finalize_s`` is rank 0's COG (or store) finalisation after the last tile (on
-    one GPU it runs beside the tiles, :func:`finalize_beside`: what is left of it then);
+    ``finalize_s`` is rank 0's COG (or store) finalisation after the last tile (in one
+    process it runs beside the tiles, :func:`finalize_beside`: what is left of it then);
     ``statistics_s`` the first pass of a model with whole-image statistics.
     ``tiles_computed`` counts this process's tiles (a resumed run skips the batches already
     on disk: ``tiles_resumed``). ``class_pixels`` (rank 0) holds the output's pixels per
@@ -196,7 +196,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
             return finalize(store, out_path, plan.kind, plan.reader, plan.names,
                             o.probabilities, o.overwrite, o.keep_store, ready=ready)
 
-        ready = RowsOnDisk(store) if finalize_beside(device, world, stages) else None
+        ready = RowsOnDisk(store) if finalize_beside(world, stages) else None
         with ThreadPoolExecutor(1, thread_name_prefix="finalize") as finisher:
             finishing = finisher.submit(finish, ready) if ready is not None else None
             try:
@@ -226,14 +226,16 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     return stats
 
 
-def finalize_beside(device: torch.device, world: int, stages: list[Any] | None) -> bool:
+def finalize_beside(world: int, stages: list[Any] | None) -> bool:
     """Whether the COG is written beside the tiles (:class:`~.finalize.RowsOnDisk`).
 
-    On a GPU, one process: the host's cores are free while the device computes, and the
-    finalisation after the last tile took as long as the network (``bench_gpu.py``). On the
-    CPU the network's threads take every core: a writer beside them only competes.
+    One process, not staged. On a GPU the host's cores are free while the device computes,
+    and the finalisation after the last tile took as long as the network
+    (``bench_gpu.py``); on the CPU the work is the same, done earlier
+    (``bench_finalize_beside.py``: as fast with every core taken by the network, faster
+    with one free). With several ranks rank 0 finalises after every rank's last tile.
     """
-    return device.type == "cuda" and world == 1 and stages is None
+    return world == 1 and stages is None
 
 
 def _staged(stages: list[Any], plan: Any, source: RasterWindows, grid: TileGrid,

@@ -40,7 +40,7 @@ from affine import Affine
 from rasterio.crs import CRS
 
 from seg_at_scale.errors import ConfigError, InputError
-from seg_at_scale.io.writer import check_output_path, temporary_path
+from seg_at_scale.io.writer import check_output_path, remove_stale_temporaries, temporary_path
 from seg_at_scale.vectors.polygonize import MergeStats, Region, check_options, polygonize
 from seg_at_scale.vectors.simplify import coverage_simplified
 from seg_at_scale.vectors.sources import Source, georeference, store_class_names
@@ -157,7 +157,7 @@ def write_vectors(labels: Source, output: str | os.PathLike[str], *,
                          probabilities=probabilities, strip_rows=strip_rows, stats=merge)
     layout = _Layout(names, transform, connectivity, probabilities is not None, min_area)
     batches = layout.batches(regions, stats, simplify)
-    _remove_stale(out)
+    remove_stale_temporaries(out)
     tmp = temporary_path(out).with_suffix(out.suffix)
     try:
         _write(batches, tmp, driver, out.stem, layout, crs)
@@ -319,22 +319,3 @@ def _remove(path: Path) -> None:
     for p in (path, *(path.with_name(path.name + s) for s in ("-journal", "-wal", "-shm"))):
         with suppress(OSError):
             p.unlink()
-
-
-def _remove_stale(out: Path) -> None:
-    """Temporaries of ``out`` left by killed runs (their process no longer exists)."""
-    for tmp in out.parent.glob(f".{out.name}.partial.*"):
-        pid = tmp.name.split(".partial.", 1)[1].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            with suppress(OSError):
-                tmp.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -316,3 +316,25 @@ def test_preview_gray_and_bad_mask(tmp_path: Path) -> None:
 def test_writer_rejects_bad_tile_size(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"tile=\(100, 64\) is not a TIFF tile size"):
         write_raster(tmp_path / "t.tif", make_array((1, 20, 30), "uint8"), tile=(100, 64))
+
+
+def test_a_dead_writers_temporaries_are_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from seg_at_scale.io.writer import remove_stale_temporaries, temporary_path
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)  # a process that has ended
+    out = tmp_path / "mask.tif"
+    stale = [f".mask.tif.plain.{pid}-0a1b2c3d.tmp", f".mask.tif.cog.{pid}-9f8e7d6c.tmp",
+             f".mask.tif.ov1.{pid}.tmp", f".mask.tif.partial.{pid}-00aa11bb.gpkg"]
+    kept = [temporary_path(out, "plain").name,  # this live process's
+            ".mask.tif.lock", ".mask.tif.notes.txt", f".other.tif.plain.{pid}-0a1b2c3d.tmp",
+            "mask.tif.plain.1-0a1b2c3d.tmp"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / ".mask.tif.zarr").mkdir()  # the working store: a folder, never removed
+    assert remove_stale_temporaries(out) == len(stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, ".mask.tif.zarr"])

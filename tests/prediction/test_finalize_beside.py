@@ -1,8 +1,8 @@
-"""On one GPU the COG is written beside the tiles (``raster.finalize_beside``): each row band
-of the store is read once its chunks are on disk. Forced here on the CPU: the same files as
-the finalisation after the last tile, written while the model still runs; a prediction that
-stops midway leaves no output and no temporary file, and its rerun resumes to the same
-bytes."""
+"""In one process the COG is written beside the tiles (``raster.finalize_beside``): each row
+band of the store is read once its chunks are on disk. The same files as the finalisation
+after the last tile (forced here for the reference), written while the model still runs; a
+prediction that stops midway leaves no output and no temporary file, and its rerun resumes
+to the same bytes."""
 
 from __future__ import annotations
 

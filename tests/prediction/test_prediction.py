@@ -163,6 +163,8 @@ def test_killed_prediction_resumes_to_the_uninterrupted_output(cli_case, cli_ref
     assert res["tiles_computed"] == res["tiles"] - res["tiles_resumed"]
     assert read_raster(out).tobytes() == read_raster(ref).tobytes()
     assert out.read_bytes() == ref.read_bytes()
+    # the COG was being written beside the tiles: what SIGKILL left of it is removed
+    assert leftovers(out.parent, out.name) == []
 
 
 def test_second_writer_is_refused_and_first_completes(cli_case, tmp_path):
