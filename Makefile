@@ -43,8 +43,9 @@ test-all: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu $(ARGS)
 
-## the wheels a lent GPU machine lacks, fetched here into .whl/ (tools/gpu_lent.sh installs
-## them there, offline, then runs `make gpu-check NO_VENV=1` with the machine's own python)
+## the wheels a lent GPU machine lacks, fetched here into .whl/ and .whl-codecs/
+## (tools/gpu_lent.sh installs them there, offline, then runs `make gpu-check NO_VENV=1`
+## with the machine's own python)
 gpu-wheels: $(STAMP)
 	$(PY) tools/gpu_wheels.py
 

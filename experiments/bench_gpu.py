@@ -367,13 +367,24 @@ def pipeline(dev: torch.device, sz: Sizes) -> dict[str, Any]:
     return out
 
 
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 def header(dev: torch.device) -> dict[str, Any]:
     """The device table: name and memory, torch / CUDA / cuDNN versions, TF32 defaults."""
     h: dict[str, Any] = {"type": dev.type, "torch": torch.__version__,
                          "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
                          "tf32_default": {"matmul": torch.backends.cuda.matmul.allow_tf32,
                                           "cudnn": torch.backends.cudnn.allow_tf32},
-                         "loadavg_start": list(os.getloadavg())}
+                         "loadavg_start": list(os.getloadavg()),
+                         # without imagecodecs tifffile inflates DEFLATE with zlib (slower)
+                         "imagecodecs": _version("imagecodecs")}
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
         h.update(name=p.name, memory_gib=round(p.total_memory / GIB, 2),

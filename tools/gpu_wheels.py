@@ -1,15 +1,19 @@
 """Fetch, here, the wheels a lent GPU machine lacks, so `make gpu-check` runs there offline.
 
-    .venv/bin/python tools/gpu_wheels.py            # -> .whl/ (git-ignored), about 56 MiB
-    bash tools/gpu_lent.sh                          # there: install them, then make gpu-check
+    .venv/bin/python tools/gpu_wheels.py    # -> .whl/ (about 56 MiB), .whl-codecs/ (26 MiB)
+    bash tools/gpu_lent.sh --codecs         # there, carrying .whl-codecs/: imagecodecs
+    bash tools/gpu_lent.sh                  # there, carrying .whl/: the rest, make gpu-check
 
 A lent machine (an H200 of this project's workplace) has its own Python 3.12 with torch,
 Lightning, timm, tifffile, numpy, scipy, OpenCV, pytest and xdist, and no network. This
 script downloads the other packages the CUDA tests and ``bench_gpu.py`` import, at the
 versions this venv holds, as CPython 3.12 manylinux wheels (``pip download``; the two
 packages published only as source are built into pure-Python wheels). It leaves out what
-only the CPU suite needs there (geopandas, optuna, pyproj, wandb, imagecodecs: tifffile
-decodes zlib without it), to stay within the 64 MiB a device call carries.
+only the CPU suite needs there (geopandas, optuna, pyproj, wandb), to stay within the
+64 MiB a device call carries. imagecodecs, which a user's install has (tifffile inflates
+DEFLATE with libdeflate through it, 1.6x faster than with zlib without it), goes into
+``.whl-codecs/``, for a call of its own just before the check's, while the machine is still
+warm.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
                     *platforms, "-d", str(args.dest), *pins], check=True)
     subprocess.run([*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(args.dest), *(f"{n}=={version(n)}" for n in SOURCE_ONLY)], check=True)
+    codecs = args.dest.with_name(args.dest.name + "-codecs")
+    subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", args.python_version, "--implementation", "cp",
+                    *platforms, "-d", str(codecs), f"imagecodecs=={version('imagecodecs')}"],
+                   check=True)
     size = sum(p.stat().st_size for p in args.dest.glob("*.whl")) / 2**20
     print(f"{len(list(args.dest.glob('*.whl')))} wheels, {size:.1f} MiB in {args.dest}")
     if size > LIMIT_MIB:
