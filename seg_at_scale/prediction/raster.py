@@ -211,19 +211,39 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
                                                 show and rank == 0,
                                                 grid.height * grid.width / len(grid),
                                                 world) as bar:
-                        predict_batches(model, source, mine, grid, store, o, stats, bar)
+                        predict_batches(model, source, mine, grid, store, o, stats,
+                                        _Watching(bar, finishing))
+                barrier()
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    stats.class_pixels = finishing.result() if finishing else finish()
+                    stats.finalize_s = time.perf_counter() - t0
             except BaseException:
                 if ready is not None:  # its COG's temporary files removed as it stops
                     ready.abort()
                 raise
-            barrier()
-            if rank == 0:
-                t0 = time.perf_counter()
-                stats.class_pixels = finishing.result() if finishing else finish()
-                stats.finalize_s = time.perf_counter() - t0
         barrier()
     stats.total_s = time.perf_counter() - t_start
     return stats
+
+
+class _Watching:
+    """The progress bar, which also stops the tiles once the COG beside them has failed.
+
+    A full disk found by the finalisation (the COG is the largest file written) ends the
+    run at the next batch instead of after the last tile; the tiles on disk stay for the
+    rerun.
+    """
+
+    def __init__(self, bar: Any, finishing: Future | None) -> None:
+        self.bar, self.finishing = bar, finishing
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+        if self.finishing is not None and self.finishing.done():
+            error = self.finishing.exception()
+            if error is not None:
+                raise error
 
 
 def finalize_beside(world: int, stages: list[Any] | None) -> bool:

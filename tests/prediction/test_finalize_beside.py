@@ -133,3 +133,37 @@ def test_rows_on_disk_waits_for_a_row_and_stops_when_aborted(tmp_path, monkeypat
         ready(2)
     assert [t.index for t in finalize_module._row_tiles(store, 2)] == [(2, 0), (2, 1), (2, 2)]
     assert [t.core.height for t in finalize_module._row_tiles(store, 2)] == [5, 5, 5]
+
+
+def test_a_cog_that_fails_beside_the_tiles_stops_them_and_the_rerun_completes(
+        tmp_path, monkeypatch, one_torch_thread):
+    """A full disk met by the COG (its largest file) ends the run at the next batch, not
+    after the last tile: the tiles on disk stay, and the rerun computes only the rest."""
+    import errno
+
+    from seg_at_scale.prediction import finalize as finalize_module
+
+    model = make_model(levels=3, width=4)
+    image = make_image(tmp_path / "a.tif", 301, 417)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    ref.mkdir(), out.mkdir()
+    _beside(monkeypatch, False)
+    whole = predict_raster(model, image, ref / "out.tif", _options(), normalizer=NORMALIZER)
+    _beside(monkeypatch, True)
+    real = finalize_module.write_cog
+
+    def full_after_one_band(path, shape, dtype, bands, **kw):
+        next(iter(bands))
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(finalize_module, "write_cog", full_after_one_band)
+    handle = model.register_forward_hook(lambda *_: time.sleep(0.05))
+    with pytest.raises(OSError, match="No space left"):
+        predict_raster(model, image, out / "out.tif", _options(), normalizer=NORMALIZER)
+    handle.remove()
+    monkeypatch.setattr(finalize_module, "write_cog", real)
+    assert not (out / "out.tif").exists()
+    stats = predict_raster(model, image, out / "out.tif", _options(), normalizer=NORMALIZER)
+    assert stats.tiles_resumed > 0
+    assert stats.tiles_computed > whole.tiles // 2  # the first run stopped early on
+    assert _cog_files(out) == _cog_files(ref)
