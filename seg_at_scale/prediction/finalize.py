@@ -53,9 +53,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
     missing = [] if ready is not None else [t.index for t in _all_tiles(store)
                                             if not store.done(t)]
     if missing:
-        raise InputError(f"the store '{store.path}' misses {len(missing)} tiles after every "
-                         f"rank finished (first: {missing[0]}); rerun the same command to "
-                         "complete them")
+        raise _missing(store, missing)
     hist = np.zeros(256, np.int64)
 
     def counted() -> Iterator[np.ndarray]:
@@ -100,7 +98,9 @@ class RowsOnDisk:
     Called with a row index by :meth:`~.store.PredictionStore.row_bands`; returns once
     every chunk of that row exists (the tile writer renames each chunk into place), polling
     every ``poll_s``. After :meth:`abort` (the prediction failed or was interrupted) it
-    raises :class:`Aborted` instead, and the COG's writer removes its temporary files.
+    raises :class:`Aborted` instead, and the COG's writer removes its temporary files; after
+    :meth:`all_written` (every tile of the run is on disk) a chunk still missing is an
+    error, as after the last tile, instead of a wait without end.
     """
 
     class Aborted(Exception):
@@ -109,9 +109,13 @@ class RowsOnDisk:
     def __init__(self, store: PredictionStore, poll_s: float = 0.02) -> None:
         self.store, self.poll_s = store, poll_s
         self._stop = threading.Event()
+        self._written = threading.Event()
 
     def abort(self) -> None:
         self._stop.set()
+
+    def all_written(self) -> None:
+        self._written.set()
 
     def __call__(self, row: int) -> None:
         tiles = _row_tiles(self.store, row)
@@ -119,10 +123,20 @@ class RowsOnDisk:
             if self._stop.is_set():
                 raise RowsOnDisk.Aborted(f"the prediction stopped before row {row} of "
                                          f"'{self.store.path}' was written")
+            written = self._written.is_set()  # before looking: no write can come after
             tiles = [t for t in tiles if not self.store.done(t)]
             if not tiles:
                 return
+            if written:
+                raise _missing(self.store, [t.index for t in _all_tiles(self.store)
+                                            if not self.store.done(t)])
             self._stop.wait(self.poll_s)
+
+
+def _missing(store: PredictionStore, missing: list[tuple[int, int]]) -> InputError:
+    return InputError(f"the store '{store.path}' misses {len(missing)} tiles after every rank "
+                      f"finished (first: {missing[0]}); rerun the same command to complete "
+                      "them")
 
 
 def _row_tiles(store: PredictionStore, i: int) -> list[Tile]:

@@ -213,6 +213,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
                                                 world) as bar:
                         predict_batches(model, source, mine, grid, store, o, stats,
                                         _Watching(bar, finishing))
+                if ready is not None:
+                    ready.all_written()
                 barrier()
                 if rank == 0:
                     t0 = time.perf_counter()

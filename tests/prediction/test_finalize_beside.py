@@ -13,6 +13,7 @@ import pytest
 from helpers.prediction import NORM, make_image, make_model
 
 from seg_at_scale.data.normalize import Normalizer
+from seg_at_scale.errors import InputError
 from seg_at_scale.prediction import predict_raster
 from seg_at_scale.prediction import raster as raster_module
 from seg_at_scale.prediction.finalize import RowsOnDisk
@@ -131,6 +132,12 @@ def test_rows_on_disk_waits_for_a_row_and_stops_when_aborted(tmp_path, monkeypat
     ready.abort()
     with pytest.raises(RowsOnDisk.Aborted, match="row 2"):
         ready(2)
+    # every tile written, a chunk still missing: the error, not a wait without end
+    done = RowsOnDisk(store, poll_s=0.005)
+    done.all_written()
+    done(1)
+    with pytest.raises(InputError, match=r"misses 3 tiles .*first: \(2, 0\).*rerun the same"):
+        done(2)
     assert [t.index for t in finalize_module._row_tiles(store, 2)] == [(2, 0), (2, 1), (2, 2)]
     assert [t.core.height for t in finalize_module._row_tiles(store, 2)] == [5, 5, 5]
 
