@@ -45,11 +45,11 @@ def test_the_cog_written_beside_the_tiles_is_the_one_written_after_them(
     predict_raster(model, image, after / "out.tif", _options(probabilities=probabilities),
                    normalizer=NORMALIZER)
 
-    # each forward takes 50 ms more; each row band read says how many forwards had run
+    # each forward takes 20 ms more; each row band read says how many forwards had run
     forwards, rows = [0], []
 
     def slow(*_):
-        time.sleep(0.05)
+        time.sleep(0.02)
         forwards[0] += 1
 
     waited = RowsOnDisk.__call__
@@ -124,7 +124,7 @@ def test_rows_on_disk_waits_for_a_row_and_stops_when_aborted(tmp_path, monkeypat
     ready(0)  # on disk: returns at once
     waiting = threading.Thread(target=ready, args=(1,))
     waiting.start()
-    time.sleep(0.05)
+    time.sleep(0.02)
     assert waiting.is_alive()  # (1, 1) and (1, 2) are missing
     store.on_disk |= {(1, 1), (1, 2)}
     waiting.join(5)
