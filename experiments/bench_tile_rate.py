@@ -13,7 +13,8 @@ as ``bench_encoders.py`` does) on a device-resident ``side``^2 scene normalised 
 ``(x / 255 - 0.5) / 0.25``, fp32 with TF32 off, NCHW: the whole image and exact tiles
 (``predict_tiled_exact``) of each ``--tiles`` side, and MONAI's Gaussian sliding window
 512/0.25 (``sw_batch_size=4``), each with ``cudnn.benchmark`` off and on; best of
-``--repeats`` after a warm-up call. Per run: Mpix/s, the rate of the pixels the network
+``--repeats`` after a first call (its seconds: ``first_s``; its logits give the labels,
+taken channels-last, outside the timing). Per run: Mpix/s, the rate of the pixels the network
 computes (``E`` times the scene's: the work's own speed, halo included), and the % of labels
 off the whole image's labels with the benchmark off; for tiles, how many input shapes the
 grid gives the network. Then ``new_shape``: what the first forward of a shape not run
