@@ -370,9 +370,14 @@ def _rank_main(fabric: Any, job: PredictJob, forked: bool, work: Any) -> dict[st
     """
     import torch
 
-    if not forked:
-        _set_threads(fabric, job, torch)
-        return _predict(job, fabric.device, work)
+    from seg_at_scale.parallel.launch import close_group
+
+    if not forked:  # a launcher's rank (Slurm, torchrun, Fabric's popen): ends by exiting
+        try:
+            _set_threads(fabric, job, torch)
+            return _predict(job, fabric.device, work)
+        finally:
+            close_group()
     die_with_parent(_LAUNCHER[0] if _LAUNCHER else None)
     watch = _WATCH[0] if _WATCH else None
     rank = fabric.global_rank
@@ -495,9 +500,7 @@ def _main(cfg: DictConfig) -> None:
     except RankKilled as exc:
         print(f"seg-predict: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(exc.exit_status) from None
-    from seg_at_scale.parallel.launch import rank_world
-
-    if rank_world()[0] == 0:
+    if _first_rank():  # every rank has left its group by now
         print(json.dumps(res, indent=2))
 
 

@@ -61,6 +61,7 @@ from seg_at_scale.models.trained import (
     card_of_config,
 )
 from seg_at_scale.parallel.environment import plain_environment
+from seg_at_scale.parallel.launch import close_group
 from seg_at_scale.parallel.pipe import PipelineConfig, close_live_pipes
 from seg_at_scale.parallel.setup import (
     pipeline_group,
@@ -322,8 +323,11 @@ def _train(cfg: DictConfig, folder: Path) -> float | None:
     ckpt = resolve_ckpt(cfg, run)
     run.announce()  # accepted: only now into the run's train.log
     model, fp, memory, dm, computed = prepare(cfg, run)
-    trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed, ckpt)
-    if not trainer.is_global_zero:  # sample parallelism: rank 0 predicts and reports
+    try:
+        trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed, ckpt)
+    finally:  # sample parallelism ends with fit: every rank leaves the group
+        close_group()
+    if not trainer.is_global_zero:  # rank 0 predicts the test scenes alone and reports
         return None
     metric = trainer.callback_metrics.get("val/miou")
     summary: dict[str, Any] = {"run": str(run.path), "val/miou": float(metric)

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 __all__ = ["spawn", "free_port", "cpu_threads", "rank_world", "world_size", "barrier",
-           "all_reduce_gradients"]
+           "all_reduce_gradients", "close_group"]
 
 
 def rank_world() -> tuple[int, int]:
@@ -78,6 +78,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+def close_group() -> None:
+    """Destroy the default process group once this process's part of the work is done.
+
+    Lightning destroys it at exit for NCCL only. A gloo group left to the interpreter's
+    shutdown can abort a rank that finished its work ("terminate called without an active
+    exception", SIGABRT), which Slurm records as a failed job. Nothing when not distributed.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def cpu_threads(processes: int = 1) -> int:
     """Torch threads for each of ``processes`` CPU processes of this node.
 
@@ -112,7 +123,7 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, backend: st
     try:
         fn(rank, world, *args)
     finally:
-        dist.destroy_process_group()
+        close_group()
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",

@@ -5,15 +5,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
 from helpers import warm
 from helpers.cli import run_train
 
+from seg_at_scale.io import read_raster
 from seg_at_scale.models import UNet
+from seg_at_scale.models.trained import load_run
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe
-from seg_at_scale.tiling import predict_tiled
+from seg_at_scale.tiling import predict_full, predict_tiled
 
 TINY = ["logger=csv", "model=unet_tiny", "data.synthetic.height=157",
         "data.synthetic.width=189", "data.synthetic.splits={train:2,val:1,test:1}",
@@ -84,11 +87,19 @@ def test_two_process_ddp_training_equals_one_process(tmp_path: Path) -> None:
 
 def test_ddp_validation_grid_with_fewer_tiles_than_ranks(tmp_path: Path) -> None:
     """q = 1: one validation tile for 2 ranks; rank 1 takes a pad slot instead of failing
-    with "DataLoader within local rank has zero length" and a gloo error."""
+    with "DataLoader within local rank has zero length" and a gloo error. Then rank 0
+    predicts the test scene alone (the default ``predict_after_fit``): it failed with
+    "Connection closed by peer" when its prediction still counted the finished rank 1."""
     summary = train(tmp_path, "run", "tiling=grid", "tiling.q=1", "trainer=ddp",
-                    "trainer.devices=2", "trainer.max_epochs=1", "predict_after_fit=false")
+                    "trainer.devices=2", "trainer.max_epochs=1")
     assert summary["computed"]["grid"] == [1, 1]
     assert 0.0 <= summary["val/miou"] <= 1.0
+    test = summary["test"][0]  # the whole scene, tiled, from the best checkpoint
+    trained = load_run(tmp_path / "run")
+    image = next((tmp_path / "data").glob("*/test/scene_0_image.tif"))
+    x = torch.from_numpy(trained.normalizer(read_raster(image)))[None]
+    ref = predict_full(trained.model.eval(), x).argmax(1)[0].numpy()
+    np.testing.assert_array_equal(read_raster(test["prediction"])[0], ref)
 
 
 def test_whole_image_prediction_through_a_pipe() -> None:
