@@ -48,7 +48,7 @@ def test_a_searchs_cpu_probes_fork_from_one_server_that_stops_with_the_search(mo
 
     monkeypatch.setattr(probe_mod, "psutil", SimpleNamespace(Process=watched,
                                                              Error=psutil.Error))
-    search = find_largest_tile(tiny(), int(1.5 * GIB), StepSpec(threads=1), max_probes=3,
+    search = find_largest_tile(tiny(), int(0.7 * GIB), StepSpec(threads=1), max_probes=3,
                                rel_tol=0.5)
     assert len(search.probes) == len(parents) == 3 and search.side > smallest_side(
         footprint(tiny()))
