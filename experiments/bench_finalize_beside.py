@@ -9,13 +9,17 @@ tile. On a GPU the host's cores are free while the device computes; on the CPU t
 network's threads take them. This measures both where no GPU is lent: the 8192^2 4-band
 scene (256^2 zlib tiles) to a COG by the near-free U-Net (2 levels of width 2), with torch
 on every core (``all_cores``) and on all but one (``core_free``, as a GPU host leaves
-them), the two ways alternated ``--repeats`` times: seconds in all, the model's, the
-finalisation's after the last tile, and the two COGs compared byte for byte.
+them), and on two ranks of one thread each (``two_ranks``: rank 0 writes each row band
+once both ranks' chunks of it are on disk, the other rank no longer waits for it after its
+last tile), the two ways alternated ``--repeats`` times: seconds in all (rank 0's with
+two), the model's, the finalisation's after the last tile, and the two COGs compared byte
+for byte.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -30,6 +34,7 @@ import torch
 from common import add_harness_args, save, synthetic_scene
 
 from seg_at_scale.models import UNet
+from seg_at_scale.parallel.launch import spawn
 from seg_at_scale.prediction import PredictOptions, predict_raster
 from seg_at_scale.prediction import raster as raster_module
 
@@ -55,11 +60,28 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(threads)
         figures[case] = {"torch_threads": threads, **_alternated(net, image, options,
                                                                  args.repeats)}
+    figures["two_ranks"] = {"torch_threads": 1, **_alternated(net, image, options,
+                                                              args.repeats, ranks=2)}
     save("bench_finalize_beside", figures, args.out)
 
 
+def _ranked(rank: int, world: int, net: torch.nn.Module, image: Path, out: Path,
+            options: PredictOptions, way: str) -> None:
+    """One of ``world`` ranks; rank 0 writes its figures beside ``out``."""
+    raster_module.finalize_beside = lambda *a: way == "beside"  # this process only
+    t0 = time.perf_counter()
+    stats = predict_raster(net, image, out, options)
+    if rank == 0:
+        out.with_suffix(".json").write_text(json.dumps(_figures(stats, t0)))
+
+
+def _figures(stats: object, t0: float) -> dict[str, float]:
+    return {"s": round(time.perf_counter() - t0, 3),
+            **{k: round(getattr(stats, k), 3) for k in ("model_s", "read_s", "finalize_s")}}
+
+
 def _alternated(net: torch.nn.Module, image: Path, options: PredictOptions,
-                repeats: int) -> dict[str, object]:
+                repeats: int, ranks: int = 1) -> dict[str, object]:
     runs: dict[str, list[dict[str, float]]] = {"after": [], "beside": []}
     cogs: dict[str, bytes] = {}
     tmp = Path(tempfile.mkdtemp(prefix="finalize-beside-"))
@@ -70,14 +92,14 @@ def _alternated(net: torch.nn.Module, image: Path, options: PredictOptions,
                 out = tmp / way / "out.tif"
                 shutil.rmtree(out.parent, ignore_errors=True)
                 out.parent.mkdir()
-                raster_module.finalize_beside = lambda *a, w=way: w == "beside"
-                t0 = time.perf_counter()
-                stats = predict_raster(net, image, out, options)
-                runs[way].append({"s": round(time.perf_counter() - t0, 3),
-                                  "model_s": round(stats.model_s, 3),
-                                  "read_s": round(stats.read_s, 3),
-                                  "finalize_s": round(stats.finalize_s, 3)})
-                print(way, torch.get_num_threads(), runs[way][-1], flush=True)
+                if ranks > 1:
+                    spawn(_ranked, ranks, net, image, out, options, way, threads=1)
+                    runs[way].append(json.loads(out.with_suffix(".json").read_text()))
+                else:
+                    raster_module.finalize_beside = lambda *a, w=way: w == "beside"
+                    t0 = time.perf_counter()
+                    runs[way].append(_figures(predict_raster(net, image, out, options), t0))
+                print(way, ranks, torch.get_num_threads(), runs[way][-1], flush=True)
                 cogs[way] = out.read_bytes()
     finally:
         raster_module.finalize_beside = chosen

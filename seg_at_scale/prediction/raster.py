@@ -196,7 +196,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
             return finalize(store, out_path, plan.kind, plan.reader, plan.names,
                             o.probabilities, o.overwrite, o.keep_store, ready=ready)
 
-        ready = RowsOnDisk(store) if finalize_beside(world, stages) else None
+        ready = RowsOnDisk(store) if rank == 0 and finalize_beside(stages) else None
         with ThreadPoolExecutor(1, thread_name_prefix="finalize") as finisher:
             finishing = finisher.submit(finish, ready) if ready is not None else None
             try:
@@ -213,9 +213,9 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
                                                 world) as bar:
                         predict_batches(model, source, mine, grid, store, o, stats,
                                         _Watching(bar, finishing))
+                barrier()  # every rank's tiles are on disk
                 if ready is not None:
                     ready.all_written()
-                barrier()
                 if rank == 0:
                     t0 = time.perf_counter()
                     stats.class_pixels = finishing.result() if finishing else finish()
@@ -248,16 +248,18 @@ class _Watching:
                 raise error
 
 
-def finalize_beside(world: int, stages: list[Any] | None) -> bool:
+def finalize_beside(stages: list[Any] | None) -> bool:
     """Whether the COG is written beside the tiles (:class:`~.finalize.RowsOnDisk`).
 
-    One process, not staged. On a GPU the host's cores are free while the device computes,
-    and the finalisation after the last tile took as long as the network
-    (``bench_gpu.py``); on the CPU the work is the same, done earlier
-    (``bench_finalize_beside.py``: as fast with every core taken by the network, faster
-    with one free). With several ranks rank 0 finalises after every rank's last tile.
+    Any number of ranks, not staged: rank 0 writes each row band once every rank's chunks
+    of it are on disk. On a GPU the host's cores are free while the device computes, and
+    the finalisation after the last tile took as long as the network (``bench_gpu.py``); on
+    the CPU the work is the same, done earlier (``bench_finalize_beside.py``: as fast with
+    every core taken by the network, faster with one free), and with several ranks the
+    others no longer wait while rank 0 finalises. A staged prediction finalises after its
+    last stage.
     """
-    return world == 1 and stages is None
+    return stages is None
 
 
 def _staged(stages: list[Any], plan: Any, source: RasterWindows, grid: TileGrid,

@@ -1,13 +1,14 @@
-"""In one process the COG is written beside the tiles (``raster.finalize_beside``): each row
-band of the store is read once its chunks are on disk. The same files as the finalisation
-after the last tile (forced here for the reference), written while the model still runs; a
-prediction that stops midway leaves no output and no temporary file, and its rerun resumes
-to the same bytes."""
+"""The COG is written beside the tiles (``raster.finalize_beside``), by rank 0 with any number
+of ranks: each row band of the store is read once every rank's chunks of it are on disk.
+The same files as the finalisation after the last tile (forced here for the reference),
+written while the model still runs; a prediction that stops midway, or whose other rank
+fails, leaves no output and no temporary file, and its rerun resumes to the same bytes."""
 
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers.prediction import NORM, make_image, make_model
@@ -174,3 +175,82 @@ def test_a_cog_that_fails_beside_the_tiles_stops_them_and_the_rerun_completes(
     assert stats.tiles_resumed > 0
     assert stats.tiles_computed > whole.tiles // 2  # the first run stopped early on
     assert _cog_files(out) == _cog_files(ref)
+
+
+def _two_ranks(rank: int, world: int, image: str, output: str, report: str,
+               fail_at: int) -> None:
+    """One rank of a two-rank prediction: rank 1 lags (30 ms a forward) and, with
+    ``fail_at``, fails at that forward; rank 0 records how many tiles of the run were on
+    disk when it took each row band for the COG. Its end goes into ``report.<rank>``."""
+    import json
+
+    from seg_at_scale.parallel.launch import close_group
+
+    model = make_model(levels=3, width=4)
+    forwards, rows = [0], []
+
+    def lag(*_):
+        forwards[0] += 1
+        time.sleep(0.03)
+        if forwards[0] == fail_at:
+            raise RuntimeError("rank 1 failed")
+
+    if rank == 1:
+        model.register_forward_hook(lag)
+    waited = RowsOnDisk.__call__
+
+    def logged(self, row):
+        waited(self, row)
+        rows.append(sum(map(self.store.done, _tiles_of(self.store))))
+
+    RowsOnDisk.__call__ = logged  # a process of its own: nothing to restore
+    try:
+        stats = predict_raster(model, image, output, _options(), normalizer=NORMALIZER)
+        end = {"done": True, "resumed": stats.tiles_resumed, "tiles": stats.tiles}
+    except Exception as exc:  # a failed rank leaves the group, as its process's end would
+        close_group()
+        end = {"done": False, "error": f"{type(exc).__name__}: {exc}"}
+    Path(f"{report}.{rank}").write_text(json.dumps({**end, "rows": rows}))
+
+
+def _tiles_of(store):
+    from seg_at_scale.prediction.finalize import _all_tiles
+
+    return list(_all_tiles(store))
+
+
+def test_two_ranks_write_the_cog_beside_their_tiles_a_failed_rank_stops_it_and_the_rerun_completes(
+        tmp_path, monkeypatch):
+    """With several ranks rank 0 writes each row band once every rank's chunks of it are on
+    disk. A rank that fails midway stops rank 0's COG with it (nothing final, no temporary
+    file), and the two ranks' rerun resumes to the one-process bytes."""
+    import json
+
+    from seg_at_scale.parallel.launch import spawn
+
+    image = make_image(tmp_path / "a.tif", 301, 417)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    ref.mkdir(), out.mkdir()
+    _beside(monkeypatch, False)
+    predict_raster(make_model(levels=3, width=4), image, ref / "out.tif", _options(),
+                   normalizer=NORMALIZER)
+    report = str(tmp_path / "report")
+
+    def ends() -> list[dict]:
+        return [json.loads(Path(f"{report}.{r}").read_text()) for r in (0, 1)]
+
+    spawn(_two_ranks, 2, str(image), str(out / "out.tif"), report, 3, threads=1)
+    first = ends()
+    assert [e["done"] for e in first] == [False, False], first
+    assert "rank 1 failed" in first[1]["error"]
+    assert not (out / "out.tif").exists()
+    left = sorted(p.name for p in out.iterdir())
+    assert [n for n in left if n.endswith(".tmp") or "partial" in n] == [], left
+
+    spawn(_two_ranks, 2, str(image), str(out / "out.tif"), report, 0, threads=1)
+    second = ends()
+    assert [e["done"] for e in second] == [True, True], second
+    assert 0 < second[0]["resumed"] < second[0]["tiles"]
+    assert _cog_files(out) == _cog_files(ref)
+    taken = second[0]["rows"]  # tiles on disk as rank 0 took each row band
+    assert len(taken) >= 2 and taken[0] < second[0]["tiles"], taken
