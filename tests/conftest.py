@@ -84,7 +84,7 @@ def one_torch_thread():
 
 
 # Modules whose tests start real processes, clusters and sweeps (the suite's longest, ~2/3 of
-# its time): collected first, so that `make test` (pytest-xdist, --dist loadscope: a module's
+# its time), then the longest of the others: collected first, so that `make test` (pytest-xdist, --dist loadscope: a module's
 # tests share one worker and its module fixtures) ends on short modules on both workers
 # instead of one worker finishing a long module alone. The Slurm modules, which mostly wait on
 # the cluster, alternate with modules that use the CPU.
@@ -94,7 +94,12 @@ FIRST = ("slurm/test_slurm_requeue.py", "tasks/test_stops.py", "slurm/test_slurm
          "sweeps/test_sweeps.py", "cli/test_train_faults.py", "models/test_smp_cli.py",
          "cli/test_train_cli.py", "parallel/test_parallel_cli.py", "models/test_smp_predict.py",
          "models/test_trust.py", "models/test_segmodel.py", "prediction/test_archive.py",
-         "cli/test_runs.py")
+         "cli/test_runs.py",
+         # then the longest CPU-bound modules, longest first (30-70 s each)
+         "models/test_smp_exact.py", "memory/test_tile_search.py", "cli/test_imports.py",
+         "models/test_smp_staged.py", "prediction/test_rerun_outputs.py",
+         "test_warm_processes.py", "cli/test_huge_pages.py", "cli/test_predict_start.py",
+         "models/test_gscnn.py", "models/test_smp_staged_files.py", "test_gpu.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
