@@ -84,9 +84,10 @@ def one_torch_thread():
 
 
 # Modules whose tests start real processes, clusters and sweeps (the suite's longest, ~2/3 of
-# its time), then the longest of the others: collected first, so that `make test` (pytest-xdist, --dist loadscope: a module's
-# tests share one worker and its module fixtures) ends on short modules on both workers
-# instead of one worker finishing a long module alone. The Slurm modules, which mostly wait on
+# its time), then the longest of the others: collected first, so that `make test`
+# (pytest-xdist, --dist loadscope: a module's tests share one worker and its module
+# fixtures) ends on short modules on every worker instead of one worker finishing a long
+# module alone. The Slurm modules, which mostly wait on
 # the cluster, alternate with modules that use the CPU.
 FIRST = ("slurm/test_slurm_requeue.py", "tasks/test_stops.py", "slurm/test_slurm_sweeps.py",
          "prediction/test_prediction.py", "slurm/test_slurm_training.py",

@@ -241,5 +241,7 @@ class CosmicTask(SegmentationTask):
         metrics = cosmic_metrics(cm.cpu())
         for name, value in metrics.items():
             v = 0.0 if math.isnan(value) else value
-            self.log(f"val/{name}", v, prog_bar=name == "miou", sync_dist=False)
+            # the summed counts: one value on every rank, kept as is by "max"
+            self.log(f"val/{name}", v, prog_bar=name == "miou", sync_dist=True,
+                     reduce_fx="max")
         self.confusion.zero_()

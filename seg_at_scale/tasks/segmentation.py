@@ -208,12 +208,13 @@ class SegmentationTask(pl.LightningModule):
         self.val_iou.update(logits.argmax(1), batch["target"])
 
     def on_validation_epoch_end(self) -> None:
-        iou = self.val_iou.compute()
+        iou = self.val_iou.compute()  # every rank's counts summed: one value on all ranks
         present = ~torch.isnan(iou)
+        # "max" of one value keeps it as is, and tells Lightning it is every rank's
         self.log("val/miou", iou[present].mean() if present.any() else torch.tensor(0.0),
-                 prog_bar=True)
+                 prog_bar=True, sync_dist=True, reduce_fx="max")
         for name, v in zip(self.class_names, iou):
-            self.log(f"val/iou_{name}", v)
+            self.log(f"val/iou_{name}", v, sync_dist=True, reduce_fx="max")
         self.val_iou.reset()
 
     # ----- optimisation ----------------------------------------------------------------
