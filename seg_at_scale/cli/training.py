@@ -61,7 +61,7 @@ from seg_at_scale.models.trained import (
     card_of_config,
 )
 from seg_at_scale.parallel.environment import plain_environment
-from seg_at_scale.parallel.launch import close_group
+from seg_at_scale.parallel.launch import group_of_its_own
 from seg_at_scale.parallel.pipe import PipelineConfig, close_live_pipes
 from seg_at_scale.parallel.setup import (
     pipeline_group,
@@ -323,10 +323,8 @@ def _train(cfg: DictConfig, folder: Path) -> float | None:
     ckpt = resolve_ckpt(cfg, run)
     run.announce()  # accepted: only now into the run's train.log
     model, fp, memory, dm, computed = prepare(cfg, run)
-    try:
+    with group_of_its_own():  # sample parallelism ends with fit: every rank leaves the group
         trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed, ckpt)
-    finally:  # sample parallelism ends with fit: every rank leaves the group
-        close_group()
     if not trainer.is_global_zero:  # rank 0 predicts the test scenes alone and reports
         return None
     metric = trainer.callback_metrics.get("val/miou")

@@ -8,9 +8,10 @@ Lightning launches the training processes itself, ``trainer=ddp``), each with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import torch
@@ -19,7 +20,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 __all__ = ["spawn", "free_port", "cpu_threads", "rank_world", "world_size", "barrier",
-           "all_reduce_gradients", "close_group"]
+           "all_reduce_gradients", "close_group", "group_of_its_own"]
 
 
 def rank_world() -> tuple[int, int]:
@@ -87,6 +88,20 @@ def close_group() -> None:
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def group_of_its_own() -> Iterator[None]:
+    """Destroy, on leaving, the default group made inside (Lightning's, by ``fit``).
+
+    A group that was there on entry is the caller's, and stays.
+    """
+    theirs = dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not theirs:
+            close_group()
 
 
 def cpu_threads(processes: int = 1) -> int:

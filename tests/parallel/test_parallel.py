@@ -270,3 +270,28 @@ def test_cpu_threads_follow_omp_num_threads_then_the_cpus_this_process_may_use(m
     assert (cpu_threads(1), cpu_threads(2), cpu_threads(16)) == (8, 4, 1)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert cpu_threads(2) == 3
+
+
+def test_a_group_made_inside_is_destroyed_on_leaving_and_the_callers_group_stays(tmp_path):
+    """``group_of_its_own`` (around ``fit``): the group Lightning makes inside is gone
+    after it (a gloo group left to the interpreter's exit can abort a finished rank); a
+    group the caller had made before stays theirs."""
+    import torch.distributed as dist
+
+    from seg_at_scale.parallel.launch import group_of_its_own
+
+    def one_rank_group(name: str) -> None:
+        store = dist.FileStore(str(tmp_path / name), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+    with group_of_its_own():
+        one_rank_group("inside")
+        assert dist.is_initialized()
+    assert not dist.is_initialized()
+    one_rank_group("callers")
+    try:
+        with group_of_its_own():
+            pass
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
