@@ -89,7 +89,8 @@ class PredictJob:
     must hold the same values, a test checks it) and ``seg-predict --help``.
 
     Attributes:
-        image: the raster to predict (GeoTIFF / TIFF / BigTIFF).
+        image: the raster to predict: a (Geo)TIFF / BigTIFF, or any raster GDAL opens (a VRT
+            mosaic, JPEG 2000, ...).
         output: <name>.tif (Cloud-Optimized GeoTIFF) or <name>.zarr (Zarr v3).
         images: or many scenes: a folder, a glob, a .txt list or a STAC JSON file.
         output_dir: images=: the scenes are written as <output_dir>/<stem>.<output_format>,

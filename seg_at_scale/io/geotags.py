@@ -74,6 +74,30 @@ class GeoTags:
             found.append((code, int(tag.dtype), count, value))
         return cls(tuple(found))
 
+    @classmethod
+    def from_gdal(cls, crs: Any, transform: Any) -> GeoTags:
+        """The GeoTIFF tags GDAL writes for ``crs`` and ``transform`` (rasterio's objects).
+
+        For a raster GDAL opens that is not a TIFF (a VRT, JPEG 2000, ...): GDAL encodes
+        the georeferencing into a one-pixel GeoTIFF in memory, whose tags are read back
+        (empty for an image with neither).
+        """
+        if crs is None and transform.is_identity:
+            return cls()
+        import io
+
+        from rasterio.io import MemoryFile
+
+        with MemoryFile() as mem:
+            with mem.open(driver="GTiff", width=1, height=1, count=1, dtype="uint8",
+                          crs=crs, transform=transform):
+                pass
+            data = bytes(mem.getbuffer())
+        with tifffile.TiffFile(io.BytesIO(data)) as tif:
+            page = tif.pages.first
+            assert isinstance(page, tifffile.TiffPage)
+            return cls.from_page(page)
+
     @property
     def is_empty(self) -> bool:
         """True when there are no GeoTIFF tags (the input was a plain TIFF)."""

@@ -1,4 +1,4 @@
-"""Windowed reading of (Big/Geo)TIFF rasters far larger than memory.
+"""Windowed reading of rasters far larger than memory: (Big/Geo)TIFF, and what GDAL opens.
 
 :class:`RasterReader` decodes only the tiles or strips a window touches: it reads their
 bytes with one seek + read each and hands them to ``tifffile``'s per-page segment decoder,
@@ -12,6 +12,12 @@ whole, segment by segment, again and again: it gets one warning saying how to co
 GDAL's internal mask (the per-dataset mask IFD of COGs and JPEG files) is read like the
 image: :meth:`RasterReader.read_mask`.
 
+Any other raster GDAL opens (a VRT mosaic of many files, JPEG 2000, ERDAS Imagine, ...) is
+read through rasterio by :class:`GdalReader`, which ``RasterReader(path)`` returns for a
+file whose first bytes are not a TIFF header: the same windows, fills, mask and no-data
+rules, with the georeferencing carried to the outputs as GeoTIFF tags
+(:meth:`~seg_at_scale.io.geotags.GeoTags.from_gdal`).
+
 >>> with RasterReader("scene.tif") as r:  # doctest: +SKIP
 ...     patch = r.read(Window(-92, -92, 572, 572), fill="reflect")  # [C, 572, 572]
 
@@ -23,9 +29,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar, cast
 
 import numpy as np
 import tifffile
@@ -37,7 +44,10 @@ from seg_at_scale.io.writer import check_output_path, write_raster, write_raster
 from seg_at_scale.tiling.geometry import Fill, Window, source_indices
 
 __all__ = [
+    "GdalReader",
     "RasterReader",
+    "is_tiff",
+    "raster_files",
     "read_raster",
     "write_raster",
     "write_raster_bands",
@@ -46,6 +56,7 @@ __all__ = [
 
 
 log = logging.getLogger(__name__)
+_Reader = TypeVar("_Reader", bound="RasterReader")
 
 # A compressed read that decodes this many times the window's pixels (and at least
 # WASTE_MIN_PIXELS) means the file's segments are far larger than the windows read.
@@ -56,6 +67,23 @@ _warned: set[Path] = set()  # files warned about (once per process)
 def _open_binary(path: Path) -> BinaryIO:
     """Open ``path`` for binary reading (a seam: tests substitute a byte-counting file)."""
     return open(path, "rb")  # noqa: SIM115 - owned and closed by RasterReader
+
+
+#: The first four bytes of a TIFF (II / MM byte order; 42 classic, 43 BigTIFF).
+TIFF_MAGIC = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")
+
+
+def is_tiff(path: str | os.PathLike[str]) -> bool:
+    """True unless ``path`` is a readable file that does not start like a TIFF.
+
+    A missing or unreadable file counts as a TIFF, so that the TIFF reader names the
+    problem.
+    """
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) in TIFF_MAGIC
+    except OSError:
+        return True
 
 
 def _cannot_read(path: Path, reason: object) -> InputError:
@@ -101,6 +129,13 @@ class RasterReader:
     layout: PageLayout
     bytes_read: int
     segments: dict[bool, SegmentCache]
+
+    def __new__(cls: type[_Reader], path: str | os.PathLike[str] | None = None, *args: Any,
+                **kwargs: Any) -> _Reader:
+        """A :class:`GdalReader` for a file that is not a TIFF (``path=None``: unpickling)."""
+        if cls is RasterReader and path is not None and not is_tiff(path):
+            return cast(_Reader, object.__new__(GdalReader))
+        return object.__new__(cls)
 
     def __init__(self, path: str | os.PathLike[str], *, nodata: float | None = None) -> None:
         self.path = Path(path)
@@ -206,7 +241,7 @@ class RasterReader:
         self._tif = self._fh = None
         self._maps = {}
 
-    def __enter__(self) -> RasterReader:
+    def __enter__(self: _Reader) -> _Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -359,6 +394,142 @@ class RasterReader:
         if len(data) != count:
             raise OSError(f"short read at byte {offset}: {len(data)} of {count} bytes")
         return data
+
+
+#: Handles a forked child inherited from its parent: kept, never closed in the child (closing
+#: could wait on a lock a parent thread held at the fork).
+_INHERITED: list[Any] = []
+
+
+class GdalReader(RasterReader):
+    """A raster GDAL opens that is not a TIFF (a VRT mosaic, JPEG 2000, ...), via rasterio.
+
+    ``RasterReader(path)`` returns one for such a file; its windows, fills, mask and
+    no-data rules are :class:`RasterReader`'s. The no-data value is the ``nodata`` argument,
+    else the bands' own (one value for every band). GDAL's per-dataset mask (not an alpha
+    band, which is read as a band) is :meth:`read_mask`'s. Every file the raster is made
+    of (:attr:`files`: a VRT's sources too) must exist when it is opened, so that a missing
+    source is named before any work rather than when a window first needs it. Reads share
+    one dataset per process, serialised (GDAL decodes with its own block cache).
+
+    Attributes:
+        files: the files GDAL reads this raster from, the named file first.
+    """
+
+    files: list[Path]
+
+    def __init__(self, path: str | os.PathLike[str], *, nodata: float | None = None) -> None:
+        self.path = Path(path)
+        self._nodata_arg = nodata
+        self._ds: Any = None
+        self._fh = self._tif = None
+        self._maps = {}
+        self._mask = None
+        self._pid = -1
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        ds = self._open_dataset()
+        try:
+            self._describe_dataset(ds)
+        except BaseException:
+            self._close_handles()
+            raise
+
+    def _open_dataset(self) -> Any:
+        import rasterio
+        from rasterio.errors import NotGeoreferencedWarning, RasterioIOError
+
+        self._close_handles()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NotGeoreferencedWarning)
+                self._ds = rasterio.open(self.path)
+        except RasterioIOError as exc:
+            said = str(exc).rstrip(".")
+            raise InputError(f"cannot read '{self.path}' as a raster: it is not a TIFF, and "
+                             f"GDAL says: {said}. Check the path, or re-create / re-copy the "
+                             "file.") from exc
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self.segments = {False: SegmentCache(), True: SegmentCache()}
+        return self._ds
+
+    def _describe_dataset(self, ds: Any) -> None:
+        from rasterio.enums import MaskFlags
+
+        self.height, self.width, self.bands = int(ds.height), int(ds.width), int(ds.count)
+        if self.bands < 1:
+            raise InputError(f"cannot read '{self.path}' as a raster: it has no bands")
+        if len(set(ds.dtypes)) != 1:
+            raise InputError(f"'{self.path}' has bands of different sample types "
+                             f"({', '.join(ds.dtypes)}); make them one, e.g. `gdal_translate "
+                             f"-ot {ds.dtypes[0].capitalize()} in out.tif`")
+        self.dtype = np.dtype(ds.dtypes[0])
+        self.files = [Path(f) for f in ds.files] or [self.path]
+        missing = [f for f in self.files[1:] if not f.exists()]
+        if missing:
+            raise InputError(f"'{self.path}' reads '{missing[0]}', which does not exist "
+                             f"({len(missing)} of its {len(self.files) - 1} files missing); "
+                             "restore them or rebuild it (e.g. gdalbuildvrt)")
+        self.geotags = GeoTags.from_gdal(ds.crs, ds.transform)
+        self.nodata = self._nodata_arg if self._nodata_arg is not None else \
+            self._band_nodata(ds.nodatavals)
+        flags = set(ds.mask_flag_enums[0])
+        self.has_mask = (MaskFlags.per_dataset in flags
+                         and not flags & {MaskFlags.nodata, MaskFlags.alpha, MaskFlags.all_valid})
+        seg = tuple(int(n) for n in ds.block_shapes[0])
+        self.layout = PageLayout(self.height, self.width, self.bands, self.dtype, True,
+                                 (seg[0], seg[1]), True, f"GDAL {ds.driver}", (), (), None)
+        if self.has_mask:
+            self._mask = (self.layout, None, None)  # type: ignore[assignment]
+
+    def _band_nodata(self, values: tuple[float | None, ...]) -> float | None:
+        distinct = {"nan" if v is not None and np.isnan(v) else v for v in values}
+        if len(distinct) > 1:
+            shown = ", ".join("none" if v is None else str(v) for v in values)
+            raise InputError(f"'{self.path}' has a different no-data value per band ({shown});"
+                             " pass nodata=<value> for all of them")
+        value = values[0]
+        return None if value is None else float(value)
+
+    def _ensure_open(self) -> None:
+        if self._ds is None or self._pid != os.getpid():
+            if self._ds is not None:
+                _INHERITED.append(self._ds)
+                self._ds = None
+            self._open_dataset()
+
+    def _close_handles(self) -> None:
+        if self._ds is not None and self._pid == os.getpid():
+            self._ds.close()
+        self._ds = None
+
+    def _read_box(self, r0: int, r1: int, c0: int, c1: int, mask: bool = False,
+                  pixels: bool = False) -> np.ndarray:
+        """``[C, r1-r0, c1-c0]`` (``mask``: ``[1, ...]``, 0 = no data) for a box inside."""
+        from rasterio.errors import RasterioIOError
+        from rasterio.windows import Window as GdalWindow
+
+        self._ensure_open()
+        window = GdalWindow(c0, r0, c1 - c0, r1 - r0)
+        try:
+            with self._lock:
+                out = (self._ds.dataset_mask(window=window)[None] if mask
+                       else self._ds.read(window=window))
+                self.bytes_read += out.nbytes
+        except RasterioIOError as exc:
+            raise InputError(f"cannot read rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
+                             f"{exc}. Re-copy or re-generate the file (and its sources)."
+                             ) from exc
+        return np.asarray(out)
+
+
+def raster_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The files a raster is read from: a TIFF itself, else GDAL's list (a VRT's sources)."""
+    if is_tiff(path):
+        return [Path(path)]
+    with GdalReader(path) as reader:
+        return reader.files
 
 
 _DECODERS: tuple[int, ThreadPoolExecutor] | None = None

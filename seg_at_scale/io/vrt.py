@@ -1,9 +1,11 @@
-"""A GDAL virtual mosaic (VRT) of label rasters, so an archive opens as one layer.
+"""A GDAL virtual mosaic (VRT) of rasters, so an archive opens as one layer.
 
-What ``gdalbuildvrt`` writes for north-up rasters of one CRS, one band each: a
-``VRTDataset`` covering the union of their extents at the finest pixel size, one
-``SimpleSource`` per file placed by its geotransform, the nodata value and the colour table
-of the first file. GDAL's command-line tools are not a dependency (rasterio wheels carry
+What ``gdalbuildvrt`` writes for north-up rasters of one CRS and band count: a
+``VRTDataset`` covering the union of their extents at the finest pixel size, per band one
+``SimpleSource`` per file placed by its geotransform, the nodata value and (one band) the
+colour table of the first file. ``seg-predict`` writes one over an archive's label rasters;
+a mosaic of image tiles is read back as one scene (:class:`~seg_at_scale.io.raster.GdalReader`).
+GDAL's command-line tools are not a dependency (rasterio wheels carry
 the library, not the programs), so the XML is written here with ``xml.etree`` following
 GDAL's VRT format; rasterio (GDAL) reads it back in the tests.
 
@@ -49,11 +51,11 @@ def _describe(path: Path) -> dict[str, Any]:
             colours = ds.colormap(1) if ds.count == 1 and ds.dtypes[0] == "uint8" else None
             return {"path": path, "transform": ds.transform, "height": ds.height,
                     "width": ds.width, "crs": ds.crs, "dtype": ds.dtypes[0],
-                    "nodata": ds.nodata, "colours": colours}
+                    "nodata": ds.nodata, "colours": colours, "count": ds.count}
 
 
 def write_vrt(paths: Sequence[Path], vrt: Path) -> Path:
-    """One VRT over rasters of one CRS (see the module docstring); written atomically."""
+    """One VRT over rasters of one CRS and band count (the module docstring); atomic."""
     infos = [_describe(p) for p in paths]
     res_x = min(i["transform"].a for i in infos)
     res_y = max(i["transform"].e for i in infos)  # negative: the finest is the largest
@@ -68,30 +70,37 @@ def write_vrt(paths: Sequence[Path], vrt: Path) -> Path:
         ET.SubElement(root, "SRS").text = infos[0]["crs"].to_wkt()
     ET.SubElement(root, "GeoTransform").text = ", ".join(repr(float(v))
                                                         for v in dst.to_gdal())
-    band = ET.SubElement(root, "VRTRasterBand", dataType=_gdal_type(infos[0]["dtype"]),
-                         band="1")
-    if infos[0]["nodata"] is not None:
-        ET.SubElement(band, "NoDataValue").text = repr(float(infos[0]["nodata"]))
-    if infos[0]["colours"]:
-        ET.SubElement(band, "ColorInterp").text = "Palette"
-        table = ET.SubElement(band, "ColorTable")
-        for k in range(max(infos[0]["colours"]) + 1):
-            r, g, b, a = infos[0]["colours"].get(k, (0, 0, 0, 0))
-            ET.SubElement(table, "Entry", c1=str(r), c2=str(g), c3=str(b), c4=str(a))
-    for info in infos:
-        _source(band, info, dst, vrt.parent)
+    counts = {i["count"] for i in infos}
+    if len(counts) != 1:
+        odd = next(i for i in infos if i["count"] != infos[0]["count"])
+        raise InputError(f"'{odd['path']}' has {odd['count']} bands but '{infos[0]['path']}' "
+                         f"has {infos[0]['count']}; a mosaic needs one band count")
+    for k in range(1, infos[0]["count"] + 1):
+        band = ET.SubElement(root, "VRTRasterBand", dataType=_gdal_type(infos[0]["dtype"]),
+                             band=str(k))
+        if infos[0]["nodata"] is not None:
+            ET.SubElement(band, "NoDataValue").text = repr(float(infos[0]["nodata"]))
+        if infos[0]["colours"]:
+            ET.SubElement(band, "ColorInterp").text = "Palette"
+            table = ET.SubElement(band, "ColorTable")
+            for c in range(max(infos[0]["colours"]) + 1):
+                r, g, b, a = infos[0]["colours"].get(c, (0, 0, 0, 0))
+                ET.SubElement(table, "Entry", c1=str(r), c2=str(g), c3=str(b), c4=str(a))
+        for info in infos:
+            _source(band, k, info, dst, vrt.parent)
     tmp = vrt.with_name(f".{vrt.name}.{os.getpid()}.tmp")
     ET.ElementTree(root).write(tmp, encoding="utf-8", xml_declaration=False)
     os.replace(tmp, vrt)
     return vrt
 
 
-def _source(band: ET.Element, info: dict[str, Any], dst: Affine, folder: Path) -> None:
+def _source(band: ET.Element, k: int, info: dict[str, Any], dst: Affine, folder: Path
+            ) -> None:
     src = ET.SubElement(band, "ComplexSource" if info["nodata"] is not None
                         else "SimpleSource")
     rel = os.path.relpath(info["path"], folder)
     ET.SubElement(src, "SourceFilename", relativeToVRT="1").text = rel
-    ET.SubElement(src, "SourceBand").text = "1"
+    ET.SubElement(src, "SourceBand").text = str(k)
     ET.SubElement(src, "SrcRect", xOff="0", yOff="0", xSize=str(info["width"]),
                   ySize=str(info["height"]))
     x, y, w, h = _window(info["transform"], dst, info["height"], info["width"])

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from seg_at_scale.data.normalize import Normalizer
-from seg_at_scale.errors import OutputExistsError
+from seg_at_scale.errors import InputError, OutputExistsError
 from seg_at_scale.io import RasterReader
+from seg_at_scale.io.raster import raster_files
 from seg_at_scale.models.fold import fold_batchnorm
 from seg_at_scale.prediction.checks import rewritten_by_resume, store_path
 from seg_at_scale.prediction.finalize import cog_outputs
@@ -178,9 +179,17 @@ def input_id(path: Path) -> str:
 
     Read whole at disk speed, hashed on every core (:func:`~.provenance.file_blake3`), once
     per run: the content, not the path, size or mtime, decides whether a finished output or
-    a store is this prediction's.
+    a store is this prediction's. A raster GDAL reads from several files (a VRT and its
+    sources: :func:`~seg_at_scale.io.raster.raster_files`) is known by the BLAKE3 of its
+    files' hashes in GDAL's order, so a changed source is a changed input.
     """
-    return file_blake3(path)
+    files = raster_files(path)
+    if len(files) == 1:
+        return file_blake3(files[0])
+    import blake3
+
+    return "blake3:" + blake3.blake3("\n".join(file_blake3(f) for f in files).encode()
+                                     ).hexdigest()
 
 
 def readable_input_id(path: Path) -> str | None:
@@ -192,7 +201,7 @@ def readable_input_id(path: Path) -> str | None:
     """
     try:
         return input_id(path)
-    except OSError:
+    except (OSError, InputError):
         return None
 
 

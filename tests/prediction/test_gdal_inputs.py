@@ -1,0 +1,52 @@
+"""A scene given as a VRT mosaic of GeoTIFF pieces is predicted as the scene itself.
+
+The same labels bit for bit as the one-file scene, the outputs placed where the mosaic is,
+and the mosaic known by its pieces' bytes too: a finished output is reused while they are
+unchanged, and refused as another prediction's once a piece changes.
+"""
+
+from __future__ import annotations
+
+import rasterio
+from helpers.prediction import make_image, make_model, make_run, seg_predict, seg_predict_here
+
+from seg_at_scale.io import RasterReader, example_geotags, read_raster, write_raster
+from seg_at_scale.io.vrt import write_vrt
+from seg_at_scale.prediction.plan import input_id
+
+
+def _pieces(tmp_path, image, rows=(0, 150, 301), cols=(0, 201, 389)):
+    paths = []
+    for i in range(2):
+        for j in range(2):
+            r0, r1, c0, c1 = rows[i], rows[i + 1], cols[j], cols[j + 1]
+            tags = example_geotags((500000.0 + 10.0 * c0, 4500000.0 - 10.0 * r0), 10.0)
+            paths.append(write_raster(tmp_path / f"p{i}{j}.tif", image[:, r0:r1, c0:c1],
+                                      tile=(64, 64), geotags=tags))
+    return paths
+
+
+def test_a_vrt_mosaic_predicts_as_its_scene_and_is_known_by_its_pieces(tmp_path):
+    run = make_run(tmp_path / "run", make_model("same", levels=3, width=8))
+    whole = make_image(tmp_path / "whole.tif", height=301, width=389)
+    image = read_raster(whole)
+    pieces = _pieces(tmp_path, image)
+    vrt = write_vrt(pieces, tmp_path / "mosaic.vrt")
+    a = seg_predict(run, whole, tmp_path / "a.tif", "tile_size=128", "preview=false")
+    b = seg_predict(run, vrt, tmp_path / "b.tif", "tile_size=128", "preview=false")
+    assert a["tiles"] == b["tiles_computed"] == b["tiles"] > 4
+    assert read_raster(tmp_path / "b.tif").tobytes() == read_raster(tmp_path / "a.tif").tobytes()
+    with rasterio.open(vrt) as v, rasterio.open(tmp_path / "b.tif") as out:
+        assert (out.crs, out.transform, out.shape) == (v.crs, v.transform, v.shape)
+
+    again = seg_predict(run, vrt, tmp_path / "b.tif", "tile_size=128", "preview=false")
+    assert again["tiles_computed"] == 0  # the same mosaic: the finished output is reused
+    before, xml = input_id(vrt), vrt.read_bytes()
+    changed = image[:, 150:, 201:].copy()
+    changed[:, 5, 5] ^= 1  # one sample of one piece
+    write_raster(pieces[3], changed, tile=(64, 64), overwrite=True,
+                 geotags=RasterReader(pieces[3]).geotags)
+    assert input_id(vrt) != before and vrt.read_bytes() == xml  # the VRT itself unchanged
+    out = seg_predict_here(f"run={run}", f"image={vrt}", f"output={tmp_path / 'b.tif'}",
+                           "tile_size=128", "preview=false")
+    assert out.returncode != 0 and "was made by another prediction" in out.stderr
