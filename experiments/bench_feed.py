@@ -18,6 +18,9 @@ Two comparisons, each alternated in one run so that the shared cores' drift canc
    runs torch as the commands do (tcmalloc where installed, :mod:`seg_at_scale.cli.malloc`,
    and huge pages for its tensors under glibc's malloc, :mod:`seg_at_scale.cli`), so the
    in-memory network is as fast here as inside ``seg-predict``.
+3. ``vrt``: the near-free U-Net's ``seg-predict`` of the scene given as a VRT mosaic of
+   4 x 4 GeoTIFF pieces (read through GDAL, :class:`~seg_at_scale.io.raster.GdalReader`)
+   against the scene's own TIFF (the project's reader), the same labels checked.
 
 Each ``seg-predict`` prints its own split (read, model, write, finalize seconds); the
 medians go into the JSON with the machine's load.
@@ -77,6 +80,34 @@ def predict(run: Path, image: Path, out: Path, tile: int | None = None) -> dict[
         "seconds", "read_s", "read_wait_s", "model_s", "write_s", "finalize_s") if k in res}}
 
 
+def mosaic_of(image: Path, pieces: int = 4) -> Path:
+    """The scene as a VRT over ``pieces`` x ``pieces`` GeoTIFFs (256^2 DEFLATE tiles, as
+    the scene), written once beside it."""
+    import rasterio
+    from rasterio.windows import Window as GdalWindow
+
+    from seg_at_scale.io.vrt import write_vrt
+
+    folder = image.with_name(f"{image.stem}_pieces")
+    vrt = folder / "mosaic.vrt"
+    if vrt.exists():
+        return vrt
+    folder.mkdir(exist_ok=True)
+    paths = []
+    with rasterio.open(image) as src:
+        step = -(-src.height // pieces)
+        for i in range(0, src.height, step):
+            for j in range(0, src.width, step):
+                w = GdalWindow(j, i, min(step, src.width - j), min(step, src.height - i))
+                profile = {**src.profile, "width": w.width, "height": w.height,
+                           "transform": src.window_transform(w), "tiled": True,
+                           "blockxsize": 256, "blockysize": 256, "compress": "deflate"}
+                paths.append(folder / f"p{i}_{j}.tif")
+                with rasterio.open(paths[-1], "w", **profile) as dst:
+                    dst.write(src.read(window=w))
+    return write_vrt(paths, vrt)
+
+
 def gdal_cog(image: Path, out: Path) -> float:
     """GDAL's COG copy of the scene (DEFLATE, all cores); seconds."""
     out.unlink(missing_ok=True)
@@ -84,6 +115,12 @@ def gdal_cog(image: Path, out: Path) -> float:
     subprocess.run(["gdal_translate", "-q", "-of", "COG", "-co", "COMPRESS=DEFLATE",
                     "-co", "NUM_THREADS=ALL_CPUS", str(image), str(out)], check=True)
     return time.perf_counter() - t0
+
+
+def read_labels(path: Path) -> bytes:
+    from seg_at_scale.io import read_raster
+
+    return read_raster(path).tobytes()
 
 
 def bare_case(run: Path, image: Path) -> tuple[Any, Any, list[torch.Tensor], PredictOptions]:
@@ -134,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="1536 px, one alternation (smoke)")
     p.add_argument("--size", type=int, default=0, help="scene side (default 8192)")
     p.add_argument("--repeats", type=int, default=0, help="alternations (default 3)")
-    p.add_argument("--skip", default="", help="comma list of comparisons to skip: gdal,bare")
+    p.add_argument("--skip", default="",
+                   help="comma list of comparisons to skip: gdal,bare,vrt")
     p.add_argument("--out", default="", help="result JSON (default results/bench_feed.json)")
     args = p.parse_args(argv)
     size = args.size or (1536 if args.quick else 8192)
@@ -196,6 +234,23 @@ def main(argv: list[str] | None = None) -> None:
             # the command's tile loop alone (reading, normalising, network, labels, writing)
             "loop_over_bare": round(bare_s / min(r["model_s"] for r in command), 3)}
         del inputs
+        load.append(list(os.getloadavg()))
+    if "vrt" not in skip:
+        tiny = fake_run(DATA / "tiny_unet_run", levels=2, base_width=2)
+        mosaic = mosaic_of(image)
+        tif_runs, vrt_runs = [], []
+        for _ in range(repeats):
+            tif_runs.append(predict(tiny, image, work / "tif.tif"))
+            vrt_runs.append(predict(tiny, mosaic, work / "vrt.tif"))
+        same = read_labels(work / "tif.tif") == read_labels(work / "vrt.tif")
+        figures["vrt"] = {
+            "what": "seg-predict (U-Net 2 levels x width 2, fast) of the scene as a VRT of "
+                    "4 x 4 GeoTIFF pieces (GDAL) vs the scene's TIFF, alternated",
+            "tif": tif_runs, "vrt": vrt_runs, "same_labels": same,
+            "tif_over_vrt": round(statistics.median(r["wall_s"] for r in tif_runs)
+                                  / statistics.median(r["wall_s"] for r in vrt_runs), 3),
+            "read_tif_over_vrt": round(statistics.median(r["read_s"] for r in tif_runs)
+                                       / statistics.median(r["read_s"] for r in vrt_runs), 3)}
         load.append(list(os.getloadavg()))
     figures["load_avg"] = load
     save("bench_feed", figures, Path(args.out) if args.out else None)

@@ -76,14 +76,15 @@ TIFF_MAGIC = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")
 def is_tiff(path: str | os.PathLike[str]) -> bool:
     """True unless ``path`` is a readable file that does not start like a TIFF.
 
-    A missing or unreadable file counts as a TIFF, so that the TIFF reader names the
-    problem.
+    A missing, unreadable or nearly empty file counts as a TIFF, so that the TIFF reader
+    names the problem.
     """
     try:
         with open(path, "rb") as fh:
-            return fh.read(4) in TIFF_MAGIC
+            head = fh.read(4)
     except OSError:
         return True
+    return len(head) < 4 or head in TIFF_MAGIC
 
 
 def _cannot_read(path: Path, reason: object) -> InputError:

@@ -223,8 +223,8 @@ def test_truncated_file_message(tmp_path: Path) -> None:
                               f"file has {size - 100} bytes. Re-copy or re-generate it.")
 
 
-@pytest.mark.parametrize("content", [b"II*\x00 and then not a tiff at all", None],
-                         ids=["broken", "missing"])
+@pytest.mark.parametrize("content", [b"II*\x00 and then not a tiff at all", b"", None],
+                         ids=["broken", "empty", "missing"])
 def test_unreadable_file_message(tmp_path: Path, content: bytes | None) -> None:
     """(A file that does not start like a TIFF is GDAL's to read: test_gdal_rasters.)"""
     path = tmp_path / "notatiff.tif"
