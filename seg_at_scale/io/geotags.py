@@ -75,23 +75,34 @@ class GeoTags:
         return cls(tuple(found))
 
     @classmethod
-    def from_gdal(cls, crs: Any, transform: Any) -> GeoTags:
-        """The GeoTIFF tags GDAL writes for ``crs`` and ``transform`` (rasterio's objects).
+    def from_gdal(cls, dataset: Any) -> GeoTags:
+        """The GeoTIFF tags GDAL writes for an open rasterio ``dataset``'s georeferencing.
 
-        For a raster GDAL opens that is not a TIFF (a VRT, JPEG 2000, ...): GDAL encodes
-        the georeferencing into a one-pixel GeoTIFF in memory, whose tags are read back
-        (empty for an image with neither).
+        For a raster GDAL opens that is not a TIFF (a VRT, JPEG 2000, ...): its CRS and
+        geotransform (rotated too), or its ground control points, are encoded by GDAL into
+        a one-pixel GeoTIFF in memory, whose tags are read back (empty for an image with
+        none of them).
         """
-        if crs is None and transform.is_identity:
+        gcps, gcp_crs = dataset.gcps
+        if dataset.crs is None and dataset.transform.is_identity and not gcps:
             return cls()
         import io
+        import warnings
 
+        from rasterio.errors import NotGeoreferencedWarning
         from rasterio.io import MemoryFile
 
         with MemoryFile() as mem:
-            with mem.open(driver="GTiff", width=1, height=1, count=1, dtype="uint8",
-                          crs=crs, transform=transform):
-                pass
+            if gcps:
+                with warnings.catch_warnings():  # not georeferenced until the points are set
+                    warnings.simplefilter("ignore", NotGeoreferencedWarning)
+                    out = mem.open(driver="GTiff", width=1, height=1, count=1, dtype="uint8")
+                with out:
+                    out.gcps = (gcps, gcp_crs)
+            else:
+                with mem.open(driver="GTiff", width=1, height=1, count=1, dtype="uint8",
+                              crs=dataset.crs, transform=dataset.transform):
+                    pass
             data = bytes(mem.getbuffer())
         with tifffile.TiffFile(io.BytesIO(data)) as tif:
             page = tif.pages.first

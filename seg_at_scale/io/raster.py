@@ -472,7 +472,7 @@ class GdalReader(RasterReader):
             raise InputError(f"'{self.path}' reads '{missing[0]}', which does not exist "
                              f"({len(missing)} of its {len(self.files) - 1} files missing); "
                              "restore them or rebuild it (e.g. gdalbuildvrt)")
-        self.geotags = GeoTags.from_gdal(ds.crs, ds.transform)
+        self.geotags = GeoTags.from_gdal(ds)
         self.nodata = self._nodata_arg if self._nodata_arg is not None else \
             self._band_nodata(ds.nodatavals)
         flags = set(ds.mask_flag_enums[0])

@@ -7,12 +7,17 @@ window (across the pieces' seams, at the borders, outside with either fill) is e
 from __future__ import annotations
 
 import pickle
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import rasterio
+from affine import Affine
 from helpers.io import make_array
+from rasterio.control import GroundControlPoint
+from rasterio.crs import CRS
+from rasterio.errors import NotGeoreferencedWarning
 
 from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader, example_geotags, read_raster, write_raster
@@ -74,14 +79,45 @@ def test_a_vrt_mosaic_reads_as_the_scene_it_is_cut_from(tmp_path, dtype):
         assert (a.crs, a.transform) == (b.crs, b.transform)
 
 
-def test_the_mosaic_carries_its_georeferencing_to_outputs(tmp_path):
-    """The VRT's CRS and transform, as GeoTIFF tags, give a TIFF GDAL places where the VRT is."""
+def _hfa(path: Path, image: np.ndarray, **georeference) -> Path:
+    """``image`` as an ERDAS Imagine file; ``gcps=`` sets ground control points instead."""
+    gcps = georeference.pop("gcps", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotGeoreferencedWarning)
+        with rasterio.open(path, "w", driver="HFA", width=image.shape[2],
+                           height=image.shape[1], count=image.shape[0], dtype=image.dtype,
+                           **georeference) as ds:
+            ds.write(image)
+            if gcps:
+                ds.gcps = (gcps, CRS.from_epsg(32633))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["mosaic", "rotated", "gcps"])
+def test_the_georeferencing_is_carried_to_outputs(tmp_path, kind):
+    """GDAL's CRS and transform (rotated too) or ground control points, as GeoTIFF tags,
+    give a TIFF GDAL places where the input is."""
     image = make_array((3, H, W), "uint8")
-    _, vrt, _ = _mosaic(tmp_path, image)
-    with RasterReader(vrt) as mosaic:
-        out = write_raster(tmp_path / "labels.tif", image[:1], geotags=mosaic.geotags)
-    with rasterio.open(vrt) as a, rasterio.open(out) as b:
-        assert a.crs == b.crs and a.transform == b.transform
+    if kind == "mosaic":
+        _, src, _ = _mosaic(tmp_path, image)
+    elif kind == "rotated":
+        src = _hfa(tmp_path / "r.img", image, crs="EPSG:32633",
+                   transform=Affine(10, 0.5, 5e5, 0.25, -10, 45e5))
+    else:
+        src = _hfa(tmp_path / "g.img", image, gcps=[
+            GroundControlPoint(0, 0, 5e5, 45e5), GroundControlPoint(0, W, 5e5 + W, 45e5),
+            GroundControlPoint(H, 0, 5e5, 45e5 - H),
+            GroundControlPoint(H, W, 5e5 + W + 7, 45e5 - H - 3)])
+    with RasterReader(src) as reader:
+        assert isinstance(reader, GdalReader) and not reader.geotags.is_empty
+        out = write_raster(tmp_path / "labels.tif", image[:1], geotags=reader.geotags)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotGeoreferencedWarning)
+        with rasterio.open(src) as a, rasterio.open(out) as b:
+            assert (a.crs, a.transform) == (b.crs, b.transform)
+            where = [[(g.row, g.col, g.x, g.y) for g in ds.gcps[0]] for ds in (a, b)]
+            assert where[0] == where[1] and a.gcps[1] == b.gcps[1]
+            assert len(where[0]) == (4 if kind == "gcps" else 0)
 
 
 def test_no_data_of_the_bands_and_its_override(tmp_path):
@@ -114,14 +150,10 @@ def test_a_missing_source_is_named_when_the_mosaic_is_opened(tmp_path):
 
 def test_other_gdal_formats_and_what_gdal_cannot_read(tmp_path):
     image = make_array((3, H, W), "uint16")
-    img = tmp_path / "scene.img"
-    with rasterio.open(img, "w", driver="HFA", width=W, height=H, count=3, dtype="uint16",
-                       crs="EPSG:32633", transform=rasterio.Affine(10, 0, 5e5, 0, -10, 45e5)
-                       ) as ds:
-        ds.write(image)
+    img = _hfa(tmp_path / "scene.img", image)  # no georeferencing
     np.testing.assert_array_equal(read_raster(img), image)
     with RasterReader(img) as reader:
-        assert reader.files[0] == img and not reader.geotags.is_empty
+        assert reader.files[0] == img and reader.geotags.is_empty
     junk = tmp_path / "notes.tif"
     junk.write_text("not a raster")
     with pytest.raises(InputError) as err:
