@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError, SegAtScaleError
+from seg_at_scale.io.writer import listed_once
 from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.trained import TrainedModel
 from seg_at_scale.parallel.launch import barrier, rank_world
@@ -309,6 +310,8 @@ def predict_archive(trained: TrainedModel, scenes: Sequence[ArchiveScene],
     with contextlib.ExitStack() as held:
         busy = _lock_scenes(todo, held, on_error)
         todo = [s for s in todo if s.stem not in busy]
+        held.enter_context(listed_once(  # one listing of each output folder, not per scene
+            [s.output.parent for s in todo] + [s.vector.parent for s in todo if s.vector]))
         if options.staged or uses_image_pool(trained.model) or has_statistics(trained.model):
             records = _scene_by_scene(trained, todo, options, on_error)
         else:

@@ -340,3 +340,43 @@ def test_a_dead_writers_temporaries_are_removed_and_a_live_ones_kept(tmp_path: P
     (tmp_path / ".mask.tif.zarr").mkdir()  # the working store: a folder, never removed
     assert remove_stale_temporaries(out) == len(stale)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, ".mask.tif.zarr"])
+
+
+def test_an_archives_outputs_find_their_temporaries_in_one_listing(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """Within ``listed_once`` the folder is read once for all outputs (not per output), and
+    each output's dead writers' temporaries are removed by the same rule; after it, a
+    temporary left since is found by listing the folder again."""
+    import subprocess
+    import sys
+
+    from seg_at_scale.io.writer import listed_once, remove_stale_temporaries, temporary_path
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)
+    outs = [tmp_path / f"s{k}.tif" for k in range(40)]
+    live = []
+    for k, out in enumerate(outs):
+        out.write_bytes(b"done")
+        for name in (f".{out.name}.cog.{pid}-0a1b2c{k:02d}.tmp", f".{out.name}.ov1.{pid}.tmp"):
+            (tmp_path / name).write_bytes(b"x")
+        live.append(temporary_path(out, "plain"))
+        live[-1].write_bytes(b"x")
+    scans: list[str] = []
+    real_scandir = os.scandir
+
+    def scandir(path):
+        scans.append(str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(Path, "glob", lambda *a: pytest.fail("a folder listed per output"))
+    with listed_once([tmp_path, tmp_path / ".", tmp_path / "missing"]):
+        assert sum(remove_stale_temporaries(out) for out in outs) == 2 * len(outs)
+    assert scans == [str(tmp_path), str(tmp_path / "missing")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [o.name for o in outs] + [p.name for p in live])
+    monkeypatch.undo()
+    (tmp_path / f".s3.tif.cog.{pid}-00000000.tmp").write_bytes(b"x")
+    assert remove_stale_temporaries(outs[3]) == 1

@@ -131,9 +131,15 @@ def test_a_killed_archive_reruns_only_what_is_left_and_a_new_scene_alone(archive
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    unfinished = [stem for stem in SIZES if not (out / f"{stem}.tif").exists()]
+    for stem in unfinished:  # temporaries a dead writer left beside the unfinished scenes
+        (out / f".{stem}.tif.cog.{ended}-0a1b2c3d.tmp").write_bytes(b"x")
     again = _archive(run, f"images={scenes}", f"output_dir={out}", "tile_size=64")
     rows = _rows(out)
     assert rows["s0"]["status"] == "reused" and int(rows["s0"]["tiles_computed"]) == 0
+    assert unfinished and not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
     assert again["reused"] >= 1 and again["done"] + again["reused"] == 4
     ref = tmp_path / "ref"
     _archive(run, f"images={scenes}", f"output_dir={ref}", "tile_size=64")
