@@ -161,3 +161,30 @@ def test_other_gdal_formats_and_what_gdal_cannot_read(tmp_path):
     assert str(err.value).startswith(f"cannot read '{junk}' as a raster: it is not a TIFF, "
                                      "and GDAL says: ")
     assert str(err.value).endswith("Check the path, or re-create / re-copy the file.")
+
+
+def test_gdals_per_dataset_mask_is_the_mask(tmp_path):
+    """A VRT of a GeoTIFF with an internal mask: its mask band is ``read_mask``'s, as the
+    TIFF reader reads the TIFF's own, with either fill outside."""
+    import rasterio.shutil
+
+    image = make_array((3, H, W), "uint8")
+    valid = np.full((H, W), 255, np.uint8)
+    valid[50:120, 30:90] = 0
+    valid[-7:, -5:] = 0  # at the corner
+    tif = tmp_path / "masked.tif"
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True), rasterio.open(
+            tif, "w", driver="GTiff", width=W, height=H, count=3, dtype="uint8", tiled=True,
+            blockxsize=64, blockysize=64, crs="EPSG:32633",
+            transform=Affine(1, 0, 5e5, 0, -1, 45e5)) as ds:
+        ds.write(image)
+        ds.write_mask(valid)
+    vrt = tmp_path / "masked.vrt"
+    rasterio.shutil.copy(tif, vrt, driver="VRT")
+    with RasterReader(tif) as a, RasterReader(vrt) as b:
+        assert isinstance(b, GdalReader) and a.has_mask and b.has_mask
+        for window in WINDOWS:
+            for fill in ("reflect", "constant"):
+                mask = b.read_mask(window, fill=fill)
+                np.testing.assert_array_equal(mask, a.read_mask(window, fill=fill))
+        assert not b.read_mask(Window(0, 0, H, W)).all()
