@@ -197,6 +197,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
                             o.probabilities, o.overwrite, o.keep_store, ready=ready)
 
         ready = RowsOnDisk(store) if rank == 0 and finalize_beside(stages) else None
+        if ready is not None:
+            store.watch(ready.wrote)
         with ThreadPoolExecutor(1, thread_name_prefix="finalize") as finisher:
             finishing = finisher.submit(finish, ready) if ready is not None else None
             try:

@@ -50,6 +50,11 @@ class PredictionStore:
         self.labels = _every_chunk(group["labels"])  # arrays (_create)
         self.probabilities = (_every_chunk(group["probabilities"])
                               if "probabilities" in group else None)
+        self._watchers: list[Callable[[], None]] = []
+
+    def watch(self, written: Callable[[], None]) -> None:
+        """Call ``written()`` after each tile this process writes is on disk (its thread)."""
+        self._watchers.append(written)
 
     # -- creation and resume ------------------------------------------------------------
 
@@ -161,6 +166,8 @@ class PredictionStore:
             assert probabilities is not None
             self.probabilities[:, rows, cols] = probabilities  # labels last: they mark done
         self.labels[rows, cols] = labels
+        for written in self._watchers:
+            written()
 
     def clean_partials(self) -> int:
         """Remove temporary chunk files left by a killed writer; returns how many."""

@@ -105,21 +105,26 @@ def test_a_prediction_stopped_midway_leaves_nothing_final_and_resumes(tmp_path, 
     assert _cog_files(out) == _cog_files(ref)
 
 
+class _Store:
+    """Stands for a PredictionStore: chunks of 10 x 10 over 25 x 30, three rows of three."""
+
+    chunk = (10, 10)
+
+    class labels:  # noqa: N801 - stands for a zarr array
+        shape = (25, 30)
+
+    def __init__(self, path):
+        self.path = path
+        self.on_disk: set[tuple[int, int]] = set()
+
+    def done(self, tile):
+        return tile.index in self.on_disk
+
+
 def test_rows_on_disk_waits_for_a_row_and_stops_when_aborted(tmp_path, monkeypatch):
     from seg_at_scale.prediction import finalize as finalize_module
 
-    class Store:  # chunks of 10 x 10 over 25 x 30: three rows of three
-        path, chunk = tmp_path, (10, 10)
-
-        class labels:  # noqa: N801 - stands for a zarr array
-            shape = (25, 30)
-
-        on_disk: set[tuple[int, int]] = set()
-
-        def done(self, tile):
-            return tile.index in self.on_disk
-
-    store = Store()
+    store = _Store(tmp_path)
     ready = RowsOnDisk(store, poll_s=0.005)
     store.on_disk |= {(0, 0), (0, 1), (0, 2), (1, 0)}
     ready(0)  # on disk: returns at once
@@ -141,6 +146,48 @@ def test_rows_on_disk_waits_for_a_row_and_stops_when_aborted(tmp_path, monkeypat
         done(2)
     assert [t.index for t in finalize_module._row_tiles(store, 2)] == [(2, 0), (2, 1), (2, 2)]
     assert [t.core.height for t in finalize_module._row_tiles(store, 2)] == [5, 5, 5]
+
+
+def test_rows_on_disk_looks_seldom_while_nothing_comes_and_at_once_on_news(tmp_path):
+    """A row that waits long (on another rank's chunks) is looked at every max_poll_s, not
+    every poll_s (a network filesystem's metadata server pays for each look); a tile this
+    process wrote, or every tile written, ends the wait at once."""
+    store = _Store(tmp_path)
+    ready = RowsOnDisk(store, poll_s=0.005, max_poll_s=0.08)
+    waiting = threading.Thread(target=ready, args=(0,))
+    waiting.start()
+    time.sleep(0.6)  # nothing comes: every 5 ms would be ~120 looks; ~11 doubling to 80 ms
+    assert waiting.is_alive() and 3 <= ready.looks <= 25
+    store.on_disk |= {(0, 0), (0, 1), (0, 2)}
+    waiting.join(5)
+    assert not waiting.is_alive()
+    for news, row in (("wrote", 1), ("all_written", 2)):
+        slow = RowsOnDisk(store, poll_s=60.0, max_poll_s=60.0)
+        waiting = threading.Thread(target=slow, args=(row,))
+        waiting.start()
+        time.sleep(0.05)
+        store.on_disk |= {(row, 0), (row, 1), (row, 2)}
+        getattr(slow, news)()  # no 60 s wait for the next look
+        waiting.join(5)
+        assert not waiting.is_alive() and slow.looks == 2, news
+
+
+def test_the_store_tells_its_watchers_after_each_tile_is_on_disk(tmp_path):
+    import numpy as np
+
+    from seg_at_scale.prediction.store import PredictionStore
+    from seg_at_scale.tiling import Footprint, make_grid
+
+    grid = make_grid(70, 45, Footprint(0, 1, "same"), tile_size=32, uniform=True)
+    store = PredictionStore.open(tmp_path / "s.zarr", grid, fingerprint={"test": 1},
+                                 num_classes=3, probabilities="uint8", attrs={},
+                                 resume=False)
+    seen: list[int] = []
+    store.watch(lambda: seen.append(sum(store.done(t) for t in grid.tiles)))
+    for tile in grid.tiles:
+        h, w = tile.core.height, tile.core.width
+        store.write(tile, np.ones((h, w), np.uint8), np.zeros((3, h, w), np.uint8))
+    assert seen == list(range(1, len(grid.tiles) + 1)) and len(seen) == 6
 
 
 def test_a_cog_that_fails_beside_the_tiles_stops_them_and_the_rerun_completes(
