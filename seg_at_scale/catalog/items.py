@@ -36,6 +36,7 @@ from pystac.utils import make_relative_href
 
 from seg_at_scale.errors import InputError
 from seg_at_scale.io.preview import default_palette
+from seg_at_scale.io.raster import is_tiff
 from seg_at_scale.io.writer import temporary_path
 from seg_at_scale.vectors.sources import NODATA, georeference, open_labels
 
@@ -111,7 +112,7 @@ def stac_item(output: str | os.PathLike[str], *, source_image: str | os.PathLike
     for key, path in (("probabilities", probabilities), ("vectors", vectors)):
         if path is not None:
             _add_asset(item, key, Path(path), key)
-    item.add_link(pystac.Link("derived_from", str(source.resolve()), pystac.MediaType.GEOTIFF,
+    item.add_link(pystac.Link("derived_from", str(source.resolve()), _media_type(source),
                               f"source image {source.name}"))
     item.set_self_href(str(item_path(out).resolve()))
     return item
@@ -151,6 +152,14 @@ def _describe_labels(asset: pystac.Asset, names: Sequence[str],
 def _stac_name(name: str) -> str:
     """Classification names are ``^[0-9A-Za-z-_]+$``: other characters become ``_``."""
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name) or "_"
+
+
+def _media_type(source: Path) -> str | None:
+    """The source image's media type: a TIFF's, else by GDAL format (None: not known)."""
+    if is_tiff(source):
+        return str(pystac.MediaType.GEOTIFF)
+    return {".vrt": str(pystac.MediaType.XML), ".jp2": str(pystac.MediaType.JPEG2000)}.get(
+        source.suffix.lower())
 
 
 def _datetime(source: Path) -> tuple[dt.datetime, str]:

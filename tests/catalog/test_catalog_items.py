@@ -70,7 +70,8 @@ def test_item_of_a_tiff_round_trips_with_every_field(files):
     assert classes[-1]["nodata"] is True
     assert all(len(c["color_hint"]) == 6 and c["color_hint"] == c["color_hint"].upper()
                for c in classes[:-1])
-    assert [link.get_href() for link in item.get_links("derived_from")] == [str(image)]
+    assert [(link.get_href(), link.media_type) for link in item.get_links("derived_from")] == [
+        (str(image), "image/tiff; application=geotiff")]
     assert {e.split("/")[3] for e in item.stac_extensions} == {
         "projection", "raster", "classification", "file"}
 

@@ -7,6 +7,8 @@ unchanged, and refused as another prediction's once a piece changes.
 
 from __future__ import annotations
 
+import json
+
 import rasterio
 from helpers.prediction import make_image, make_model, make_run, seg_predict, seg_predict_here
 
@@ -38,6 +40,9 @@ def test_a_vrt_mosaic_predicts_as_its_scene_and_is_known_by_its_pieces(tmp_path)
     assert read_raster(tmp_path / "b.tif").tobytes() == read_raster(tmp_path / "a.tif").tobytes()
     with rasterio.open(vrt) as v, rasterio.open(tmp_path / "b.tif") as out:
         assert (out.crs, out.transform, out.shape) == (v.crs, v.transform, v.shape)
+    item = json.loads((tmp_path / "b.stac.json").read_text())
+    source = [link for link in item["links"] if link["rel"] == "derived_from"]
+    assert [(link["href"], link["type"]) for link in source] == [(str(vrt), "application/xml")]
 
     again = seg_predict(run, vrt, tmp_path / "b.tif", "tile_size=128", "preview=false")
     assert again["tiles_computed"] == 0  # the same mosaic: the finished output is reused
