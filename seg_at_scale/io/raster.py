@@ -519,8 +519,9 @@ class GdalReader(RasterReader):
                        else self._ds.read(window=window))
                 self.bytes_read += out.nbytes
         except RasterioIOError as exc:
+            said = str(exc.__cause__ or exc).rstrip(".")  # GDAL's own words, where chained
             raise InputError(f"cannot read rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
-                             f"{exc}. Re-copy or re-generate the file (and its sources)."
+                             f"{said}. Re-copy or re-generate the file (and its sources)."
                              ) from exc
         return np.asarray(out)
 

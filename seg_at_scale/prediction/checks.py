@@ -32,6 +32,7 @@ import numpy as np
 from seg_at_scale.data.scenes import check_mask_covers, class_histogram
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError
 from seg_at_scale.io import RasterReader
+from seg_at_scale.io.raster import is_tiff, raster_files
 from seg_at_scale.models.card import ModelCard
 from seg_at_scale.prediction.options import PredictOptions, default_batch_size, output_kind
 from seg_at_scale.tiling import make_grid
@@ -262,6 +263,13 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Mod
                          "give a raster file (images=<folder> predicts every raster in it)")
     card.normalizer(source)  # a std or scale that is not > 0
     inputs = {"image": image, **model_files, **({"mask": mask} if mask is not None else {})}
+    # the files GDAL reads the image from (a VRT mosaic's pieces): no output replaces them,
+    # and a TIFF among them that is truncated is named now, not when a tile reaches it
+    pieces = raster_files(image)[1:]
+    inputs |= {f"image's file {k}": f for k, f in enumerate(pieces, 1)}
+    for piece in pieces:
+        if piece.suffix.lower() in (".tif", ".tiff") and is_tiff(piece):
+            RasterReader(piece).close()
     if vector is not None:
         from seg_at_scale.vectors.polygonize import check_options
         from seg_at_scale.vectors.write import vector_format

@@ -139,6 +139,20 @@ def test_no_data_of_the_bands_and_its_override(tmp_path):
         assert mosaic.nodata == -9999
 
 
+def test_a_truncated_source_is_named_by_the_window_that_reads_it(tmp_path):
+    _, vrt, pieces = _mosaic(tmp_path, make_array((2, H, W), "uint8"))
+    with open(pieces[3], "r+b") as fh:
+        fh.truncate(pieces[3].stat().st_size // 2)
+    with RasterReader(vrt) as mosaic:
+        mosaic.read(Window(0, 0, 100, 90))  # the first piece's
+        with pytest.raises(InputError) as err:
+            mosaic.read(Window(H - 40, W - 40, 40, 40))
+    message = str(err.value)
+    assert message.startswith(f"cannot read rows {H - 40}:{H}, cols {W - 40}:{W} of '{vrt}': ")
+    assert pieces[3].name in message and ".." not in message
+    assert message.endswith(". Re-copy or re-generate the file (and its sources).")
+
+
 def test_a_missing_source_is_named_when_the_mosaic_is_opened(tmp_path):
     _, vrt, pieces = _mosaic(tmp_path, make_array((2, H, W), "uint8"))
     pieces[2].unlink()

@@ -55,3 +55,17 @@ def test_a_vrt_mosaic_predicts_as_its_scene_and_is_known_by_its_pieces(tmp_path)
     out = seg_predict_here(f"run={run}", f"image={vrt}", f"output={tmp_path / 'b.tif'}",
                            "tile_size=128", "preview=false")
     assert out.returncode != 0 and "was made by another prediction" in out.stderr
+    out = seg_predict_here(f"run={run}", f"image={vrt}", f"output={pieces[2]}",
+                           "overwrite=true")  # a piece of the mosaic being read
+    assert out.returncode != 0 and out.stderr.strip().endswith(
+        f"output '{pieces[2]}' is the image's file 3 '{pieces[2]}' (or holds it): writing it "
+        "would destroy an input; choose another output path")
+    assert read_raster(pieces[2]).tobytes() == image[:, 150:, :201].tobytes()
+    size = pieces[1].stat().st_size
+    with open(pieces[1], "r+b") as fh:  # a piece cut short: named before any work
+        fh.truncate(size - 50)
+    out = seg_predict_here(f"run={run}", f"image={vrt}", f"output={tmp_path / 'c.tif'}")
+    assert out.returncode != 0 and out.stderr.strip().endswith(
+        f"'{pieces[1]}' is truncated: its data ends at byte {size} but the file has "
+        f"{size - 50} bytes. Re-copy or re-generate it.")
+    assert not (tmp_path / "c.tif").exists() and not list(tmp_path.glob(".c.tif*"))
