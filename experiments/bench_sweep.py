@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import save
+from common import add_harness_args, save
 
 from seg_at_scale.io.writer import listed_once, remove_stale_temporaries
 
@@ -60,10 +60,9 @@ def sweep(outs: list[Path], once: bool) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="100 scenes, one alternation (smoke)")
+    p = add_harness_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]),
+                         "100 scenes, one alternation")
     p.add_argument("--repeats", type=int, default=0, help="alternations (default 3)")
-    p.add_argument("--out", default="", help="result JSON (default results/bench_sweep.json)")
     args = p.parse_args(argv)
     sizes = [100] if args.quick else [300, 1000, 3000]
     repeats = args.repeats or (1 if args.quick else 3)
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                 "speedup": round(per / once, 1)}
     load.append(list(os.getloadavg()))
     figures["load_avg"] = load
-    save("bench_sweep", figures, Path(args.out) if args.out else None)
+    save("bench_sweep", figures, args.out)
 
 
 if __name__ == "__main__":

@@ -147,12 +147,15 @@ class RasterReader:
         self._pid = -1
         self._lock = threading.Lock()
         self.bytes_read = 0
-        page = self._open()
         try:
-            self._describe(page)
+            self._setup()
         except BaseException:
             self._close_handles()
             raise
+
+    def _setup(self) -> None:
+        """Open the file and set the public attributes (:class:`GdalReader`: through GDAL)."""
+        self._describe(self._open())
 
     def _describe(self, page: tifffile.TiffPage) -> None:
         """Set the public attributes from page 0 and refuse layouts we cannot read."""
@@ -420,21 +423,12 @@ class GdalReader(RasterReader):
     files: list[Path]
 
     def __init__(self, path: str | os.PathLike[str], *, nodata: float | None = None) -> None:
-        self.path = Path(path)
-        self._nodata_arg = nodata
         self._ds: Any = None
-        self._fh = self._tif = None
-        self._maps = {}
         self._mask = None
-        self._pid = -1
-        self._lock = threading.Lock()
-        self.bytes_read = 0
-        ds = self._open_dataset()
-        try:
-            self._describe_dataset(ds)
-        except BaseException:
-            self._close_handles()
-            raise
+        super().__init__(path, nodata=nodata)
+
+    def _setup(self) -> None:
+        self._describe_dataset(self._open_dataset())
 
     def _open_dataset(self) -> Any:
         import rasterio
