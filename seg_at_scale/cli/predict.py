@@ -92,7 +92,8 @@ class PredictJob:
         image: the raster to predict: a (Geo)TIFF / BigTIFF, or any raster GDAL opens (a VRT
             mosaic, JPEG 2000, ...).
         output: <name>.tif (Cloud-Optimized GeoTIFF) or <name>.zarr (Zarr v3).
-        images: or many scenes: a folder, a glob, a .txt list or a STAC JSON file.
+        images: or many scenes: a folder (its .tif / .tiff files), a glob (any raster, e.g.
+            'mosaics/*.vrt'), a .txt list or a STAC JSON file.
         output_dir: images=: the scenes are written as <output_dir>/<stem>.<output_format>,
             with summary.csv/json, mosaic.vrt and items.json.
         output_format: images=: tif or zarr.
