@@ -98,22 +98,19 @@ class RowsOnDisk:
     Called with a row index by :meth:`~.store.PredictionStore.row_bands`; returns once
     every chunk of that row exists (the tile writer renames each chunk into place). It
     looks again as soon as this process has written a tile (:meth:`wrote`, which the store
-    calls: :meth:`~.store.PredictionStore.watch`), and for the chunks other ranks write
-    every ``poll_s`` while they arrive, twice as seldom after each look that finds none
-    new, up to ``max_poll_s``: a row that waits on a slow rank costs a network
-    filesystem's metadata server a look every ``max_poll_s``, not every ``poll_s``. After
-    :meth:`abort` (the prediction failed or was interrupted) it raises :class:`Aborted` at
-    once instead, and the COG's writer removes its temporary files; after
-    :meth:`all_written` (every tile of the run is on disk) it looks at once, and a chunk
-    still missing is an error, as after the last tile, instead of a wait without end.
+    calls: :meth:`~.store.PredictionStore.watch`), and every ``poll_s`` for the chunks
+    other ranks write (one process, whose chunks are all its own, needs no short poll).
+    After :meth:`abort` (the prediction failed or was interrupted) it raises
+    :class:`Aborted` at once instead, and the COG's writer removes its temporary files;
+    after :meth:`all_written` (every tile of the run is on disk) it looks at once, and a
+    chunk still missing is an error, as after the last tile, instead of a wait without end.
     """
 
     class Aborted(Exception):
         """The prediction stopped before this row was written."""
 
-    def __init__(self, store: PredictionStore, poll_s: float = 0.02,
-                 max_poll_s: float = 0.32) -> None:
-        self.store, self.poll_s, self.max_poll_s = store, poll_s, max_poll_s
+    def __init__(self, store: PredictionStore, poll_s: float = 0.02) -> None:
+        self.store, self.poll_s = store, poll_s
         self.looks = 0  # how often the store was looked at
         self._stop = threading.Event()
         self._written = threading.Event()
@@ -133,7 +130,6 @@ class RowsOnDisk:
 
     def __call__(self, row: int) -> None:
         tiles = _row_tiles(self.store, row)
-        wait = self.poll_s / 2  # the first look that finds nothing new waits poll_s
         while True:
             self._news.clear()  # before looking: news after the look ends the wait
             if self._stop.is_set():
@@ -141,15 +137,13 @@ class RowsOnDisk:
                                          f"'{self.store.path}' was written")
             written = self._written.is_set()  # before looking: no write can come after
             self.looks += 1
-            left = [t for t in tiles if not self.store.done(t)]
-            if not left:
+            tiles = [t for t in tiles if not self.store.done(t)]
+            if not tiles:
                 return
             if written:
                 raise _missing(self.store, [t.index for t in _all_tiles(self.store)
                                             if not self.store.done(t)])
-            wait = self.poll_s if len(left) < len(tiles) else min(2 * wait, self.max_poll_s)
-            tiles = left
-            self._news.wait(wait)
+            self._news.wait(self.poll_s)
 
 
 def _missing(store: PredictionStore, missing: list[tuple[int, int]]) -> InputError:

@@ -196,7 +196,10 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
             return finalize(store, out_path, plan.kind, plan.reader, plan.names,
                             o.probabilities, o.overwrite, o.keep_store, ready=ready)
 
-        ready = RowsOnDisk(store) if rank == 0 and finalize_beside(stages) else None
+        # one process: its own writes wake the COG's writer, and the poll is a fallback;
+        # with ranks it also looks every 20 ms for the chunks the others write
+        ready = (RowsOnDisk(store, poll_s=0.02 if world > 1 else 0.5)
+                 if rank == 0 and finalize_beside(stages) else None)
         if ready is not None:
             store.watch(ready.wrote)
         with ThreadPoolExecutor(1, thread_name_prefix="finalize") as finisher:

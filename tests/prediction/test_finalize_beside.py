@@ -148,21 +148,12 @@ def test_rows_on_disk_waits_for_a_row_and_stops_when_aborted(tmp_path, monkeypat
     assert [t.core.height for t in finalize_module._row_tiles(store, 2)] == [5, 5, 5]
 
 
-def test_rows_on_disk_looks_seldom_while_nothing_comes_and_at_once_on_news(tmp_path):
-    """A row that waits long (on another rank's chunks) is looked at every max_poll_s, not
-    every poll_s (a network filesystem's metadata server pays for each look); a tile this
-    process wrote, or every tile written, ends the wait at once."""
+def test_rows_on_disk_looks_at_once_on_news(tmp_path):
+    """A tile this process wrote, or every tile written, ends a wait at once (one process
+    waits on its own writes, with a long poll as a fallback only)."""
     store = _Store(tmp_path)
-    ready = RowsOnDisk(store, poll_s=0.005, max_poll_s=0.08)
-    waiting = threading.Thread(target=ready, args=(0,))
-    waiting.start()
-    time.sleep(0.6)  # nothing comes: every 5 ms would be ~120 looks; ~11 doubling to 80 ms
-    assert waiting.is_alive() and 3 <= ready.looks <= 25
-    store.on_disk |= {(0, 0), (0, 1), (0, 2)}
-    waiting.join(5)
-    assert not waiting.is_alive()
     for news, row in (("wrote", 1), ("all_written", 2)):
-        slow = RowsOnDisk(store, poll_s=60.0, max_poll_s=60.0)
+        slow = RowsOnDisk(store, poll_s=60.0)
         waiting = threading.Thread(target=slow, args=(row,))
         waiting.start()
         time.sleep(0.05)
