@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import rasterio
-from helpers.prediction import make_image, make_model, make_run, seg_predict, seg_predict_here
+from helpers.prediction import make_image, make_model, make_run, seg_predict_here
 
 from seg_at_scale.io import RasterReader, example_geotags, read_raster, write_raster
 from seg_at_scale.io.vrt import write_vrt
@@ -28,14 +28,22 @@ def _pieces(tmp_path, image, rows=(0, 150, 301), cols=(0, 201, 389)):
     return paths
 
 
+def _here(run, image, output):
+    """``seg-predict`` in this process (the console script's entry), its JSON result."""
+    out = seg_predict_here(f"run={run}", f"image={image}", f"output={output}",
+                           "tile_size=128", "preview=false")
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
 def test_a_vrt_mosaic_predicts_as_its_scene_and_is_known_by_its_pieces(tmp_path):
     run = make_run(tmp_path / "run", make_model("same", levels=3, width=8))
     whole = make_image(tmp_path / "whole.tif", height=301, width=389)
     image = read_raster(whole)
     pieces = _pieces(tmp_path, image)
     vrt = write_vrt(pieces, tmp_path / "mosaic.vrt")
-    a = seg_predict(run, whole, tmp_path / "a.tif", "tile_size=128", "preview=false")
-    b = seg_predict(run, vrt, tmp_path / "b.tif", "tile_size=128", "preview=false")
+    a = _here(run, whole, tmp_path / "a.tif")
+    b = _here(run, vrt, tmp_path / "b.tif")
     assert a["tiles"] == b["tiles_computed"] == b["tiles"] > 4
     assert read_raster(tmp_path / "b.tif").tobytes() == read_raster(tmp_path / "a.tif").tobytes()
     with rasterio.open(vrt) as v, rasterio.open(tmp_path / "b.tif") as out:
@@ -44,7 +52,7 @@ def test_a_vrt_mosaic_predicts_as_its_scene_and_is_known_by_its_pieces(tmp_path)
     source = [link for link in item["links"] if link["rel"] == "derived_from"]
     assert [(link["href"], link["type"]) for link in source] == [(str(vrt), "application/xml")]
 
-    again = seg_predict(run, vrt, tmp_path / "b.tif", "tile_size=128", "preview=false")
+    again = _here(run, vrt, tmp_path / "b.tif")
     assert again["tiles_computed"] == 0  # the same mosaic: the finished output is reused
     before, xml = input_id(vrt), vrt.read_bytes()
     changed = image[:, 150:, 201:].copy()
