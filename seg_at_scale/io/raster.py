@@ -453,6 +453,12 @@ class GdalReader(RasterReader):
         from rasterio.enums import MaskFlags
 
         self.height, self.width, self.bands = int(ds.height), int(ds.width), int(ds.count)
+        if self.bands < 1 and ds.subdatasets:  # HDF5, NetCDF: a container of rasters
+            shown = ", ".join(ds.subdatasets[:3]) + (", ..." if len(ds.subdatasets) > 3 else "")
+            raise InputError(f"'{self.path}' holds {len(ds.subdatasets)} rasters (GDAL "
+                             f"subdatasets: {shown}), not one; write the one to predict as "
+                             f"a GeoTIFF, e.g. `gdal_translate '{ds.subdatasets[0]}' "
+                             f"{self.path.stem}.tif`")
         if self.bands < 1:
             raise InputError(f"cannot read '{self.path}' as a raster: it has no bands")
         if len(set(ds.dtypes)) != 1:

@@ -202,3 +202,19 @@ def test_gdals_per_dataset_mask_is_the_mask(tmp_path):
                 mask = b.read_mask(window, fill=fill)
                 np.testing.assert_array_equal(mask, a.read_mask(window, fill=fill))
         assert not b.read_mask(Window(0, 0, H, W)).all()
+
+
+def test_a_container_of_rasters_names_them_and_the_fix(tmp_path):
+    """HDF5 (as NetCDF) holds several rasters: refused naming them and how to take one."""
+    import h5py
+
+    path = tmp_path / "planes.h5"
+    with h5py.File(path, "w") as f:
+        for name in ("u", "v", "w", "t"):
+            f[name] = np.zeros((30, 40), np.float32)
+    with pytest.raises(InputError) as err:
+        RasterReader(path)
+    assert str(err.value) == (
+        f"'{path}' holds 4 rasters (GDAL subdatasets: HDF5:{path}://t, HDF5:{path}://u, "
+        f"HDF5:{path}://v, ...), not one; write the one to predict as a GeoTIFF, e.g. "
+        f"`gdal_translate 'HDF5:{path}://t' planes.tif`")
