@@ -50,7 +50,8 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torch import nn
 
-from seg_at_scale.errors import InputError, OutputExistsError, SegAtScaleError
+from seg_at_scale.errors import InputError, SegAtScaleError
+from seg_at_scale.io.writer import check_output_path
 from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.contract import ApproximateFootprint
 from seg_at_scale.models.registry import build_model, without_weight_files
@@ -122,10 +123,7 @@ def write_model(trained: TrainedModel, output: str | os.PathLike[str], *,
     Raises:
         OutputExistsError: ``output`` exists and ``overwrite`` is off.
     """
-    out = Path(output)
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"output '{out}' already exists; pass overwrite=true to "
-                                "replace it (or choose another path)")
+    out = check_output_path(output, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     files = _parts(trained)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
