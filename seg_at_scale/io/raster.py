@@ -329,6 +329,24 @@ class RasterReader:
         cols = source_indices(window.col, window.width, self.width, fill)
         out = (np.ones((1, window.height, window.width), np.uint8) if mask
                else self.layout.empty_box(window.height, window.width, 0, pixels))
+        # the window's part inside the image, in the window's own pixels
+        a, b = max(0, window.row), min(self.height, window.row_end)
+        c, d = max(0, window.col), min(self.width, window.col_end)
+        if a < b and c < d and (fill == "constant" or (
+                rows.min() >= a and rows.max() < b and cols.min() >= c and cols.max() < d)):
+            # decoded into place; a reflection copies its margins from that part (every
+            # source pixel lies in it): no pass over the whole window but the decoding
+            rr, cc = slice(a - window.row, b - window.row), slice(c - window.col, d - window.col)
+            part = out[:, rr, cc]
+            if mask:
+                part[...] = 0  # what a mask segment never written reads as
+            self._read_box(a, b, c, d, mask, pixels, out=part)
+            if fill == "reflect":
+                edge = np.r_[0 : rr.start, rr.stop : window.height]
+                out[:, edge, cc] = out[:, rows[edge] - window.row, cc]
+                edge = np.r_[0 : cc.start, cc.stop : window.width]
+                out[:, :, edge] = out[:, :, cols[edge] - window.col]
+            return out
         vr, vc = np.flatnonzero(rows >= 0), np.flatnonzero(cols >= 0)
         if vr.size == 0 or vc.size == 0:
             return out  # entirely outside, constant fill
@@ -336,14 +354,17 @@ class RasterReader:
         c0, c1 = int(cols[vc].min()), int(cols[vc].max()) + 1
         box = _take(_take(self._read_box(r0, r1, c0, c1, mask, pixels), rows[vr] - r0, 1),
                     cols[vc] - c0, 2)
-        # the pixels inside are one block of the window (constant: the rest stays 0;
-        # reflect: the block is the whole window)
+        # a reflection reaching past the window's inside part (or a window wholly outside):
+        # the pixels inside are one block of the window, the whole window
         out[:, vr[0] : vr[-1] + 1, vc[0] : vc[-1] + 1] = box
         return out
 
     def _read_box(self, r0: int, r1: int, c0: int, c1: int, mask: bool = False,
-                  pixels: bool = False) -> np.ndarray:
-        """``[C, r1-r0, c1-c0]`` for a box inside the image (``mask``: the mask's box)."""
+                  pixels: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+        """``[C, r1-r0, c1-c0]`` for a box inside the image (``mask``: the mask's box).
+
+        ``out``: fill this array (a view of a window, zeros) instead of a new one.
+        """
         self._ensure_open()
         if mask:
             assert self._mask is not None
@@ -354,14 +375,17 @@ class RasterReader:
             if layout.contiguous is not None:
                 if mask not in self._maps:
                     self._maps[mask] = layout.memmap(self.path)
-                out = layout.map_box(self._maps[mask], r0, r1, c0, c1, pixels)
+                box = layout.map_box(self._maps[mask], r0, r1, c0, c1, pixels)
                 with self._lock:
-                    self.bytes_read += out.nbytes
+                    self.bytes_read += box.nbytes
+                if out is None:
+                    return box
+                out[...] = box
                 return out
             cache = self.segments[mask] if layout.compressed else None
             self._warn_if_wasteful(layout, r0, r1, c0, c1, cache)
             return layout.decode_box(self._read_bytes, decode, tables, r0, r1, c0, c1,
-                                     pool=decoders(), cache=cache, pixels=pixels)
+                                     pool=decoders(), cache=cache, pixels=pixels, out=out)
         except (ValueError, RuntimeError, OSError, tifffile.TiffFileError) as exc:
             raise InputError(f"cannot decode rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
                              f"{exc}. Re-copy or re-generate the file.") from exc
@@ -506,8 +530,11 @@ class GdalReader(RasterReader):
         self._ds = None
 
     def _read_box(self, r0: int, r1: int, c0: int, c1: int, mask: bool = False,
-                  pixels: bool = False) -> np.ndarray:
-        """``[C, r1-r0, c1-c0]`` (``mask``: ``[1, ...]``, 0 = no data) for a box inside."""
+                  pixels: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+        """``[C, r1-r0, c1-c0]`` (``mask``: ``[1, ...]``, 0 = no data) for a box inside.
+
+        ``out``: fill this array (a view of a window) instead of a new one.
+        """
         from rasterio.errors import RasterioIOError
         from rasterio.windows import Window as GdalWindow
 
@@ -515,15 +542,18 @@ class GdalReader(RasterReader):
         window = GdalWindow(c0, r0, c1 - c0, r1 - r0)
         try:
             with self._lock:
-                out = (self._ds.dataset_mask(window=window)[None] if mask
+                box = (self._ds.dataset_mask(window=window)[None] if mask
                        else self._ds.read(window=window))
-                self.bytes_read += out.nbytes
+                self.bytes_read += box.nbytes
         except RasterioIOError as exc:
             said = str(exc.__cause__ or exc).rstrip(".")  # GDAL's own words, where chained
             raise InputError(f"cannot read rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
                              f"{said}. Re-copy or re-generate the file (and its sources)."
                              ) from exc
-        return np.asarray(out)
+        if out is None:
+            return np.asarray(box)
+        out[...] = box
+        return out
 
 
 def raster_files(path: str | os.PathLike[str]) -> list[Path]:

@@ -167,15 +167,18 @@ class PageLayout:
                    decode: Callable[..., Any], jpegtables: bytes | None,
                    r0: int, r1: int, c0: int, c1: int,
                    pool: Executor | None = None,
-                   cache: SegmentCache | None = None, pixels: bool = False) -> np.ndarray:
+                   cache: SegmentCache | None = None, pixels: bool = False,
+                   out: np.ndarray | None = None) -> np.ndarray:
         """``[C, r1-r0, c1-c0]`` decoded from the segments the box touches.
 
         With ``pool``, the segments of a compressed page are decoded by its threads
         (the codecs release the GIL; each segment fills its own part of the box). With
         ``cache``, a segment decoded for an earlier box is taken from it. ``pixels``: see
-        :meth:`empty_box`.
+        :meth:`empty_box`. ``out``: decode into this array of zeros (a window's part
+        inside the image) instead of a new box.
         """
-        out = self.empty_box(r1 - r0, c1 - c0, 0, pixels)
+        if out is None:
+            out = self.empty_box(r1 - r0, c1 - c0, 0, pixels)
         index = sorted(self.segments(r0, r1, c0, c1), key=lambda k: self.offsets[k])
 
         def one(k: int) -> None:

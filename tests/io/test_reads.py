@@ -276,3 +276,56 @@ def test_masked_pixels_are_predicted_255_and_ignored_in_training(tmp_path: Path)
     ds = GridTiles([scene], net.footprint(), Normalizer(), q=1)
     target = ds[0]["target"].numpy()[:90, :70]
     assert (target[~valid] == 255).all() and (target[valid] == 1).all()
+
+
+@pytest.mark.parametrize("kind", ["deflate-tiles", "raw-strips", "vrt"])
+def test_windows_across_the_border_equal_the_definition_at_every_reach(tmp_path: Path,
+                                                                        kind: str) -> None:
+    """A window reaching outside the image is decoded into place and its reflected margins
+    copied from its own inside part, or (a reflection whose sources lie outside that part)
+    gathered from a box: either way each pixel is the image's at ``source_indices``, for the
+    samples and GDAL's mask, band after band and in the file's pixel order, from decoded
+    tiles, a memory map and GDAL (a VRT). Sizes are odd; windows hug the corners, reach
+    past a whole image side (a repeated reflection) and lie wholly outside."""
+    import rasterio.shutil as rasterio_shutil
+    from rasterio.windows import Window as GdalWindow
+
+    from seg_at_scale.tiling.geometry import source_indices
+
+    rng = np.random.default_rng(3)
+    image = rng.integers(0, 60000, (3, 45, 37), dtype=np.uint16)
+    valid = rng.random((45, 37)) > 0.3
+    valid[:16] = False  # no data in the mask's first row of tiles, which GDAL may leave out
+    if kind == "deflate-tiles":  # sparse: those tiles never written (offset 0)
+        with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True), rasterio.open(
+                tmp_path / "m.tif", "w", driver="GTiff", width=37, height=45, count=3,
+                dtype="uint16", tiled=True, blockxsize=16, blockysize=16, compress="deflate",
+                sparse_ok=True) as ds:
+            ds.write(image)
+            ds.write_mask(np.where(valid[16:], 255, 0).astype(np.uint8),
+                          window=GdalWindow(0, 16, 37, 29))
+        path = tmp_path / "m.tif"
+        assert 0 in tifffile.TiffFile(path).pages[1].dataoffsets
+    else:
+        path = write_with_gdal_mask(tmp_path / "m.tif", image, valid)
+    if kind == "vrt":
+        rasterio_shutil.copy(path, tmp_path / "m.vrt", driver="VRT")
+        path = tmp_path / "m.vrt"
+    windows = [Window(-9, -7, 30, 25), Window(20, 15, 33, 30), Window(-3, 30, 51, 12),
+               Window(-50, -40, 140, 120), Window(-12, -12, 14, 14), Window(43, 35, 20, 20),
+               Window(-30, 5, 10, 10), Window(50, -20, 7, 90), Window(-1, -1, 47, 39)]
+    with RasterReader(path) as r:
+        assert r.has_mask
+        for w in windows:
+            for fill in ("reflect", "constant"):
+                rows = source_indices(w.row, w.height, 45, fill)
+                cols = source_indices(w.col, w.width, 37, fill)
+                outside = (rows < 0)[:, None] | (cols < 0)[None, :]
+                want = image[:, rows][:, :, cols]
+                want[:, outside] = 0
+                want_mask = valid[rows][:, cols] | outside
+                for pixels in (False, True):
+                    np.testing.assert_array_equal(r.read(w, fill=fill, pixels=pixels), want,
+                                                  err_msg=f"{kind} {w} {fill} {pixels}")
+                np.testing.assert_array_equal(r.read_mask(w, fill=fill), want_mask,
+                                              err_msg=f"{kind} {w} {fill} mask")
