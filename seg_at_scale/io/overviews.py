@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from seg_at_scale.io.threads import by_rows
+
 __all__ = ["mode2x2", "mode2x2_counted", "ModePyramid", "overview_shapes"]
 
 NODATA = 255
@@ -52,6 +54,17 @@ def mode2x2(band: np.ndarray, num_classes: int) -> np.ndarray:
     """
     if band.shape[1] % 2:
         band = np.pad(band, ((0, 0), (0, 1)), constant_values=NODATA)
+    out = np.empty((band.shape[0] // 2, band.shape[1] // 2), np.uint8)
+
+    def piece(r0: int, r1: int) -> None:  # rows of 2 x 2 blocks on the pixel threads
+        out[r0 // 2 : r1 // 2] = _mode_of(band[r0:r1], num_classes)
+
+    by_rows(piece, band.shape[0], band.shape[1], multiple=2)
+    return out
+
+
+def _mode_of(band: np.ndarray, num_classes: int) -> np.ndarray:
+    """:func:`mode2x2` of ``band [2h, W]`` (``W`` even), in this thread."""
     if num_classes > _NIBBLE:
         return mode2x2_counted(band, num_classes)
     # each label clamped to 15 (every value >= num_classes is ignored, as 255 is); two

@@ -30,7 +30,6 @@ import logging
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
 
@@ -40,6 +39,7 @@ import tifffile
 from seg_at_scale.errors import InputError
 from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags
 from seg_at_scale.io.segments import PageLayout, SegmentCache, mask_page
+from seg_at_scale.io.threads import pixel_threads
 from seg_at_scale.io.writer import check_output_path, write_raster, write_raster_bands
 from seg_at_scale.tiling.geometry import Fill, Window, source_indices
 
@@ -385,7 +385,7 @@ class RasterReader:
             cache = self.segments[mask] if layout.compressed else None
             self._warn_if_wasteful(layout, r0, r1, c0, c1, cache)
             return layout.decode_box(self._read_bytes, decode, tables, r0, r1, c0, c1,
-                                     pool=decoders(), cache=cache, pixels=pixels, out=out)
+                                     pool=pixel_threads(), cache=cache, pixels=pixels, out=out)
         except (ValueError, RuntimeError, OSError, tifffile.TiffFileError) as exc:
             raise InputError(f"cannot decode rows {r0}:{r1}, cols {c0}:{c1} of '{self.path}': "
                              f"{exc}. Re-copy or re-generate the file.") from exc
@@ -562,23 +562,6 @@ def raster_files(path: str | os.PathLike[str]) -> list[Path]:
         return [Path(path)]
     with GdalReader(path) as reader:
         return reader.files
-
-
-_DECODERS: tuple[int, ThreadPoolExecutor] | None = None
-
-
-def decoders() -> ThreadPoolExecutor:
-    """This process's pool of segment decoders (one thread per core, at most 16).
-
-    Made on first use and again after a fork (a child inherits no threads).
-    """
-    global _DECODERS
-    if _DECODERS is None or _DECODERS[0] != os.getpid():
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
-        threads = max(1, min(16, cores))
-        _DECODERS = (os.getpid(), ThreadPoolExecutor(threads, thread_name_prefix="decode"))
-    return _DECODERS[1]
 
 
 def _take(a: np.ndarray, index: np.ndarray, axis: int) -> np.ndarray:

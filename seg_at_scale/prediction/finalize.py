@@ -20,6 +20,7 @@ import torch
 from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.io.cog import class_colors, write_cog
+from seg_at_scale.io.threads import by_rows
 from seg_at_scale.io.writer import remove_stale_temporaries
 from seg_at_scale.prediction.checks import probabilities_path
 from seg_at_scale.prediction.provenance import (
@@ -58,7 +59,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
 
     def counted() -> Iterator[np.ndarray]:
         for band in store.row_bands(store.labels, ready):
-            hist[:] += torch.bincount(torch.from_numpy(band).reshape(-1), minlength=256).numpy()
+            hist[:] += _label_counts(band)
             yield band
 
     h, w = store.labels.shape
@@ -90,6 +91,14 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
     if kind == "cog" and not keep_store:
         shutil.rmtree(store.path, ignore_errors=True)
     return class_pixels
+
+
+def _label_counts(band: np.ndarray) -> np.ndarray:
+    """Pixels per label value (256) of a band ``[h, W]``, counted on the pixel threads."""
+    def piece(r0: int, r1: int) -> np.ndarray:
+        return torch.bincount(torch.from_numpy(band[r0:r1]).reshape(-1), minlength=256).numpy()
+
+    return cast(np.ndarray, sum(by_rows(piece, *band.shape)))
 
 
 class RowsOnDisk:

@@ -65,3 +65,36 @@ def test_a_label_cog_s_overviews_are_the_modes_of_the_level_above(tmp_path: Path
         above = got
     with rasterio.open(path) as ds:
         np.testing.assert_array_equal(ds.read(1), labels)
+
+
+@pytest.mark.parametrize("num_classes", [5, 40])
+def test_a_band_in_row_pieces_on_the_pixel_threads_has_the_modes_of_one_piece(
+        monkeypatch: pytest.MonkeyPatch, num_classes: int):
+    """Past ``PIECE_PIXELS`` the 2 x 2 modes are computed in pieces of rows on the pixel
+    threads (an even number of rows each, the last one shorter), for the table and for
+    counting: the same labels as the reference, odd widths and no-data included."""
+    import threading
+
+    import seg_at_scale.io.threads as threads
+
+    rng = np.random.default_rng(7)
+    band = rng.integers(0, num_classes, (2 * 71, 203)).astype(np.uint8)
+    band[rng.random(band.shape) < 0.1] = NODATA
+    want = reference_mode(band, num_classes)
+    seen: list[tuple[int, int, str]] = []
+    real = threads.by_rows
+
+    def watched(fn, rows, width, *, multiple=1):
+        def piece(r0, r1):
+            seen.append((r0, r1, threading.current_thread().name))
+            return fn(r0, r1)
+        return real(piece, rows, width, multiple=multiple)
+
+    monkeypatch.setattr(threads, "PIECE_PIXELS", 1000)
+    monkeypatch.setattr("seg_at_scale.io.overviews.by_rows", watched)
+    np.testing.assert_array_equal(mode2x2(band, num_classes), want)
+    pieces = sorted(seen)
+    assert len(pieces) > 2 and pieces[0][0] == 0 and pieces[-1][1] == band.shape[0]
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))  # every row, once
+    assert all((r1 - r0) % 2 == 0 for r0, r1, _ in pieces)
+    assert all(name.startswith(threads.PREFIX) for *_, name in pieces)
