@@ -343,7 +343,8 @@ def _load(source: WindowSource, job: tuple[Batch, D4], height: int, width: int,
     event = None
     if stream is not None:
         for grp in by_size.values():
-            x = torch.cat(grp.raws)
+            # one window (a scene the device takes whole): no copy of it before pinning
+            x = grp.raws[0] if len(grp.raws) == 1 else torch.cat(grp.raws)
             if x.device.type != "cpu":  # an image already on the device: nothing to copy
                 grp.raws = list(x.to(device).split([r.shape[0] for r in grp.raws]))
                 continue
