@@ -42,9 +42,14 @@ def test_the_mode_table_equals_counting_each_class(num_classes: int):
                                                       num_classes), got)
 
 
-def test_a_label_cog_s_overviews_are_the_modes_of_the_level_above(tmp_path: Path):
+@pytest.mark.parametrize("pieces", [False, True], ids=["one_piece", "row_pieces"])
+def test_a_label_cog_s_overviews_are_the_modes_of_the_level_above(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pieces: bool):
     """301 x 257 labels (odd sides), 5 classes in 3 x 3 patches with 30 % noise, no-data
-    in a corner, written in row bands of 37 rows with 64 px blocks: three overview levels."""
+    in a corner, written in row bands of 37 rows with 64 px blocks: three overview levels,
+    each band in one piece or in row pieces on the pixel threads."""
+    if pieces:
+        monkeypatch.setattr("seg_at_scale.io.threads.PIECE_PIXELS", 500)
     rng = np.random.default_rng(7)
     labels = np.repeat(np.repeat(rng.integers(0, 5, (101, 86)), 3, 0), 3, 1)[:301, :257]
     labels = labels.astype(np.uint8)
