@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 from pathlib import Path
@@ -43,12 +44,17 @@ if _WORKERS > 1:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 
+def run_temp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This run's temporary folder that its xdist workers share (the parent of theirs)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session", autouse=True)
 def own_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """This run's cache of measurements, shared by its xdist workers (the parent of their
-    temporary folders), as a fresh machine's: empty at the start, never the user's."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "seg_at_scale_cache"
+    """This run's cache of measurements, shared by its xdist workers, as a fresh machine's:
+    empty at the start, never the user's."""
+    root = run_temp(tmp_path_factory) / "seg_at_scale_cache"
     os.environ["SEG_AT_SCALE_CACHE"] = str(root)
     return root
 
@@ -148,10 +154,20 @@ def cli_case(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cli_reference(cli_case, tmp_path_factory):
-    """The uninterrupted ``seg-predict`` COG of ``cli_case`` at ``tile_size=64`` (computed
-    once per module: the fault tests compare their resumed outputs with it)."""
+    """The uninterrupted ``seg-predict`` COG of ``cli_case`` at ``tile_size=64``: the fault
+    tests compare their resumed outputs with it. Computed once in the run: the modules of
+    every worker whose run folder and scene have the same bytes (the key) read the one
+    output, which the first writes under a lock (seg-predict renames it when complete)."""
+    from filelock import FileLock
     from helpers.prediction import seg_predict
 
-    ref = tmp_path_factory.mktemp("cli_ref") / "mask.tif"
-    seg_predict(*cli_case, ref, "tile_size=64")
+    run, image = cli_case
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (
+        run / "run_config.yaml", run / "checkpoints" / "last.ckpt", image))).hexdigest()[:16]
+    folder = run_temp(tmp_path_factory) / "cli_reference" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    ref = folder / "mask.tif"
+    with FileLock(folder.parent / f"{key}.lock"):
+        if not ref.exists():
+            seg_predict(run, image, ref, "tile_size=64")
     return ref

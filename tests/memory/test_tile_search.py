@@ -27,7 +27,7 @@ from seg_at_scale.memory import (
     measure_step,
 )
 from seg_at_scale.memory import probe as probe_mod
-from seg_at_scale.memory.probe import StepMeasure, run_step
+from seg_at_scale.memory.probe import StepMeasure, probe_server, run_step
 from seg_at_scale.models import UNet
 from seg_at_scale.tiling import footprint, make_grid
 from seg_at_scale.tiling.tile_sides import smallest_side
@@ -57,9 +57,44 @@ def test_a_searchs_cpu_probes_fork_from_one_server_that_stops_with_the_search(mo
     assert not psutil.pid_exists(server) or real(server).status() == psutil.STATUS_ZOMBIE
 
 
-def test_budget_below_the_smallest_tile_is_refused():
-    with pytest.raises(ConfigError, match=r"memory.budget_gb=0.05 is too small.*smallest legal"):
-        find_largest_tile(tiny(), int(0.05 * GIB), StepSpec(threads=1))
+@pytest.fixture(scope="class")
+def one_probe_server():
+    """The class's CPU probes fork from one server (each start imports torch: ~3 CPU-s here);
+    every probe is still a fresh fork of it, as in a search of its own."""
+    with probe_server():
+        yield
+
+
+@pytest.mark.usefixtures("one_probe_server")
+class TestProbesOfOneServer:
+    def test_budget_below_the_smallest_tile_is_refused(self):
+        with pytest.raises(ConfigError,
+                           match=r"memory.budget_gb=0.05 is too small.*smallest legal"):
+            find_largest_tile(tiny(), int(0.05 * GIB), StepSpec(threads=1))
+
+    def test_auto_tile_size_fits_the_budget_measured_again(self, tmp_path, scene_files):
+        scene_files(tmp_path / "train", shape=(3, 803, 771), classes=4)
+        host = psutil.Process().memory_info().rss  # this process "trains": its size is reserved
+        budget_gb = round((host + 110 * 2**20) / GIB, 3)
+        with initialize_config_dir(CONF, version_base="1.3"):
+            cfg = compose("train", overrides=[
+                "tiling=grid", "tiling.q=null", "tiling.tile_size=auto", "memory=none",
+                f"memory.budget_gb={budget_gb}", "memory.rel_tol=0.5", "memory.max_probes=3",
+                "model.in_channels=3", "model.num_classes=4", "task.channels_last=false"])
+        net = tiny()
+        fp = net.footprint()
+        dm = tiff_module(tmp_path, fp, 4, tiling="grid", tile_size=None)
+        memory = check_memory(cfg)
+        resolve_auto_tile(cfg, net, fp, dm, memory)
+        side = cfg.tiling.tile_size
+        assert isinstance(side, int) and dm.tiling.tile_size == side
+        assert (side - 2 * fp.context) % 4 == 0
+        again = measure_step(net, side, StepSpec(memory, threads=1))
+        assert again.fits and again.peak_bytes + host - again.base_bytes <= budget_gb * GIB, again
+        # larger tiles cut the halo overhead: E at the chosen tile beats the smallest legal tile's
+        e_auto = make_grid(803, 771, fp, tile_size=side).efficiency
+        assert e_auto < make_grid(803, 771, fp, tile_size=2 * fp.context + 4 * 8).efficiency
+        assert math.isfinite(again.seconds)
 
 
 def test_search_bisects_when_the_fitted_line_overshoots():
@@ -111,31 +146,6 @@ def test_auto_tile_size_needs_a_budget_and_no_q(tmp_path, scene_files):
     scene_files(tmp_path / "train", shape=(3, 203, 171), classes=4)
     with pytest.raises(ConfigError, match=r"needs a memory budget: set memory.budget_gb"):
         resolve_auto_tile(no_budget, net, net.footprint(), dm, MemoryConfig())
-
-
-def test_auto_tile_size_fits_the_budget_measured_again(tmp_path, scene_files):
-    scene_files(tmp_path / "train", shape=(3, 803, 771), classes=4)
-    host = psutil.Process().memory_info().rss  # this process "trains": its size is reserved
-    budget_gb = round((host + 110 * 2**20) / GIB, 3)
-    with initialize_config_dir(CONF, version_base="1.3"):
-        cfg = compose("train", overrides=[
-            "tiling=grid", "tiling.q=null", "tiling.tile_size=auto", "memory=none",
-            f"memory.budget_gb={budget_gb}", "memory.rel_tol=0.5", "memory.max_probes=3",
-            "model.in_channels=3", "model.num_classes=4", "task.channels_last=false"])
-    net = tiny()
-    fp = net.footprint()
-    dm = tiff_module(tmp_path, fp, 4, tiling="grid", tile_size=None)
-    memory = check_memory(cfg)
-    resolve_auto_tile(cfg, net, fp, dm, memory)
-    side = cfg.tiling.tile_size
-    assert isinstance(side, int) and dm.tiling.tile_size == side
-    assert (side - 2 * fp.context) % 4 == 0
-    again = measure_step(net, side, StepSpec(memory, threads=1))
-    assert again.fits and again.peak_bytes + host - again.base_bytes <= budget_gb * GIB, again
-    # larger tiles cut the halo overhead: E at the chosen tile beats the smallest legal tile's
-    e_auto = make_grid(803, 771, fp, tile_size=side).efficiency
-    assert e_auto < make_grid(803, 771, fp, tile_size=2 * fp.context + 4 * 8).efficiency
-    assert math.isfinite(again.seconds)
 
 
 def test_recomputation_does_not_update_batchnorm_statistics_twice():

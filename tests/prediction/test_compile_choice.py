@@ -83,6 +83,10 @@ def eager_then_compiled(tmp_path, net, image, opts, caplog):
     return labels(tmp_path / "eager.tif"), labels(tmp_path / "c.tif")
 
 
+# make test-all: inductor's first compile on a machine (its on-disk cache empty, as in CI)
+# is 20-40 s of C++ compiling here. What the bytes rest on, a compile used only where its
+# output equals the eager one's, is the stand-in compilers' tests below.
+@pytest.mark.slow
 def test_the_compiled_prediction_writes_the_eager_bytes(tmp_path, cache, monkeypatch):
     """torch.compile itself, fp32 channels-last, a 93x613 strip of 9 tiles."""
     net, image = unet(), make_image(tmp_path / "scene.tif", height=93, width=613)
