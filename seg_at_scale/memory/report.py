@@ -3,9 +3,10 @@
 :class:`MemoryReport` is a Lightning callback. Each training step it logs
 ``train/step_s`` (wall time of the step), ``train/mpix_per_s`` (input pixels per second)
 and ``train/peak_mem_mib`` (peak resident memory of the process on CPU, or
-``torch.cuda.max_memory_allocated`` on a GPU), and at the end of fitting it prints and
-logs one line per run, e.g. ``memory=checkpoint precision=32-true: peak 1834 MiB, step
-0.92 s (median), 1.31 Mpix/s``, so a user sees what the choice cost.
+``torch.cuda.max_memory_allocated`` on a GPU), and at the end of fitting it shows one line
+per run, once (logged, and printed where no handler shows it), e.g.
+``memory=checkpoint precision=32-true: peak 1834 MiB, step 0.92 s (median), 1.31 Mpix/s``,
+so a user sees what the choice cost.
 """
 
 from __future__ import annotations
@@ -82,5 +83,30 @@ class MemoryReport(pl.Callback):
         line = (f"memory={self.mode} precision={trainer.precision}: peak "
                 f"{self.summary['peak_mem_mib']:.0f} MiB, step {self.summary['step_s_median']:.3g}"
                 f" s (median of {len(steady)}), {self.summary['mpix_per_s']:.3g} Mpix/s")
-        log.info(line)
+        _say(line)
+
+
+def _say(line: str) -> None:
+    """Log ``line`` at INFO and make sure it is seen once.
+
+    Under Hydra (``seg-train``) the record reaches its console handler; where no handler
+    shows INFO records on a stream (a notebook, a script without logging set up) the line
+    is printed instead.
+    """
+    log.info(line)
+    if not _on_a_stream(log):
         print(line)
+
+
+def _on_a_stream(logger: logging.Logger) -> bool:
+    """Whether an INFO record of ``logger`` reaches a handler writing to a stream."""
+    if not logger.isEnabledFor(logging.INFO):
+        return False
+    node: logging.Logger | None = logger
+    while node is not None:
+        for h in node.handlers:
+            if (isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+                    and h.level <= logging.INFO):
+                return True
+        node = node.parent if node.propagate else None
+    return False

@@ -100,3 +100,27 @@ def test_bf16_tiled_labels_agree_with_untiled():
     assert (tiled == full).float().mean().item() >= 0.999
 
 
+
+
+def test_the_memory_line_is_shown_once_whether_or_not_logging_shows_it(capsys):
+    """Under Hydra the line's log record reaches the console; printing it too showed it
+    twice. Without a console handler (a notebook) it is printed."""
+    import io
+    import logging
+
+    root, before = logging.getLogger(), logging.getLogger().level
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    try:
+        root.setLevel(logging.WARNING)  # nothing shows INFO: printed
+        _fit("none")
+        assert capsys.readouterr().out.count("memory=none precision=32-true: peak") == 1
+        root.setLevel(logging.INFO)  # a console handler shows it (Hydra's): not printed
+        root.addHandler(handler)
+        _fit("none")
+        shown = capsys.readouterr().out + stream.getvalue()
+        assert shown.count("memory=none precision=32-true: peak") == 1
+        assert "memory=none precision=32-true: peak" in stream.getvalue()
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(before)
