@@ -50,6 +50,8 @@ def test_train_saves_computed_halo_and_predicts_test_scene(tmp_path):
     assert 0.0 <= test["miou"] <= 1.0 and Path(test["preview"]).exists()
     with RasterReader(test["prediction"]) as r:
         assert (r.height, r.width) == (157, 189) and not r.geotags.is_empty
+    # the memory line, once: Hydra's console shows its log record (it was printed too)
+    assert summary["log"].count("memory=none precision=32-true: peak") == 1
 
 
 def test_prediction_file_equals_untiled_model(tmp_path):
