@@ -99,8 +99,6 @@ def test_bf16_tiled_labels_agree_with_untiled():
     assert (tiled == full).float().mean().item() >= 0.999
 
 
-
-
 def test_the_memory_line_is_shown_once_whether_or_not_logging_shows_it(capsys):
     """Under Hydra the line's log record reaches the console; printing it too showed it
     twice. Without a console handler (a notebook) it is printed."""
