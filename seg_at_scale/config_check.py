@@ -12,6 +12,17 @@ Traceback (most recent call last):
 seg_at_scale.errors.ConfigError: t.tilesize is not a t key (did you mean t.tile_size?): ...
 >>> fits([1, 2], list[int]), fits("abc", int | None), fits(True, int)
 (True, False, False)
+
+A key that names a file takes a local path (:func:`check_local`): every input is read from a
+local (or mounted) file system and every output written to one, since inputs are checked and
+hashed before any work and outputs are written under temporary names, renamed when
+complete. A URL or a GDAL virtual path would otherwise be taken for a relative or missing
+local path, and refused with a message that does not say why.
+
+>>> remote_kind("/vsis3/bucket/a.tif"), remote_kind("s3://bucket/a.tif")
+('a GDAL virtual path', 'a URL (s3:)')
+>>> remote_kind("scenes/a.tif"), remote_kind("file:///data/a.tif"), remote_kind("C:/a.tif")
+(None, None, None)
 """
 
 from __future__ import annotations
@@ -22,12 +33,14 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
-from seg_at_scale.errors import ConfigError
+from seg_at_scale.errors import ConfigError, SegAtScaleError
 
-__all__ = ["known_keys", "check_types", "fits", "describe", "nearest", "resolved", "HYDRA_KEYS"]
+__all__ = ["known_keys", "check_types", "fits", "describe", "nearest", "resolved", "HYDRA_KEYS",
+           "remote_kind", "check_local"]
 
 HYDRA_KEYS = frozenset({"_target_", "_convert_", "_recursive_", "_partial_"})
 
@@ -142,3 +155,34 @@ def describe(hint: Any) -> str:
         return "a mapping"
     words = {int: "a whole number", float: "a number", str: "a string", bool: "true or false"}
     return words.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def remote_kind(text: str) -> str | None:
+    """What ``text`` is when it names no local file: a URL or a GDAL virtual path; else None.
+
+    ``file:`` URLs name local files; a one-letter scheme is a Windows drive.
+    """
+    if text.startswith("/vsi"):
+        return "a GDAL virtual path"
+    scheme = urlparse(text).scheme
+    if len(scheme) > 1 and scheme != "file":
+        return f"a URL ({scheme}:)"
+    return None
+
+
+def check_local(what: str, text: str, *, output: bool = False,
+                error: type[SegAtScaleError] = ConfigError) -> None:
+    """Refuse ``text`` when it is a URL or a GDAL virtual path, saying what to do.
+
+    ``what`` names it in the message (``image='s3://b/a.tif'``); ``output``: the path is
+    written (the fix is to write locally, then copy).
+    """
+    kind = remote_kind(text)
+    if kind is None:
+        return
+    fix = ("write to a local or mounted folder, then copy the result there (aws s3 cp, "
+           "gsutil cp, rclone copy)") if output else (
+        "copy it to a local or mounted folder first (aws s3 cp, gsutil cp, rclone copy, "
+        "or gdal_translate from a /vsi path) and give that path")
+    raise error(f"{what} is {kind}: seg_at_scale reads and writes local files only (each "
+                f"input is checked and hashed before any work); {fix}")

@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 
 import pystac
 
+from seg_at_scale.config_check import check_local
 from seg_at_scale.errors import InputError
 
 __all__ = ["image_hrefs", "image_asset", "MAX_DEPTH", "MAX_LINKED"]
@@ -201,10 +202,7 @@ def _folder(item: pystac.Item, default: Path) -> Path:
 
 def _local(href: str, base: Path, item_id: str) -> str:
     """``href`` as a local path, resolved against ``base`` when relative."""
-    scheme = urlparse(href).scheme
-    if scheme == "file":
+    check_local(f"item '{item_id}': the image '{href}'", href, error=InputError)
+    if urlparse(href).scheme == "file":
         href = urlparse(href).path
-    elif scheme and len(scheme) > 1:  # one letter: a Windows drive, not a scheme
-        raise InputError(f"item '{item_id}': the image '{href}' is not a local file; copy "
-                         "it locally and point the href at the copy")
     return str(Path(href) if Path(href).is_absolute() else (base / href).resolve())

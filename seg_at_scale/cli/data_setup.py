@@ -26,6 +26,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from seg_at_scale.cli.runs import RunFolder
+from seg_at_scale.config_check import check_local
 from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_sums
 from seg_at_scale.data.config import AUTO, DataConfig, TilingConfig, data_config, tiling_config
 from seg_at_scale.data.preflight import CACHE_NAME, FactCache, PreflightReport, preflight
@@ -96,6 +97,7 @@ def make_synthetic(root: str, synthetic: Mapping[str, Any] | None, *,
     computed from the training masks these scenes are. A ``num_classes`` other than the
     length of the source's class table is refused before anything is written.
     """
+    check_local(f"data.root='{root}'", root)  # before any folder is made from it
     syn = synthetic or {}
     if not syn.get("enabled"):
         return

@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 from seg_at_scale.cli.common import reports_errors
-from seg_at_scale.config_check import check_types, known_keys, resolved
+from seg_at_scale.config_check import check_local, check_types, known_keys, resolved
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.loading import model_files
 from seg_at_scale.models.segmodel import write_model
@@ -40,6 +40,8 @@ def export(cfg: DictConfig) -> dict[str, object]:
             raise ConfigError(f"{key}= is missing: give seg-export {key}=<path> (see "
                               "seg-export --help)")
     check_types("", values, KEYS)
+    for key in ("run", "output"):
+        check_local(f"{key}='{values[key]}'", str(values[key]), output=key == "output")
     run, output = Path(values["run"]), Path(values["output"])
     check_outputs({"output": output}, model_files(run, None, values["ckpt"]),
                   overwrite=bool(values["overwrite"]))

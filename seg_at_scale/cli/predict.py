@@ -53,7 +53,7 @@ from seg_at_scale.cli.common import (
     long_lived,
     reports_errors,
 )
-from seg_at_scale.config_check import check_types, known_keys
+from seg_at_scale.config_check import check_local, check_types, known_keys
 from seg_at_scale.errors import ConfigError, SegAtScaleError
 from seg_at_scale.parallel.environment import launcher, plain_environment
 from seg_at_scale.parallel.lifetime import RankWatch, die_with_parent
@@ -71,6 +71,9 @@ _LAUNCHER: list[int] = []  # pid of the process that forks the ranks
 _REPORTED: list[Any] = []  # shared with the forked ranks: whether one printed the error
 _WATCH: list[RankWatch] = []  # shared with the forked ranks: their pids and own ends
 # set by a rank (or the process that starts the ranks) alone; "0" (or unset) in rank 0
+#: the keys that name files or folders: read, and written
+READ = ("image", "images", "mask", "masks", "run", "model", "ckpt")
+WRITTEN = ("output", "output_dir", "vector")
 _RANK_VARIABLES = ("RANK", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK", "SLURM_PROCID")
 
 
@@ -159,6 +162,9 @@ class PredictJob:
         for key in ("processes", "nodes"):
             if job.get(key, 1) < 1:
                 raise ConfigError(f"{key}={job[key]}: give a whole number >= 1 (e.g. {key}=2)")
+        for key in (*READ, *WRITTEN):
+            if job.get(key):
+                check_local(f"{key}='{job[key]}'", str(job[key]), output=key in WRITTEN)
         device = str(job.get("device", "auto"))
         if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
             raise ConfigError(f"device={device!r}: use auto, cpu, cuda or cuda:<index>")

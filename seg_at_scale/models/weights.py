@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from seg_at_scale.config_check import check_local
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.models.checkpoint import PICKLED_GLOBAL, UNREADABLE
 
@@ -89,6 +90,7 @@ def read_weights(path: str | os.PathLike[str], *, key: str) -> tuple[dict[str, T
     Raises:
         InputError: missing, unreadable, holding Python objects, or holding no tensors.
     """
+    check_local(f"{key}='{path}'", str(path), error=InputError)
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{key}='{p}' does not exist; give the path of a weights file "
@@ -431,6 +433,7 @@ def resolve_weights(spec: str, encoder: str, *, key: str) -> Path:
     """
     p = Path(spec).expanduser()
     if not is_hub_name(spec):
+        check_local(f"{key}='{spec}'", spec, error=InputError)
         if not p.is_file():
             raise InputError(f"{key}='{spec}' does not exist; give the path of a weights file "
                              f"({', '.join(WEIGHT_SUFFIXES)})")

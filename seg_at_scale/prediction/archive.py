@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from seg_at_scale.config_check import check_local
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError, SegAtScaleError
 from seg_at_scale.io.writer import listed_once
 from seg_at_scale.models.card import ModelCard
@@ -137,6 +138,8 @@ def find_images(images: str) -> list[tuple[str, Path]]:
                  for name, href in image_hrefs(src)]
     elif src.suffix.lower() == ".txt" and src.is_file():
         lines = [ln.split("#", 1)[0].strip() for ln in src.read_text().splitlines()]
+        for n, ln in enumerate(lines, 1):
+            check_local(f"images='{images}': line {n} '{ln}'", ln, error=InputError)
         paths = [src.parent / ln if not Path(ln).is_absolute() else Path(ln)
                  for ln in lines if ln]
         named = [(p.stem, p, f"images='{images}': image '{p}'") for p in paths]

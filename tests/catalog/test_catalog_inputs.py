@@ -91,9 +91,13 @@ def test_refusals(tmp_path):
                                          r"meta, thumb\)"):
         image_hrefs(path, asset="B04")
     remote = feature_collection(tmp_path / "r.json", item("r", i=tiff("https://x.org/r.tif")))
-    with pytest.raises(InputError, match="item 'r': the image 'https://x.org/r.tif' is not a "
-                                         "local file"):
+    with pytest.raises(InputError, match=r"item 'r': the image 'https://x.org/r.tif' is a "
+                                         r"URL \(https:\): .* copy it to a local or mounted"):
         image_hrefs(remote)
+    virtual = feature_collection(tmp_path / "v.json", item("v", i=tiff("/vsis3/b/v.tif")))
+    with pytest.raises(InputError, match="item 'v': the image '/vsis3/b/v.tif' is a GDAL "
+                                         "virtual path"):
+        image_hrefs(virtual)
     twice = feature_collection(tmp_path / "t.json", item("z", i=tiff("1.tif")),
                                item("z", i=tiff("2.tif")))
     with pytest.raises(InputError, match="two items have the id 'z'"):

@@ -141,6 +141,21 @@ def test_a_class_count_other_than_the_source_table_is_refused_before_writing(tmp
     assert (tmp_path / "d" / "manifest.json").exists()
 
 
+def test_a_data_root_that_is_a_url_is_refused_before_a_folder_is_made(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    node = {"enabled": True, "generator": "seg_at_scale.data.sources.streets.Streets",
+            "splits": {"train": 1}, "height": 24, "width": 40, "seed": 0}
+    for root, kind in [("s3://bucket/scenes", r"a URL \(s3:\)"),
+                       ("/vsis3/bucket/scenes", "a GDAL virtual path")]:
+        with pytest.raises(ConfigError, match=rf"data.root='{root}' is {kind}: seg_at_scale "
+                                              r"reads and writes local files only .* copy it "
+                                              r"to a local or mounted folder first"):
+            make_synthetic(root, node)
+        with pytest.raises(ConfigError, match=rf"data.root='{root}' is {kind}"):
+            make_synthetic(root, {**node, "enabled": False})  # a folder of the user's own
+    assert sorted(tmp_path.iterdir()) == []  # no 's3:' folder made here
+
+
 @pytest.mark.parametrize("name", ["cosmic_h5", "cityscapes"])
 def test_a_converted_folder_is_reused_without_its_source(tmp_path, name):
     _build(tmp_path, tmp_path / "data", name, 0, False)

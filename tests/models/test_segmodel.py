@@ -118,3 +118,10 @@ def test_export_refuses_to_replace_without_overwrite_or_to_write_over_the_run(ex
     out = seg_export(run, run / "checkpoints" / "last.ckpt", "ckpt=last", "overwrite=true")
     assert out.returncode == 2
     assert "is the checkpoint" in out.stderr.strip().splitlines()[-1]
+    out = warm.run([sys.executable, "-m", "seg_at_scale.cli.export", f"run={run}",
+                    "output=s3://bucket/unet.segmodel", "ckpt=last"], capture_output=True,
+                   text=True, env=env(), timeout=120, cwd=tmp_path)
+    assert out.returncode == 2
+    assert "output='s3://bucket/unet.segmodel' is a URL (s3:): seg_at_scale reads and writes " \
+        "local files only" in out.stderr.strip().splitlines()[-1]
+    assert sorted(tmp_path.iterdir()) == []  # no 's3:' folder made where it ran

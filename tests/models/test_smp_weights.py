@@ -199,6 +199,12 @@ def test_files_that_would_run_code_or_do_not_exist_are_refused(tmp_path):
         read_weights(tmp_path / "pickled.ckpt", key="model.encoder_weights")
     with pytest.raises(InputError, match=r"model.weights='.*nope.pth' does not exist"):
         unet(weights=str(tmp_path / "nope.pth"))
+    with pytest.raises(InputError, match=r"model.weights='s3://b/w.pth' is a URL \(s3:\): .*"
+                                         "copy it to a local or mounted folder first"):
+        unet(weights="s3://b/w.pth")
+    with pytest.raises(InputError, match="model.encoder_weights='/vsicurl/https://x.org/e.pth' "
+                                         "is a GDAL virtual path"):
+        read_weights("/vsicurl/https://x.org/e.pth", key="model.encoder_weights")
 
 
 def test_hub_name_refused_offline_in_one_line(monkeypatch):

@@ -85,3 +85,20 @@ def test_every_companion_and_another_scenes_mask_are_checked(tmp_path):
     assert {p.name for p in writes.values()} == {
         "b.tif", ".b.tif.zarr", "b_probabilities.tif", "b_preview.png", "b.gpkg",
         "b.stac.json", ".b.gpkg.json"}
+
+
+def test_a_list_naming_a_url_or_a_gdal_virtual_path_is_refused_by_its_line(tmp_path):
+    from seg_at_scale.prediction.archive import find_images
+
+    (tmp_path / "a.tif").write_bytes(b"")
+    listed = tmp_path / "scenes.txt"
+    listed.write_text("# the archive\na.tif\ns3://bucket/b.tif  # the second\n")
+    with pytest.raises(InputError, match=rf"images='{listed}': line 3 's3://bucket/b.tif' is "
+                                         r"a URL \(s3:\): .*copy it to a local or mounted"):
+        find_images(str(listed))
+    listed.write_text("/vsicurl/https://example.org/c.tif\n")
+    with pytest.raises(InputError, match="line 1 '/vsicurl/https://example.org/c.tif' is a "
+                                         "GDAL virtual path"):
+        find_images(str(listed))
+    listed.write_text("a.tif\n")
+    assert find_images(str(listed)) == [("a", tmp_path / "a.tif")]

@@ -190,6 +190,28 @@ def test_bad_values_are_one_line_and_exit_2(cli_case, tmp_path, overrides, expec
     assert not (tmp_path / "m.tif").exists() and not (tmp_path / ".m.tif.zarr").exists()
 
 
+@pytest.mark.parametrize(("override", "expected"), [
+    ("image=s3://bucket/scene.tif", "image='s3://bucket/scene.tif' is a URL (s3:): "
+     "seg_at_scale reads and writes local files only"),
+    ("image=/vsizip//data/scenes.zip/a.tif", "image='/vsizip//data/scenes.zip/a.tif' is a GDAL "
+     "virtual path"),
+    ("mask=https://example.org/truth.tif", "mask='https://example.org/truth.tif' is a URL "
+     "(https:)"),
+    ("output=gs://bucket/m.tif", "output='gs://bucket/m.tif' is a URL (gs:): seg_at_scale"),
+])
+def test_a_url_or_a_gdal_virtual_path_is_refused_with_the_fix(cli_case, tmp_path, override,
+                                                              expected):
+    run, image = cli_case
+    keys = {"image": f"image={image}", "output": f"output={tmp_path / 'm.tif'}"}
+    keys[override.split("=", 1)[0]] = override
+    res = seg_predict_here(f"run={run}", *keys.values(), cwd=tmp_path)
+    line = _one_line(res, expected)
+    assert ("then copy the result there" in line) == override.startswith("output=")
+    assert "copy it to a local or mounted folder first" in line or \
+        override.startswith("output=")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, even here
+
+
 @pytest.mark.parametrize("missing", ["run", "image"])
 def test_a_missing_key_is_named(cli_case, tmp_path, missing):
     run, image = cli_case
