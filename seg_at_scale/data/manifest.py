@@ -45,7 +45,7 @@ __all__ = ["reuse", "save", "listed", "begin", "interrupted_build", "clear_parti
 
 MANIFEST = "manifest.json"
 BUILDING = ".building.json"  # a build in progress: its parameters, removed by save()
-_SCENES = ("*/*_image.tif", "*/*_mask.tif")
+_SCENES = ("*/*_image.tif", "*/*_mask.tif", "*/images/*.tif", "*/masks/*.tif")  # find_scenes
 _FIX = "pass overwrite=true (seg-train: data.synthetic.overwrite=true; seg-synth: --overwrite)"
 
 

@@ -199,7 +199,7 @@ def preflight(root: str | os.PathLike[str], splits: Sequence[str], *, bands: int
     """Check every scene of ``splits`` under ``root``; see the module docstring.
 
     Args:
-        root: the data root (``<root>/<split>/<name>_image.tif`` + ``_mask.tif``).
+        root: the data root (``<root>/<split>/``: :func:`~.scenes.find_scenes`'s layouts).
         splits: the splits the run reads (``train``, ``val``; ``test`` when it predicts).
         bands: ``data.bands``.
         num_classes: ``data.num_classes``.

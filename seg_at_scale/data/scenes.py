@@ -50,19 +50,34 @@ class Scene:
 
 
 def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> list[Scene]:
-    """Scenes ``<name>_image.tif`` + ``<name>_mask.tif`` in ``folder``, sorted by name."""
+    """The scenes of ``folder``, sorted by name, in either layout.
+
+    ``<name>_image.tif`` with ``<name>_mask.tif`` beside it, or ``images/<name>.tif`` (or
+    ``.tiff``) with ``masks/<name>.tif`` of the same file name. A folder holding both is
+    refused: which scenes it means is the user's to say.
+    """
     root = Path(folder)
+    layouts = (f"<name>{IMAGE_SUFFIX} with <name>{MASK_SUFFIX} beside it, or "
+               "images/<name>.tif with masks/<name>.tif")
     if not root.is_dir():
         raise InputError(f"{key}: folder '{root}' does not exist; point {key} at a folder "
-                         f"of <name>{IMAGE_SUFFIX} / <name>{MASK_SUFFIX} pairs")
+                         f"of scenes ({layouts})")
+    paired = sorted(root.glob(f"*{IMAGE_SUFFIX}"))
+    folders = root / "images", root / "masks"
+    listed = sorted(p for p in folders[0].iterdir() if p.suffix.lower() in (".tif", ".tiff")
+                    and not p.name.startswith(".")) if folders[0].is_dir() else []
+    if paired and listed:
+        raise InputError(f"{key}: '{root}' holds scenes in both layouts ('{paired[0].name}' "
+                         f"and 'images/{listed[0].name}'); keep one of them in the folder")
     scenes = []
-    for image in sorted(root.glob(f"*{IMAGE_SUFFIX}")):
-        mask = image.with_name(image.name[: -len(IMAGE_SUFFIX)] + MASK_SUFFIX)
+    for image in paired or listed:
+        mask = (image.with_name(image.name[: -len(IMAGE_SUFFIX)] + MASK_SUFFIX) if paired
+                else folders[1] / image.name)
         if not mask.exists():
-            raise InputError(f"'{image}' has no mask: expected '{mask}' next to it")
+            raise InputError(f"'{image}' has no mask: expected '{mask}'")
         scenes.append(Scene(image, mask))
     if not scenes:
-        raise InputError(f"{key}: no '*{IMAGE_SUFFIX}' files in '{root}'")
+        raise InputError(f"{key}: no scenes in '{root}'; give {layouts}")
     return scenes
 
 

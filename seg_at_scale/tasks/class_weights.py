@@ -42,7 +42,7 @@ def scene_class_weights(root: str | os.PathLike[str], num_classes: int, ignore_i
     """Weights from the class counts of ``<root>/train``'s masks; None when ``power`` is None or 0.
 
     Args:
-        root: the dataset folder (``data.root``), holding ``train/<name>_mask.tif``.
+        root: the dataset folder (``data.root``), holding ``train/``'s scenes.
         num_classes: K.
         ignore_index: label that counts for no class.
         power: the exponent ``p`` (``data.class_weight_power``).

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from helpers import warm
 from helpers.data import group
 from omegaconf import OmegaConf
@@ -16,7 +17,10 @@ from seg_at_scale.cli.common import class_names_of
 from seg_at_scale.cli.data_setup import check_grids
 from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_sums
 from seg_at_scale.data.config import data_config, tiling_config
+from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.preflight import CACHE_NAME, preflight
+from seg_at_scale.data.scenes import find_scenes
+from seg_at_scale.data.tiles import GridTiles
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import RasterReader, write_raster
 from seg_at_scale.models import UNet
@@ -84,6 +88,42 @@ def test_pixel_facts_are_cached_until_a_file_changes(tmp_path, scene_files) -> N
     write_raster(root / "val" / "s1_mask.tif", labels, overwrite=True)
     with pytest.raises(InputError, match="label 7"):
         check(root)
+
+
+def test_scenes_in_images_and_masks_folders_are_the_same_scenes(tmp_path, scene_files) -> None:
+    paired = dataset(tmp_path / "paired", scene_files)
+    scene_files(paired / "train", name="t2", shape=(4, 53, 61), seed=7)
+    folders = tmp_path / "folders"
+    for image in sorted(paired.glob("*/*_image.tif")):
+        name = image.name[: -len("_image.tif")]
+        for sub, path in (("images", image), ("masks", image.with_name(f"{name}_mask.tif"))):
+            (folders / image.parent.name / sub).mkdir(parents=True, exist_ok=True)
+            (folders / image.parent.name / sub / f"{name}.tif").write_bytes(path.read_bytes())
+    a, b = check(paired), check(folders)
+    assert {k: [(s.name, s.class_counts) for s in v] for k, v in a.scenes.items()} == \
+        {k: [(s.name, s.class_counts) for s in v] for k, v in b.scenes.items()}
+    assert [s.name for s in b.scenes["train"]] == ["s0", "t2"]
+    assert sorted(b.shapes.values()) == sorted(a.shapes.values())
+    assert b.scenes["train"][1].mask == folders / "train" / "masks" / "t2.tif"
+    fp = UNet(4, 5, levels=2, base_width=2).footprint()  # the training tiles: the same bytes
+    tiles = [GridTiles(r.scenes["train"], fp, Normalizer(), q=2) for r in (a, b)]
+    assert len(tiles[0]) == len(tiles[1]) == 8
+    for i in range(8):
+        for key in ("image", "target", "norm"):
+            assert torch.equal(tiles[0][i][key], tiles[1][i][key]), (i, key)
+    (folders / "val" / "masks" / "s1.tif").unlink()
+    with pytest.raises(InputError, match=r"val/images/s1.tif' has no mask: expected "
+                                         r"'.*val/masks/s1.tif'"):
+        check(folders)
+    scene_files(folders / "val", name="s1", shape=SHAPE, seed=1)  # the other layout beside
+    with pytest.raises(InputError, match=r"data.root \(val split\): '.*val' holds scenes in "
+                                         r"both layouts \('s1_image.tif' and 'images/s1.tif'\)"):
+        check(folders)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match=r"data.root \(test split\): no scenes in '.*empty'; "
+                                         r"give <name>_image.tif with <name>_mask.tif beside "
+                                         r"it, or images/<name>.tif with masks/<name>.tif"):
+        find_scenes(tmp_path / "empty", key="data.root (test split)")
 
 
 def test_seg_train_stops_on_a_nan_before_training(tmp_path, scene_files) -> None:

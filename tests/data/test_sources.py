@@ -11,7 +11,7 @@ from helpers.sources import tiny_event, write_cityscapes, write_larcv, write_tac
 
 from seg_at_scale.cli.data_setup import make_synthetic, source_of
 from seg_at_scale.data.sources.base import Source, scene_seed
-from seg_at_scale.errors import ConfigError, InputError
+from seg_at_scale.errors import ConfigError, InputError, OutputExistsError
 
 
 def _inputs(tmp: Path, name: str) -> dict[str, object]:
@@ -139,6 +139,22 @@ def test_a_class_count_other_than_the_source_table_is_refused_before_writing(tmp
     assert not (tmp_path / "d").exists()
     make_synthetic(str(tmp_path / "d"), node, num_classes=7)
     assert (tmp_path / "d" / "manifest.json").exists()
+
+
+def test_a_folder_of_the_users_scenes_in_either_layout_is_not_built_into(tmp_path):
+    node = {"enabled": True, "generator": "seg_at_scale.data.sources.streets.Streets",
+            "splits": {"train": 1}, "height": 24, "width": 40, "seed": 0}
+    for layout in (["train/a_image.tif", "train/a_mask.tif"],
+                   ["train/images/a.tif", "train/masks/a.tif"]):
+        root = tmp_path / layout[1].split("/")[1].split(".")[0]
+        for name in layout:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_bytes(b"mine")
+        with pytest.raises(OutputExistsError, match=rf"'{root}' holds scene files "
+                                                    r"\(a\w*.tif, ...\) but no manifest.json"):
+            make_synthetic(str(root), node)
+        assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*.tif")) == \
+            sorted(layout)
 
 
 def test_a_data_root_that_is_a_url_is_refused_before_a_folder_is_made(tmp_path, monkeypatch):

@@ -1,9 +1,10 @@
 """Your own scenes, already in the layout (data=tiff): a source that writes nothing.
 
-``<root>/<split>/<name>_image.tif`` with ``<name>_mask.tif`` beside, any TIFF / BigTIFF /
-GeoTIFF. :meth:`TiffFolder.build` only checks, before the run starts, that every split
-it is given exists and holds scenes; the preflight (:mod:`seg_at_scale.data.preflight`)
-then reads their headers and pixels. Its class table is ``data.class_names``.
+``<root>/<split>/<name>_image.tif`` with ``<name>_mask.tif`` beside, or
+``<root>/<split>/images/<name>.tif`` with ``masks/<name>.tif``; any TIFF / BigTIFF /
+GeoTIFF. :meth:`TiffFolder.build` only checks, before the run starts, that every split it
+is given exists and holds scenes; the preflight (:mod:`seg_at_scale.data.preflight`) then
+reads their headers and pixels. Its class table is ``data.class_names``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class TiffFolder(Source):
     """
 
     name = "tiff"
-    needs = "your scenes under data.root/<split>/ (<name>_image.tif + <name>_mask.tif)"
+    needs = ("your scenes under data.root/<split>/ (<name>_image.tif + <name>_mask.tif, or "
+             "images/<name>.tif + masks/<name>.tif)")
 
     def __init__(self, splits: Mapping[str, int], height: int | None = None,
                  width: int | None = None, seed: int = 0) -> None:
