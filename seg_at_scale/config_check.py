@@ -21,19 +21,19 @@ local path, and refused with a message that does not say why.
 
 >>> remote_kind("/vsis3/bucket/a.tif"), remote_kind("s3://bucket/a.tif")
 ('a GDAL virtual path', 'a URL (s3:)')
->>> remote_kind("scenes/a.tif"), remote_kind("file:///data/a.tif"), remote_kind("C:/a.tif")
-(None, None, None)
+>>> [remote_kind(p) for p in ("scenes/a.tif", "scene:1.tif", "file:///data/a.tif", "C:/a.tif")]
+[None, None, None, None]
 """
 
 from __future__ import annotations
 
 import collections.abc
 import difflib
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
-from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -43,6 +43,7 @@ __all__ = ["known_keys", "check_types", "fits", "describe", "nearest", "resolved
            "remote_kind", "check_local"]
 
 HYDRA_KEYS = frozenset({"_target_", "_convert_", "_recursive_", "_partial_"})
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 def nearest(key: str, names: Iterable[str]) -> str | None:
@@ -160,13 +161,14 @@ def describe(hint: Any) -> str:
 def remote_kind(text: str) -> str | None:
     """What ``text`` is when it names no local file: a URL or a GDAL virtual path; else None.
 
-    ``file:`` URLs name local files; a one-letter scheme is a Windows drive.
+    A URL is ``<scheme>://``: a file name with a colon (``scene:1.tif``) is a local path,
+    ``file://`` URLs name local files, and ``C:/`` is a Windows drive.
     """
     if text.startswith("/vsi"):
         return "a GDAL virtual path"
-    scheme = urlparse(text).scheme
-    if len(scheme) > 1 and scheme != "file":
-        return f"a URL ({scheme}:)"
+    url = _URL.match(text)
+    if url and url[1].lower() != "file":
+        return f"a URL ({url[1]}:)"
     return None
 
 

@@ -70,10 +70,10 @@ RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # ranks that never meet fail, they d
 _LAUNCHER: list[int] = []  # pid of the process that forks the ranks
 _REPORTED: list[Any] = []  # shared with the forked ranks: whether one printed the error
 _WATCH: list[RankWatch] = []  # shared with the forked ranks: their pids and own ends
-# set by a rank (or the process that starts the ranks) alone; "0" (or unset) in rank 0
 #: the keys that name files or folders: read, and written
 READ = ("image", "images", "mask", "masks", "run", "model", "ckpt")
 WRITTEN = ("output", "output_dir", "vector")
+# set by a rank (or the process that starts the ranks) alone; "0" (or unset) in rank 0
 _RANK_VARIABLES = ("RANK", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK", "SLURM_PROCID")
 
 
