@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from seg_at_scale.cli.common import reports_errors
+from seg_at_scale.config_check import check_local
 from seg_at_scale.data.sources.synthetic import make_dataset, write_scene
 from seg_at_scale.data.synthetic import SceneGenerator
 from seg_at_scale.errors import ConfigError, OutputExistsError
@@ -52,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> None:
     start = time.perf_counter()
+    for what, path in [*(("--single", p) for p in args.single or ()), ("--out", args.out)]:
+        if path:
+            check_local(f"{what} '{path}'", path, output=True)  # before any folder is made
     if args.single:
         image, mask = (Path(p) for p in args.single)
         if same_path(image, mask):

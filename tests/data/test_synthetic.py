@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,7 +192,7 @@ def test_make_dataset_regenerates_missing_files(tmp_path):
     assert again.files["train"][0][1].exists()
 
 
-def test_cli_single_and_dataset(tmp_path, capsys):
+def test_cli_single_and_dataset(tmp_path, capsys, monkeypatch):
     img, mask = tmp_path / "a.tif", tmp_path / "a_mask.tif"
     args = ["--single", str(img), str(mask), "--height", "97", "--width", "131", "--seed", "9",
             "--band-rows", "40"]
@@ -210,3 +211,15 @@ def test_cli_single_and_dataset(tmp_path, capsys):
     assert main(["--out", str(ds), "--height", "40", "--width", "44", "--train", "1",
                  "--val", "1", "--test", "0"]) == 0
     assert (ds / "manifest.json").exists() and (ds / "val" / "scene_0_mask.tif").exists()
+    monkeypatch.chdir(tmp_path / "ds" / "val")
+    before = sorted(Path().rglob("*"))
+    for args in (["--out", "s3://bucket/ds"], ["--single", "gs://b/a.tif", "a_mask.tif"]):
+        with pytest.raises(SystemExit) as exit_:
+            main([*args, "--height", "40", "--width", "44"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"seg-synth: error: {args[0]} '{args[1]}' is a URL "
+                              f"({args[1].split(':')[0]}:): seg_at_scale reads and writes local "
+                              "files only"), err
+        assert "write to a local or mounted folder, then copy the result there" in err
+    assert sorted(Path().rglob("*")) == before  # no 's3:' folder, no a_mask.tif
