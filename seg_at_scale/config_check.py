@@ -182,9 +182,11 @@ def check_local(what: str, text: str, *, output: bool = False,
     kind = remote_kind(text)
     if kind is None:
         return
+    why = ("outputs are written under temporary names and renamed when complete" if output
+           else "each input is checked and hashed before any work")
     fix = ("write to a local or mounted folder, then copy the result there (aws s3 cp, "
            "gsutil cp, rclone copy)") if output else (
         "copy it to a local or mounted folder first (aws s3 cp, gsutil cp, rclone copy, "
         "or gdal_translate from a /vsi path) and give that path")
-    raise error(f"{what} is {kind}: seg_at_scale reads and writes local files only (each "
-                f"input is checked and hashed before any work); {fix}")
+    raise error(f"{what} is {kind}: seg_at_scale reads and writes local files only ({why}); "
+                f"{fix}")

@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from hydra.errors import InstantiationException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from seg_at_scale.config_check import check_local
 from seg_at_scale.errors import ConfigError, SegAtScaleError, disk_full
 
 __all__ = ["disk_full", "format_iou", "save_run_config", "reports_errors", "class_names_of",
-           "USER_ERROR_EXIT", "long_lived"]  # and RUN_CONFIG, read on first use (__getattr__)
+           "USER_ERROR_EXIT", "long_lived",
+           "LocalRunFolder"]  # and RUN_CONFIG, read on first use (__getattr__)
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +176,38 @@ def reports_errors(prog: str) -> Callable[[F], F]:
         return cast(F, run)  # fn's signature (functools.wraps)
 
     return decorate
+
+
+class LocalRunFolder(Callback):
+    """Hydra callback: a run or sweep folder that is not local is refused before it is made.
+
+    A URL or a GDAL virtual path is refused in one line
+    (:func:`~seg_at_scale.config_check.check_local`, exit status 2): Hydra would make
+    ``hydra.run.dir=s3://bucket/run`` here, as a local folder ``s3:/bucket/run``, and the
+    run would be written into it.
+
+    Hydra turns an exception of a callback into a warning, so the refusal ends the process
+    itself (``SystemExit``), as :func:`reports_errors` does for the command's own errors.
+    """
+
+    def __init__(self, prog: str) -> None:
+        self.prog = prog
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    def _check(self, config: DictConfig, key: str) -> None:
+        folder = OmegaConf.select(config, key, throw_on_resolution_failure=False)
+        if folder is None:
+            return
+        try:
+            check_local(f"{key}='{folder}'", str(folder), output=True)
+        except ConfigError as exc:
+            print(f"{self.prog}: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(USER_ERROR_EXIT) from None
 
 
 def class_names_of(data: DictConfig) -> list[str]:

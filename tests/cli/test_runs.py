@@ -135,6 +135,25 @@ def test_bad_tiling_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert full.returncode == 1 and "Traceback" in full.stderr and "ConfigError" in full.stderr
 
 
+@pytest.mark.parametrize(("override", "expected"), [
+    ("hydra.run.dir=s3://bucket/runs/a", "hydra.run.dir='s3://bucket/runs/a' is a URL (s3:)"),
+    # a /vsi path would be made at the file system's root: a URL is made here, in tmp_path
+    ("hydra.sweep.dir=gs://bucket/sweep", "hydra.sweep.dir='gs://bucket/sweep' is a URL (gs:)"),
+])
+def test_a_run_or_sweep_folder_that_is_a_url_is_refused_before_it_is_made(tmp_path, monkeypatch,
+                                                                         override, expected):
+    """Before: Hydra made a local folder 's3:/bucket/runs/a' and the run wrote into it."""
+    monkeypatch.chdir(tmp_path)
+    multirun = ["-m"] if override.startswith("hydra.sweep") else []
+    out = seg_train_here(tmp_path, *multirun, *TINY, override)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"seg-train: error: {expected}: seg_at_scale reads and writes local files only (outputs "
+        "are written under temporary names and renamed when complete); write to a local or "
+        "mounted folder, then copy the result there (aws s3 cp, gsutil cp, rclone copy)"]
+    assert sorted(tmp_path.iterdir()) == []  # no 's3:' folder, no data, no train.log
+
+
 def test_filled_values_are_reused_on_resume_and_their_requests_compared(tmp_path: Path) -> None:
     def config(scale: object, epochs: int):  # type: ignore[no-untyped-def]
         return OmegaConf.create({"data": {"scale": scale}, "task": {"scale": "${data.scale}"},

@@ -198,6 +198,8 @@ def test_bad_values_are_one_line_and_exit_2(cli_case, tmp_path, overrides, expec
     ("mask=https://example.org/truth.tif", "mask='https://example.org/truth.tif' is a URL "
      "(https:)"),
     ("output=gs://bucket/m.tif", "output='gs://bucket/m.tif' is a URL (gs:): seg_at_scale"),
+    ("hydra.run.dir=s3://bucket/logs", "hydra.run.dir='s3://bucket/logs' is a URL (s3:): "
+     "seg_at_scale"),
 ])
 def test_a_url_or_a_gdal_virtual_path_is_refused_with_the_fix(cli_case, tmp_path, override,
                                                               expected):
@@ -206,9 +208,9 @@ def test_a_url_or_a_gdal_virtual_path_is_refused_with_the_fix(cli_case, tmp_path
     keys[override.split("=", 1)[0]] = override
     res = seg_predict_here(f"run={run}", *keys.values(), cwd=tmp_path)
     line = _one_line(res, expected)
-    assert ("then copy the result there" in line) == override.startswith("output=")
-    assert "copy it to a local or mounted folder first" in line or \
-        override.startswith("output=")
+    written = override.startswith(("output=", "hydra."))
+    assert ("then copy the result there" in line) == written
+    assert ("copy it to a local or mounted folder first" in line) != written
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, even here
 
 
