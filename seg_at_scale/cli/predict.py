@@ -35,7 +35,6 @@ import os
 import signal
 import sys
 import typing
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
@@ -55,7 +54,7 @@ from seg_at_scale.cli.common import (
 )
 from seg_at_scale.config_check import check_local, check_types, known_keys
 from seg_at_scale.errors import ConfigError, SegAtScaleError
-from seg_at_scale.parallel.environment import launcher, plain_environment
+from seg_at_scale.parallel.environment import launcher, plain_environment, quiet_srun_hint
 from seg_at_scale.parallel.lifetime import RankWatch, die_with_parent
 from seg_at_scale.prediction.lock import scene_lock
 
@@ -299,7 +298,7 @@ def _launch(job: PredictJob, device: torch.device, fork: bool, work: Any) -> dic
               and "fork" in multiprocessing.get_all_start_methods())
     strategy = DDPStrategy(start_method="fork" if forked else "popen",
                            timeout=RENDEZVOUS_TIMEOUT)
-    warnings.filterwarnings("ignore", message="The `srun` command is available")  # not SLURM
+    quiet_srun_hint()
     fabric = Fabric(accelerator="cuda" if device.type == "cuda" else "cpu",
                     devices=job.processes, num_nodes=job.nodes, strategy=strategy,
                     plugins=plain_environment() or None)

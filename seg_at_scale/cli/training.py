@@ -12,8 +12,10 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import re
 import signal
 import typing
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -60,7 +62,7 @@ from seg_at_scale.models.trained import (
     TrainedModel,
     card_of_config,
 )
-from seg_at_scale.parallel.environment import plain_environment
+from seg_at_scale.parallel.environment import plain_environment, quiet_srun_hint
 from seg_at_scale.parallel.launch import group_of_its_own
 from seg_at_scale.parallel.pipe import PipelineConfig, close_live_pipes
 from seg_at_scale.parallel.setup import (
@@ -311,6 +313,11 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
 
 def run(cfg: DictConfig) -> float | None:
     """Write or check the scenes, then train in the run folder, one ``seg-train`` at a time."""
+    quiet_srun_hint()
+    # Lightning's own pytrees still make torch's LeafSpec, which torch deprecates: a warning
+    # on every fit about code that is neither the user's nor this project's
+    warnings.filterwarnings("ignore", message=re.escape("`isinstance(treespec, LeafSpec)`"),
+                            category=FutureWarning)
     predict_options(cfg)  # the predict: block checked before any work
     synthesize(cfg)  # the scenes first: data.class_weights may be read from their masks
     folder = Path(HydraConfig.get().runtime.output_dir)

@@ -18,10 +18,11 @@ LSF or an MPI launcher, Lightning chooses as it always does.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["launcher", "plain_environment", "MPI_LAUNCHER_VARIABLES"]
+__all__ = ["launcher", "plain_environment", "quiet_srun_hint", "MPI_LAUNCHER_VARIABLES"]
 
 #: one of these is set in every process an MPI launcher starts (Open MPI, MPICH / Intel MPI
 #: hydra, PMIx, MVAPICH)
@@ -63,3 +64,14 @@ def plain_environment() -> list[Any]:
     from lightning_fabric.plugins.environments import LightningEnvironment
 
     return [LightningEnvironment()]
+
+
+def quiet_srun_hint() -> None:
+    """Silence Lightning's "The `srun` command is available on your system but is not used".
+
+    Lightning gives it on every machine with Slurm's tools installed (a login node, a
+    workstation with a test cluster) when no Slurm job step started the process, that is
+    exactly when no Slurm is meant. The commands are run under Slurm through ``srun`` or
+    Hydra's Slurm launcher (README, "Parallel training and Slurm"), where it is not given.
+    """
+    warnings.filterwarnings("ignore", message="The `srun` command is available")
