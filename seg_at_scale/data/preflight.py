@@ -46,7 +46,8 @@ from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Window
 
-__all__ = ["preflight", "PreflightReport", "FactCache", "CACHE_NAME", "check_scale"]
+__all__ = ["preflight", "PreflightReport", "FactCache", "CACHE_NAME", "check_scale",
+           "check_learnable"]
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +173,12 @@ def _first_nan_row(image: RasterReader) -> int | None:
 
 
 def _check_pixels(scene: Scene, cache: FactCache, num_classes: int, ignore_index: int,
-                  nodata: float | None) -> None:
-    """Label range and class counts of the mask; NaN in a float image."""
+                  nodata: float | None) -> int:
+    """Label range and class counts of the mask; NaN in a float image.
+
+    Returns:
+        The mask's pixels of ``ignore_index`` (0 without a mask).
+    """
     with RasterReader(scene.image, nodata=nodata) as image:
         if image.is_float and not (image.nodata is not None and math.isnan(image.nodata)):
             row = cache.facts(scene.image, "nan_row", lambda: _first_nan_row(image))
@@ -184,12 +189,48 @@ def _check_pixels(scene: Scene, cache: FactCache, num_classes: int, ignore_index
                     "; set data.nodata=nan so they are masked (predicted 255, no loss), or "
                     "clean the file")
     if scene.mask is None:
-        return
+        return 0
     with RasterReader(scene.mask) as mask:
         counts = cache.facts(scene.mask, "labels",
                              lambda: {str(k): v for k, v in label_counts(mask).items()})
         scene.class_counts = check_labels(mask, {int(k): v for k, v in counts.items()},
                                           num_classes, ignore_index)
+    return int(counts.get(str(ignore_index), 0))
+
+
+def check_learnable(split: Path, scenes: Sequence[Scene], num_classes: int, ignore_index: int,
+                    ignored: int) -> None:
+    """Refuse training masks that hold fewer than two classes.
+
+    A network learns nothing from them; the usual cause is a binary mask written 0 / 255
+    (the foreground then reads as ``ignore_index``, without loss), and training would run
+    to the end on the background alone.
+
+    Args:
+        split: the training split's folder (for the message).
+        scenes: its scenes, ``class_counts`` filled.
+        num_classes: ``data.num_classes``.
+        ignore_index: ``data.ignore_index``.
+        ignored: the masks' pixels of ``ignore_index``.
+
+    Raises:
+        InputError: naming the classes found, the ignored pixels and the fix.
+    """
+    if num_classes < 2 or not any(s.mask is not None for s in scenes):
+        return
+    totals = np.sum([s.class_counts for s in scenes if s.mask is not None], axis=0)
+    present = [k for k in range(num_classes) if totals[k] > 0]
+    if len(present) >= 2:
+        return
+    found = (f"only class {present[0]} ({int(totals[present[0]])} pixels)" if present
+             else "no labelled pixel")
+    why = (f", and {ignored} pixels of {ignore_index} (data.ignore_index: no loss)" if ignored
+           else "")
+    fix = (f"binary masks written 0 / {ignore_index}? Write the foreground as 1 (e.g. "
+           "gdal_calc.py -A <mask> --calc='A>0' --type=Byte --outfile=<new mask>)" if ignored
+           else f"give masks that hold the labels 0..{num_classes - 1}")
+    raise InputError(f"the training masks under '{split}' hold {found}{why}: a network cannot "
+                     f"learn {num_classes} classes from them; {fix}")
 
 
 def preflight(root: str | os.PathLike[str], splits: Sequence[str], *, bands: int,
@@ -225,10 +266,14 @@ def preflight(root: str | os.PathLike[str], splits: Sequence[str], *, bands: int
     if scale is not None:
         check_scale(next(iter(dtypes)), report.dtype, scale)
     store = FactCache(cache)
-    for found in report.scenes.values():
+    ignored = dict.fromkeys(report.scenes, 0)
+    for split, found in report.scenes.items():
         for scene in found:
-            _check_pixels(scene, store, num_classes, ignore_index, nodata)
+            ignored[split] += _check_pixels(scene, store, num_classes, ignore_index, nodata)
     store.save()
+    if "train" in report.scenes:
+        check_learnable(Path(root) / "train", report.scenes["train"], num_classes,
+                        ignore_index, ignored["train"])
     report.cached, report.checked = store.hits, store.misses
     report.seconds = time.perf_counter() - start
     log.info(report.summary())

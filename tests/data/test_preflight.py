@@ -131,16 +131,50 @@ def test_seg_train_stops_on_a_nan_before_training(tmp_path, scene_files) -> None
     image = np.ones(SHAPE, np.float32)
     image[0, 5, 5] = np.nan
     write_raster(root / "val" / "s1_image.tif", image, overwrite=True)
+    assert refused_before_training(root, tmp_path / "run", classes=5).startswith(
+        f"seg-train: error: '{root / 'val' / 's1_image.tif'}' has NaN pixels")
+
+
+def refused_before_training(root: Path, run: Path, classes: int) -> str:
+    """``seg-train`` on the scenes under ``root``: refused, exit 2, no checkpoint and no run
+    config written; its last line."""
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "data=tiff", f"data.root={root}",
-           "data.bands=4", "data.num_classes=5", "logger=csv", "model=unet_tiny",
-           f"hydra.run.dir={tmp_path / 'run'}"]
+           "data.bands=4", f"data.num_classes={classes}", "logger=csv", "model=unet_tiny",
+           f"hydra.run.dir={run}"]
     out = warm.run(cmd, capture_output=True, text=True, timeout=300,
                    env={"PATH": "/usr/bin:/bin", "WANDB_MODE": "offline"})
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith(
-        f"seg-train: error: '{root / 'val' / 's1_image.tif'}' has NaN pixels")
-    assert not (tmp_path / "run" / "checkpoints").exists()
-    assert not (tmp_path / "run" / "run_config.yaml").exists()
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert not (run / "checkpoints").exists() and not (run / "run_config.yaml").exists()
+    return out.stderr.strip().splitlines()[-1]
+
+
+def test_binary_masks_written_0_255_are_refused_before_training(tmp_path, scene_files) -> None:
+    """Before: the foreground (255 = data.ignore_index) carried no loss, and seg-train trained
+    to the end on the background alone."""
+    rng = np.random.default_rng(3)
+    root = tmp_path / "scenes"
+    truths = {split: rng.random(SHAPE[1:]) < 0.3 for split in ("train", "val", "test")}
+    for k, (split, truth) in enumerate(truths.items()):
+        scene_files(root / split, name=f"s{k}", shape=SHAPE, seed=k,
+                    mask=np.where(truth, 255, 0).astype(np.uint8))
+    foreground = int(truths["train"].sum())
+    background = SHAPE[1] * SHAPE[2] - foreground
+    assert refused_before_training(root, tmp_path / "run", classes=2) == (
+        f"seg-train: error: the training masks under '{root / 'train'}' hold only class 0 "
+        f"({background} pixels), and {foreground} pixels of 255 (data.ignore_index: no loss): a "
+        "network cannot learn 2 classes from them; binary masks written 0 / 255? Write the "
+        "foreground as 1 (e.g. gdal_calc.py -A <mask> --calc='A>0' --type=Byte --outfile=<new "
+        "mask>)")
+    for k, (split, truth) in enumerate(truths.items()):  # the fix it gives: foreground 1
+        write_raster(root / split / f"s{k}_mask.tif", truth.astype(np.uint8), overwrite=True)
+    report = check(root, num_classes=2)
+    assert report.scenes["train"][0].class_counts == [background, foreground]
+    for mask in root.rglob("*_mask.tif"):  # one class and nothing ignored: the other fix
+        write_raster(mask, np.zeros(SHAPE[1:], np.uint8), overwrite=True)
+    with pytest.raises(InputError, match=r"hold only class 0 \(6300 pixels\): a network "
+                                         r"cannot learn 2 classes from them; give masks that "
+                                         r"hold the labels 0..1$"):
+        check(root, num_classes=2)
 
 
 @pytest.mark.parametrize("values, fragment", [
