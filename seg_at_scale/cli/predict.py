@@ -94,13 +94,14 @@ class PredictJob:
         image: the raster to predict: a (Geo)TIFF / BigTIFF, or any raster GDAL opens (a VRT
             mosaic, JPEG 2000, ...).
         output: <name>.tif (Cloud-Optimized GeoTIFF) or <name>.zarr (Zarr v3).
-        images: or many scenes: a folder (its .tif / .tiff files), a glob (any raster, e.g.
-            'mosaics/*.vrt'), a .txt list or a STAC JSON file.
+        images: or many scenes: a folder (its .tif / .tiff files; a split folder of
+            <name>_image.tif + <name>_mask.tif or images/ + masks/: its images, named <name>),
+            a glob (any raster, e.g. 'mosaics/*.vrt'), a .txt list or a STAC JSON file.
         output_dir: images=: the scenes are written as <output_dir>/<stem>.<output_format>,
             with summary.csv/json, mosaic.vrt and items.json.
         output_format: images=: tif or zarr.
-        masks: images=: a folder of truth rasters <stem>.tif or <stem>_mask.tif (IoU per
-            scene).
+        masks: images=: a folder of truth rasters <stem>.tif or <stem>_mask.tif, or a
+            split folder with masks/<stem>.tif (IoU per scene).
         on_error: images=: stop (refuse bad scenes) or skip (record them, predict the others).
         vector_merge: images=: one vectors.<ext> with a scene column, not one file per scene.
         run: a training run folder (run_config.yaml + checkpoints/); give run= or model=.

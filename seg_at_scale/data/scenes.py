@@ -22,11 +22,13 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Window
 
-__all__ = ["Scene", "find_scenes", "validate_scene", "class_histogram", "check_mask_header",
-           "check_mask_covers",
+__all__ = ["Scene", "find_scenes", "scene_images", "validate_scene", "class_histogram",
+           "check_mask_header", "check_mask_covers",
            "label_counts", "check_labels", "stream_rows"]
 
 IMAGE_SUFFIX, MASK_SUFFIX = "_image.tif", "_mask.tif"
+LAYOUTS = (f"<name>{IMAGE_SUFFIX} with <name>{MASK_SUFFIX} beside it, or images/<name>.tif "
+           "with masks/<name>.tif")
 
 
 @dataclass
@@ -50,35 +52,42 @@ class Scene:
 
 
 def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> list[Scene]:
-    """The scenes of ``folder``, sorted by name, in either layout.
+    """The scenes of ``folder``, sorted by name, in either layout (:func:`scene_images`).
 
-    ``<name>_image.tif`` with ``<name>_mask.tif`` beside it, or ``images/<name>.tif`` (or
-    ``.tiff``) with ``masks/<name>.tif`` of the same file name. A folder holding both is
-    refused: which scenes it means is the user's to say.
+    Every image must have its mask.
     """
     root = Path(folder)
-    layouts = (f"<name>{IMAGE_SUFFIX} with <name>{MASK_SUFFIX} beside it, or "
-               "images/<name>.tif with masks/<name>.tif")
     if not root.is_dir():
         raise InputError(f"{key}: folder '{root}' does not exist; point {key} at a folder "
-                         f"of scenes ({layouts})")
-    paired = sorted(root.glob(f"*{IMAGE_SUFFIX}"))
-    folders = root / "images", root / "masks"
-    listed = sorted(p for p in folders[0].iterdir() if p.suffix.lower() in (".tif", ".tiff")
-                    and not p.name.startswith(".")) if folders[0].is_dir() else []
-    if paired and listed:
-        raise InputError(f"{key}: '{root}' holds scenes in both layouts ('{paired[0].name}' "
-                         f"and 'images/{listed[0].name}'); keep one of them in the folder")
+                         f"of scenes ({LAYOUTS})")
     scenes = []
-    for image in paired or listed:
-        mask = (image.with_name(image.name[: -len(IMAGE_SUFFIX)] + MASK_SUFFIX) if paired
-                else folders[1] / image.name)
+    for image in scene_images(root, key=key) or []:
+        mask = (image.with_name(image.name[: -len(IMAGE_SUFFIX)] + MASK_SUFFIX)
+                if image.parent == root else root / "masks" / image.name)
         if not mask.exists():
             raise InputError(f"'{image}' has no mask: expected '{mask}'")
         scenes.append(Scene(image, mask))
     if not scenes:
-        raise InputError(f"{key}: no scenes in '{root}'; give {layouts}")
+        raise InputError(f"{key}: no scenes in '{root}'; give {LAYOUTS}")
     return scenes
+
+
+def scene_images(folder: Path, *, key: str = "data.root") -> list[Path] | None:
+    """The images of a folder of scenes, sorted by name; None when it holds neither layout.
+
+    ``<name>_image.tif`` (its mask ``<name>_mask.tif`` beside it), or ``images/<name>.tif``
+    (or ``.tiff``; its mask ``masks/<name>.tif``, the same file name). A folder holding
+    both is refused: which scenes it means is the user's to say. A scene's name
+    (:attr:`Scene.name`) is ``<name>`` in both.
+    """
+    paired = sorted(folder.glob(f"*{IMAGE_SUFFIX}"))
+    images = folder / "images"
+    listed = sorted(p for p in images.iterdir() if p.suffix.lower() in (".tif", ".tiff")
+                    and not p.name.startswith(".")) if images.is_dir() else []
+    if paired and listed:
+        raise InputError(f"{key}: '{folder}' holds scenes in both layouts ('{paired[0].name}' "
+                         f"and 'images/{listed[0].name}'); keep one of them in the folder")
+    return paired or listed or None
 
 
 def check_mask_header(mask: RasterReader, mask_bands: int = 1) -> None:

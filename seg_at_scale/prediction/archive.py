@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from seg_at_scale.config_check import check_local
+from seg_at_scale.data.scenes import Scene, scene_images
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError, SegAtScaleError
 from seg_at_scale.io.writer import listed_once
 from seg_at_scale.models.card import ModelCard
@@ -117,7 +118,9 @@ class SceneRecord:
 def find_images(images: str) -> list[tuple[str, Path]]:
     """``(stem, path)`` of every scene ``images`` names, in a fixed order.
 
-    ``images`` is a folder (its ``.tif`` / ``.tiff`` files), a glob pattern, a ``.txt``
+    ``images`` is a folder (its ``.tif`` / ``.tiff`` files; of a folder of scenes in a
+    training layout, :func:`~seg_at_scale.data.scenes.scene_images`, the images named by
+    their scene: ``a`` for ``a_image.tif``), a glob pattern, a ``.txt``
     list (one path per line, relative to the list's folder; ``#`` comments), or STAC JSON
     (an ItemCollection, Catalog or Collection: its items' image assets). A scene's stem,
     the name of its outputs, is the file's stem or the item's id, made one plain file
@@ -144,8 +147,11 @@ def find_images(images: str) -> list[tuple[str, Path]]:
                  for ln in lines if ln]
         named = [(p.stem, p, f"images='{images}': image '{p}'") for p in paths]
     elif src.is_dir():
-        named = [(p.stem, p, f"image '{p}'") for p in sorted(src.iterdir())
-                 if p.suffix.lower() in RASTER_SUFFIXES and not p.name.startswith(".")]
+        # a split folder in a training layout: its images (not its masks), by scene name
+        scenes = scene_images(src, key=f"images='{images}'")
+        named = ([(Scene(p).name, p, f"image '{p}'") for p in scenes] if scenes else
+                 [(p.stem, p, f"image '{p}'") for p in sorted(src.iterdir())
+                  if p.suffix.lower() in RASTER_SUFFIXES and not p.name.startswith(".")])
     else:
         named = [(Path(p).stem, Path(p), f"image '{p}'") for p in sorted(glob.glob(images))]
     if not named:
@@ -166,9 +172,15 @@ def find_images(images: str) -> list[tuple[str, Path]]:
 
 
 def _mask_of(masks: Path | None, stem: str) -> Path | None:
+    """The truth of scene ``stem`` in the folder ``masks``, or None.
+
+    ``<stem>.tif``, ``<stem>_mask.tif`` or ``<stem>.tiff``; in a split folder of the
+    ``images/`` + ``masks/`` layout, ``masks/<stem>.tif`` below it.
+    """
     if masks is None:
         return None
-    for name in (f"{stem}.tif", f"{stem}_mask.tif", f"{stem}.tiff"):
+    for name in (f"{stem}.tif", f"{stem}_mask.tif", f"{stem}.tiff", f"masks/{stem}.tif",
+                 f"masks/{stem}.tiff"):
         if (masks / name).is_file():
             return masks / name
     return None

@@ -116,6 +116,43 @@ def test_scores_mosaic_and_items_of_an_archive(archive):
     assert sorted(f["id"] for f in items["features"]) == sorted(SIZES)
 
 
+@pytest.mark.parametrize("layout", ["paired", "folders"])
+def test_a_split_folder_of_a_training_layout_predicts_its_images_scored_by_its_masks(
+        archive, tmp_path, layout):
+    """Before: ``images=<split>`` predicted the masks too (as images), named the scenes
+    ``s0_image``, and ``masks=<split>`` found no truth for them."""
+    import shutil
+
+    tmp, run = archive
+    split = tmp_path / "test"
+    for stem in SIZES:
+        image, mask = ((split / f"{stem}_image.tif", split / f"{stem}_mask.tif")
+                       if layout == "paired" else
+                       (split / "images" / f"{stem}.tif", split / "masks" / f"{stem}.tif"))
+        for src, dst in ((tmp / "scenes" / f"{stem}.tif", image),
+                         (tmp / "masks" / f"{stem}_mask.tif", mask)):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+    out = tmp_path / "out"
+    res = _archive(run, f"images={split}", f"output_dir={out}", f"masks={split}")
+    assert (res["scenes"], res["done"], res["failed"]) == (4, 4, 0)
+    rows = _rows(out)
+    assert sorted(rows) == sorted(SIZES)  # the scenes' names, no mask among them
+    for stem in SIZES:
+        assert (out / f"{stem}.tif").read_bytes() == (tmp / "single" / f"{stem}.tif").read_bytes()
+        truth = read_raster(tmp / "masks" / f"{stem}_mask.tif")[0]
+        labels = read_raster(out / f"{stem}.tif")[0]
+        assert rows[stem]["miou"] != "", stem  # scored: its mask was found
+        assert float(rows[stem]["miou"]) == pytest.approx(_miou(labels, truth, 5), abs=5e-5)
+
+
+def _miou(labels: np.ndarray, truth: np.ndarray, classes: int) -> float:
+    """The mean IoU over the classes present in the prediction or the truth."""
+    ious = [((labels == k) & (truth == k)).sum() / ((labels == k) | (truth == k)).sum()
+            for k in range(classes) if ((labels == k) | (truth == k)).any()]
+    return float(np.mean(ious))
+
+
 def test_a_killed_archive_reruns_only_what_is_left_and_a_new_scene_alone(archive, tmp_path):
     tmp, run = archive
     scenes = tmp_path / "scenes"
