@@ -27,12 +27,41 @@ import hydra
 from omegaconf import DictConfig
 
 from seg_at_scale.cli.common import long_lived, reports_errors
+from seg_at_scale.config_check import nearest
 from seg_at_scale.errors import ConfigError
 
-__all__ = ["main", "check_model_bands", "check_hub_weights", "CONFIG_DIR"]
+__all__ = ["main", "check_added_keys", "check_model_bands", "check_hub_weights", "CONFIG_DIR"]
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
 WEIGHT_KEYS = ("encoder_weights", "weights", "backbone_weights")  # model keys naming weights
+
+
+def check_added_keys(cfg: DictConfig, added: list[str], groups: list[str]) -> None:
+    """Refuse a top-level key added with ``+`` (``+modl=unet_tiny``) that nothing reads.
+
+    Hydra answers a mistyped key (``modl=unet_tiny``) with "To append to your config use
+    +modl=unet_tiny"; taken, the run trained the default model without a word. Keys below
+    a group (``+model.x``, ``+trainer.x``) are the group's checks' to refuse.
+
+    Args:
+        cfg: the composed config.
+        added: the command line's ``+`` overrides (``+key=value``; not ``++``, which sets an
+            existing key as well as it adds one).
+        groups: the config groups (Hydra's choices: ``model``, ``experiment``, ...).
+    """
+    paths = [o[1:].split("=", 1)[0].split(".") for o in added]
+    below: dict[str, set[str]] = {}  # top-level key -> its keys added with + (+key.x=...)
+    for path in paths:
+        below.setdefault(path[0], set()).update(path[1:2])
+    made = {top for top, keys in below.items()  # by the + overrides alone: no other key
+            if not keys or (isinstance(cfg.get(top), DictConfig) and set(cfg[top]) <= keys)}
+    group_names = {g for g in groups if "/" not in g and "@" not in g}
+    known = sorted((set(cfg) - made) | group_names)
+    for key in sorted(made - set(known)):
+        near = nearest(key, known)
+        hint = f" (did you mean {near}=?)" if near else ""
+        raise ConfigError(f"+{key}= adds a key that no part of seg-train reads{hint}; the "
+                          f"top-level keys and groups are {', '.join(known)}")
 
 
 def check_model_bands(cfg: DictConfig) -> None:
@@ -83,6 +112,12 @@ def check_hub_weights(model: DictConfig) -> None:
 @reports_errors("seg-train")
 def main(cfg: DictConfig) -> float | None:
     """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    check_added_keys(cfg, [o for o in hydra_cfg.overrides.task
+                           if o.startswith("+") and not o.startswith("++")],
+                     list(hydra_cfg.runtime.choices))
     check_model_bands(cfg)  # before any work: nothing written, nothing built
     check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
     with long_lived():

@@ -154,6 +154,25 @@ def test_a_run_or_sweep_folder_that_is_a_url_is_refused_before_it_is_made(tmp_pa
     assert sorted(tmp_path.iterdir()) == []  # no 's3:' folder, no data, no train.log
 
 
+@pytest.mark.parametrize(("override", "hint"), [("+modl=unet_tiny", " (did you mean model=?)"),
+                                               ("+lr=0.1", ""), ("+optim.lr=0.1", "")])
+def test_a_top_level_key_added_with_plus_that_nothing_reads_is_refused(tmp_path, override,
+                                                                      hint):
+    """Before: Hydra's advice for the typo ``modl=unet_tiny`` ("use +modl=unet_tiny"), taken,
+    trained the default model without a word."""
+    out = seg_train_here(tmp_path, *TINY, override, "++seed=3", "+predict.tta=null",
+                         "+callbacks.lr2._target_=pytorch_lightning.callbacks.LearningRateMonitor",
+                         f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2
+    key = override[1:].split("=")[0].split(".")[0]
+    assert out.stderr.strip().splitlines() == [
+        f"seg-train: error: +{key}= adds a key that no part of seg-train reads{hint}; the "
+        "top-level keys and groups are callbacks, ckpt_path, data, experiment, finetune, "
+        "hparams_search, logger, memory, model, pipeline, precision, predict, "
+        "predict_after_fit, run_name, seed, slurm, task, tiling, trainer, trust_run"]
+    assert not (tmp_path / "data").exists()  # refused before the scenes were written
+
+
 def test_filled_values_are_reused_on_resume_and_their_requests_compared(tmp_path: Path) -> None:
     def config(scale: object, epochs: int):  # type: ignore[no-untyped-def]
         return OmegaConf.create({"data": {"scale": scale}, "task": {"scale": "${data.scale}"},
