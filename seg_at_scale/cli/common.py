@@ -21,7 +21,7 @@ from seg_at_scale.errors import ConfigError, SegAtScaleError, disk_full
 
 __all__ = ["disk_full", "format_iou", "save_run_config", "reports_errors", "class_names_of",
            "USER_ERROR_EXIT", "long_lived",
-           "LocalRunFolder"]  # and RUN_CONFIG, read on first use (__getattr__)
+           "LocalRunFolder", "tidy_refused_run"]  # and RUN_CONFIG, read on first use (__getattr__)
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,6 @@ def _own_error(exc: BaseException) -> SegAtScaleError | None:
     while cause is not None and not isinstance(cause, SegAtScaleError):
         cause = cause.__cause__
     return cause
-
-
 
 
 def file_system(exc: BaseException) -> SegAtScaleError | None:
@@ -184,7 +182,8 @@ class LocalRunFolder(Callback):
     A URL or a GDAL virtual path is refused in one line
     (:func:`~seg_at_scale.config_check.check_local`, exit status 2): Hydra would make
     ``hydra.run.dir=s3://bucket/run`` here, as a local folder ``s3:/bucket/run``, and the
-    run would be written into it.
+    run would be written into it. A run's folders that do not exist yet are noted for
+    :func:`tidy_refused_run`.
 
     Hydra turns an exception of a callback into a warning, so the refusal ends the process
     itself (``SystemExit``), as :func:`reports_errors` does for the command's own errors.
@@ -194,20 +193,63 @@ class LocalRunFolder(Callback):
         self.prog = prog
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._check(config, "hydra.run.dir")
+        from hydra.core.hydra_config import HydraConfig
+
+        # the folder may name ${hydra:...} values (seg-train's run_name): resolved as the job
+        # will resolve it (Hydra sets this config as the job's next, and ${now:} is cached)
+        hydra_config, flag = HydraConfig.instance(), config.hydra._get_node_flag("readonly")
+        before = hydra_config.cfg
+        try:
+            hydra_config.set_config(config)
+            folder = self._check(config, "hydra.run.dir")
+        finally:
+            hydra_config.cfg = before
+            OmegaConf.set_readonly(config.hydra, flag)
+        _MADE.clear()
+        if folder is not None:
+            path = Path(folder).absolute()
+            _MADE.extend(f for f in (path, *path.parents) if not f.exists())
+            _MADE.append(path / f"{config.hydra.job.name}.log")  # Hydra's log of the job
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config, "hydra.sweep.dir")
 
-    def _check(self, config: DictConfig, key: str) -> None:
+    def _check(self, config: DictConfig, key: str) -> str | None:
         folder = OmegaConf.select(config, key, throw_on_resolution_failure=False)
         if folder is None:
-            return
+            return None
         try:
             check_local(f"{key}='{folder}'", str(folder), output=True)
         except ConfigError as exc:
             print(f"{self.prog}: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(USER_ERROR_EXIT) from None
+        return str(folder)
+
+
+#: the folders Hydra makes for this run, deepest first, then its log file (LocalRunFolder)
+_MADE: list[Path] = []
+
+
+@contextlib.contextmanager
+def tidy_refused_run() -> Iterator[None]:
+    """A run refused before it began leaves no folder behind.
+
+    On a refusal (the project's own error), the folders Hydra made for this run (noted by
+    :class:`LocalRunFolder`) are removed if they hold nothing but Hydra's log of the job:
+    a mistyped command does not leave an empty dated folder under ``runs/``. A folder that
+    existed before, or that holds anything else (a run's config, checkpoints), is left.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        if _own_error(exc) is not None and _MADE:
+            *folders, log_file = _MADE
+            with contextlib.suppress(OSError):
+                if folders and sorted(folders[0].iterdir()) == [log_file]:
+                    log_file.unlink()
+                for folder in folders:  # deepest first; rmdir leaves a folder with files
+                    folder.rmdir()
+        raise
 
 
 def class_names_of(data: DictConfig) -> list[str]:

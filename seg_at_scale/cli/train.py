@@ -26,7 +26,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from seg_at_scale.cli.common import long_lived, reports_errors
+from seg_at_scale.cli.common import long_lived, reports_errors, tidy_refused_run
 from seg_at_scale.config_check import nearest
 from seg_at_scale.errors import ConfigError
 
@@ -115,15 +115,16 @@ def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
     hydra_cfg = HydraConfig.get()
-    check_added_keys(cfg, [o for o in hydra_cfg.overrides.task
-                           if o.startswith("+") and not o.startswith("++")],
-                     list(hydra_cfg.runtime.choices))
-    check_model_bands(cfg)  # before any work: nothing written, nothing built
-    check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
-    with long_lived():
-        from seg_at_scale.cli import training  # Lightning and the network stack: now
+    with tidy_refused_run():  # a refusal leaves no empty run folder
+        check_added_keys(cfg, [o for o in hydra_cfg.overrides.task
+                               if o.startswith("+") and not o.startswith("++")],
+                         list(hydra_cfg.runtime.choices))
+        check_model_bands(cfg)  # before any work: nothing written, nothing built
+        check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
+        with long_lived():
+            from seg_at_scale.cli import training  # Lightning and the network stack: now
 
-    return training.run(cfg)
+        return training.run(cfg)
 
 
 if __name__ == "__main__":

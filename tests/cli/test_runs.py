@@ -173,6 +173,20 @@ def test_a_top_level_key_added_with_plus_that_nothing_reads_is_refused(tmp_path,
     assert not (tmp_path / "data").exists()  # refused before the scenes were written
 
 
+def test_a_refused_run_leaves_no_folder_and_an_existing_one_as_it_was(tmp_path, monkeypatch):
+    """Before: every refused seg-train left runs/<name>/<date>/train.log behind."""
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    for where in ([], ["hydra.run.dir=new/deeper/run"], [f"hydra.run.dir={mine}"]):
+        out = seg_train_here(tmp_path, *TINY, "model.in_channels=9", *where)
+        assert out.returncode == 2 and "model.in_channels=9 but data.bands=4" in out.stderr
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    # the only thing written: Hydra's log, in the folder that was there before
+    assert left == ["mine", "mine/notes.txt", "mine/train.log"]
+
+
 def test_filled_values_are_reused_on_resume_and_their_requests_compared(tmp_path: Path) -> None:
     def config(scale: object, epochs: int):  # type: ignore[no-untyped-def]
         return OmegaConf.create({"data": {"scale": scale}, "task": {"scale": "${data.scale}"},
