@@ -212,6 +212,7 @@ class LocalRunFolder(Callback):
             _MADE.append(path / f"{config.hydra.job.name}.log")  # Hydra's log of the job
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _MADE.clear()  # a sweep's trials keep their folders (a run before it in this process)
         self._check(config, "hydra.sweep.dir")
 
     def _check(self, config: DictConfig, key: str) -> str | None:
