@@ -311,6 +311,10 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
     return trainer, task, loggers
 
 
+def _no_advert(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("💡 Tip:")
+
+
 def run(cfg: DictConfig) -> float | None:
     """Write or check the scenes, then train in the run folder, one ``seg-train`` at a time."""
     quiet_srun_hint()
@@ -318,6 +322,8 @@ def run(cfg: DictConfig) -> float | None:
     # on every fit about code that is neither the user's nor this project's
     warnings.filterwarnings("ignore", message=re.escape("`isinstance(treespec, LeafSpec)`"),
                             category=FutureWarning)
+    # and Lightning's advertisement of its cloud logger on every fit (console and train.log)
+    logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_no_advert)
     predict_options(cfg)  # the predict: block checked before any work
     synthesize(cfg)  # the scenes first: data.class_weights may be read from their masks
     folder = Path(HydraConfig.get().runtime.output_dir)
