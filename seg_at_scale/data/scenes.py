@@ -22,7 +22,8 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Window
 
-__all__ = ["Scene", "find_scenes", "scene_images", "validate_scene", "class_histogram",
+__all__ = ["Scene", "find_scenes", "scene_images", "mask_beside", "validate_scene",
+           "class_histogram",
            "check_mask_header", "check_mask_covers",
            "label_counts", "check_labels", "stream_rows"]
 
@@ -62,14 +63,18 @@ def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> li
                          f"of scenes ({LAYOUTS})")
     scenes = []
     for image in scene_images(root, key=key) or []:
-        mask = (image.with_name(image.name[: -len(IMAGE_SUFFIX)] + MASK_SUFFIX)
-                if image.parent == root else root / "masks" / image.name)
+        mask = mask_beside(image) if image.parent == root else root / "masks" / image.name
         if not mask.exists():
             raise InputError(f"'{image}' has no mask: expected '{mask}'")
         scenes.append(Scene(image, mask))
     if not scenes:
         raise InputError(f"{key}: no scenes in '{root}'; give {LAYOUTS}")
     return scenes
+
+
+def mask_beside(image: Path) -> Path:
+    """The mask of ``<name>_image.tif``: ``<name>_mask.tif`` beside it."""
+    return image.with_name(image.name[: -len(IMAGE_SUFFIX)] + MASK_SUFFIX)
 
 
 def scene_images(folder: Path, *, key: str = "data.root") -> list[Path] | None:

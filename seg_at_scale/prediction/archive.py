@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from seg_at_scale.config_check import check_local
-from seg_at_scale.data.scenes import Scene, scene_images
+from seg_at_scale.data.scenes import IMAGE_SUFFIX, Scene, mask_beside, scene_images
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError, SegAtScaleError
 from seg_at_scale.io.writer import listed_once
 from seg_at_scale.models.card import ModelCard
@@ -118,9 +118,10 @@ class SceneRecord:
 def find_images(images: str) -> list[tuple[str, Path]]:
     """``(stem, path)`` of every scene ``images`` names, in a fixed order.
 
-    ``images`` is a folder (its ``.tif`` / ``.tiff`` files; of a folder of scenes in a
+    ``images`` is a folder (its ``.tif`` / ``.tiff`` files; of a split folder in a
     training layout, :func:`~seg_at_scale.data.scenes.scene_images`, the images named by
-    their scene: ``a`` for ``a_image.tif``), a glob pattern, a ``.txt``
+    their scene, ``a`` for ``a_image.tif`` beside ``a_mask.tif``, which is not a scene),
+    a glob pattern, a ``.txt``
     list (one path per line, relative to the list's folder; ``#`` comments), or STAC JSON
     (an ItemCollection, Catalog or Collection: its items' image assets). A scene's stem,
     the name of its outputs, is the file's stem or the item's id, made one plain file
@@ -147,11 +148,15 @@ def find_images(images: str) -> list[tuple[str, Path]]:
                  for ln in lines if ln]
         named = [(p.stem, p, f"images='{images}': image '{p}'") for p in paths]
     elif src.is_dir():
-        # a split folder in a training layout: its images (not its masks), by scene name
-        scenes = scene_images(src, key=f"images='{images}'")
-        named = ([(Scene(p).name, p, f"image '{p}'") for p in scenes] if scenes else
-                 [(p.stem, p, f"image '{p}'") for p in sorted(src.iterdir())
-                  if p.suffix.lower() in RASTER_SUFFIXES and not p.name.startswith(".")])
+        files = [p for p in sorted(src.iterdir())
+                 if p.suffix.lower() in RASTER_SUFFIXES and not p.name.startswith(".")]
+        # a split folder of a training layout: its images by scene name, not their masks
+        paired = {p for p in files if p.name.endswith(IMAGE_SUFFIX) and mask_beside(p) in files}
+        masks = {mask_beside(p) for p in paired}
+        named = ([(Scene(p).name if p in paired else p.stem, p, f"image '{p}'")
+                  for p in files if p not in masks] if files else
+                 [(Scene(p).name, p, f"image '{p}'")  # images/ + masks/
+                  for p in scene_images(src, key=f"images='{images}'") or []])
     else:
         named = [(Path(p).stem, Path(p), f"image '{p}'") for p in sorted(glob.glob(images))]
     if not named:

@@ -102,3 +102,19 @@ def test_a_list_naming_a_url_or_a_gdal_virtual_path_is_refused_by_its_line(tmp_p
         find_images(str(listed))
     listed.write_text("a.tif\n")
     assert find_images(str(listed)) == [("a", tmp_path / "a.tif")]
+
+
+def test_a_folder_names_a_scene_pair_by_its_scene_and_keeps_every_other_raster(tmp_path):
+    """A pair <name>_image.tif + <name>_mask.tif is one scene, <name>; a lone x_image.tif and
+    any other raster stay scenes of their own names: nothing in the folder is dropped."""
+    from seg_at_scale.prediction.archive import find_images
+
+    for name in ("a_image.tif", "a_mask.tif", "b.tif", "c_image.tif", "d_mask.tif"):
+        _scene(tmp_path / name)
+    assert find_images(str(tmp_path)) == [
+        ("a", tmp_path / "a_image.tif"), ("b", tmp_path / "b.tif"),
+        ("c_image", tmp_path / "c_image.tif"), ("d_mask", tmp_path / "d_mask.tif")]
+    split = tmp_path / "split"
+    for name in ("images/e.tif", "masks/e.tif"):
+        _scene(split / name)
+    assert find_images(str(split)) == [("e", split / "images" / "e.tif")]
