@@ -266,14 +266,15 @@ def preflight(root: str | os.PathLike[str], splits: Sequence[str], *, bands: int
     if scale is not None:
         check_scale(next(iter(dtypes)), report.dtype, scale)
     store = FactCache(cache)
-    ignored = dict.fromkeys(report.scenes, 0)
+    ignored = 0  # the training masks' pixels of ignore_index
     for split, found in report.scenes.items():
         for scene in found:
-            ignored[split] += _check_pixels(scene, store, num_classes, ignore_index, nodata)
+            n = _check_pixels(scene, store, num_classes, ignore_index, nodata)
+            ignored += n if split == "train" else 0
     store.save()
     if "train" in report.scenes:
         check_learnable(Path(root) / "train", report.scenes["train"], num_classes,
-                        ignore_index, ignored["train"])
+                        ignore_index, ignored)
     report.cached, report.checked = store.hits, store.misses
     report.seconds = time.perf_counter() - start
     log.info(report.summary())
