@@ -98,6 +98,7 @@ def stac_item(output: str | os.PathLike[str], *, source_image: str | os.PathLike
     transform, crs = georeference(out)
     labels = open_labels(out)
     shape = [labels.height, labels.width]
+    labels.close()
     when, origin = _datetime(source)
     geometry, bbox = _footprint(transform, crs, shape)
     item = pystac.Item(out.stem, geometry, bbox, when, {

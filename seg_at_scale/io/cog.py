@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seg_at_scale.io.geotags import GeoTags
+from seg_at_scale.io.geotags import GeoTags, open_dataset
 from seg_at_scale.io.overviews import NODATA, ModePyramid
 from seg_at_scale.io.preview import default_palette
 from seg_at_scale.io.writer import check_output_path, temporary_path, write_raster_bands
@@ -89,7 +89,7 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
                            atomic=False, overviews=levels)
         with rasterio.Env(GDAL_CACHEMAX=256, GDAL_NUM_THREADS="ALL_CPUS"):
             if colormap is not None or descriptions is not None or tags is not None:
-                with rasterio.open(plain, "r+") as ds:
+                with open_dataset(plain, "r+") as ds:
                     if tags is not None:
                         ds.update_tags(**tags())
                     if colormap is not None:

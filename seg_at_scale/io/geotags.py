@@ -14,12 +14,14 @@ mask has its own nodata value.
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import tifffile
 
-__all__ = ["GEOTIFF_TAG_CODES", "GDAL_NODATA_TAG", "GeoTags", "example_geotags"]
+__all__ = ["GEOTIFF_TAG_CODES", "GDAL_NODATA_TAG", "GeoTags", "example_geotags", "open_dataset"]
 
 #: ModelPixelScale, ModelTiepoint, ModelTransformation, GeoKeyDirectory,
 #: GeoDoubleParams, GeoAsciiParams.
@@ -171,3 +173,18 @@ def example_geotags(origin: tuple[float, float] = (500000.0, 4500000.0), pixel_s
         (34735, 3, len(keys), tuple(keys)),
         (34737, _ASCII, 0, citation),
     ))
+
+
+def open_dataset(path: str | os.PathLike[str], mode: str = "r", **kwargs: Any) -> Any:
+    """``rasterio.open(path, mode)`` without rasterio's ``NotGeoreferencedWarning``.
+
+    An image without georeferencing (a microscope's, a detector plane, a street scene) is an
+    ordinary input here: its outputs are written in pixel coordinates, with nothing to warn
+    about. Every dataset the project opens through rasterio is opened by this function.
+    """
+    import rasterio
+    from rasterio.errors import NotGeoreferencedWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotGeoreferencedWarning)
+        return rasterio.open(path, mode, **kwargs)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import warnings
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
 
@@ -37,7 +36,7 @@ import numpy as np
 import tifffile
 
 from seg_at_scale.errors import InputError
-from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags
+from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags, open_dataset
 from seg_at_scale.io.segments import PageLayout, SegmentCache, mask_page
 from seg_at_scale.io.threads import pixel_threads
 from seg_at_scale.io.writer import check_output_path, write_raster, write_raster_bands
@@ -455,14 +454,11 @@ class GdalReader(RasterReader):
         self._describe_dataset(self._open_dataset())
 
     def _open_dataset(self) -> Any:
-        import rasterio
-        from rasterio.errors import NotGeoreferencedWarning, RasterioIOError
+        from rasterio.errors import RasterioIOError
 
         self._close_handles()
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", NotGeoreferencedWarning)
-                self._ds = rasterio.open(self.path)
+            self._ds = open_dataset(self.path)
         except RasterioIOError as exc:
             said = str(exc).rstrip(".")
             raise InputError(f"cannot read '{self.path}' as a raster: it is not a TIFF, and "

@@ -17,7 +17,6 @@ GDAL's VRT format; rasterio (GDAL) reads it back in the tests.
 from __future__ import annotations
 
 import os
-import warnings
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 from affine import Affine
 
 from seg_at_scale.errors import InputError
+from seg_at_scale.io.geotags import open_dataset
 
 __all__ = ["write_mosaics", "write_vrt"]
 
@@ -39,19 +39,14 @@ def _window(src: Affine, dst: Affine, height: int, width: int
 
 
 def _describe(path: Path) -> dict[str, Any]:
-    import rasterio
-    from rasterio.errors import NotGeoreferencedWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotGeoreferencedWarning)
-        with rasterio.open(path) as ds:
-            if ds.transform.b or ds.transform.d:
-                raise InputError(f"'{path}' is not north-up (a rotated geotransform); a mosaic "
-                                 "needs north-up rasters")
-            colours = ds.colormap(1) if ds.count == 1 and ds.dtypes[0] == "uint8" else None
-            return {"path": path, "transform": ds.transform, "height": ds.height,
-                    "width": ds.width, "crs": ds.crs, "dtype": ds.dtypes[0],
-                    "nodata": ds.nodata, "colours": colours, "count": ds.count}
+    with open_dataset(path) as ds:
+        if ds.transform.b or ds.transform.d:
+            raise InputError(f"'{path}' is not north-up (a rotated geotransform); a mosaic "
+                             "needs north-up rasters")
+        colours = ds.colormap(1) if ds.count == 1 and ds.dtypes[0] == "uint8" else None
+        return {"path": path, "transform": ds.transform, "height": ds.height,
+                "width": ds.width, "crs": ds.crs, "dtype": ds.dtypes[0],
+                "nodata": ds.nodata, "colours": colours, "count": ds.count}
 
 
 def write_vrt(paths: Sequence[Path], vrt: Path) -> Path:

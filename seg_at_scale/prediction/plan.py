@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from torch import nn
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import InputError, OutputExistsError
 from seg_at_scale.io import RasterReader
+from seg_at_scale.io.geotags import open_dataset
 from seg_at_scale.io.raster import raster_files
 from seg_at_scale.models.fold import fold_batchnorm
 from seg_at_scale.prediction.checks import rewritten_by_resume, store_path
@@ -151,8 +151,12 @@ def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footp
             raise ValueError("plan_raster: tile_size=auto is resolved by with_tile first")
         tile = None  # q wins
     reader = RasterReader(image, nodata=options.nodata)
-    grid = make_grid(reader.height, reader.width, fp, q=options.q, tile_size=tile,
-                     uniform=True)
+    try:
+        grid = make_grid(reader.height, reader.width, fp, q=options.q, tile_size=tile,
+                         uniform=True)
+    except BaseException:
+        reader.close()  # a grid refused for this image: its file closed before the error
+        raise
     batches = plan_batches(grid.tiles, options.batch_size or default_batch_size(grid, device))
     nodata = reader.nodata
     fingerprint = {"model": weights, "input": input_hash or input_id(image), "grid":
@@ -268,13 +272,8 @@ def _begun_input(working: Path) -> Any:
 
 def _georeference(path: Path) -> dict[str, Any]:
     """GDAL geotransform and CRS WKT of the input (empty for an image without them)."""
-    import rasterio
-    from rasterio.errors import NotGeoreferencedWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotGeoreferencedWarning)
-        with rasterio.open(path) as ds:
-            if ds.crs is None and ds.transform.is_identity:
-                return {}
-            return {"geotransform": list(ds.transform.to_gdal()),
-                    "crs_wkt": ds.crs.to_wkt() if ds.crs else ""}
+    with open_dataset(path) as ds:
+        if ds.crs is None and ds.transform.is_identity:
+            return {}
+        return {"geotransform": list(ds.transform.to_gdal()),
+                "crs_wkt": ds.crs.to_wkt() if ds.crs else ""}

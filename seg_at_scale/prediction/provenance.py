@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import struct
-import warnings
 import zlib
 from pathlib import Path
 from typing import Any, cast
@@ -55,14 +54,13 @@ def finished(output: Path) -> tuple[str, list[int]] | None:
         return None
     if output.suffix.lower() == ".zarr":
         return _finished_store(output)
-    import rasterio
-    from rasterio.errors import NotGeoreferencedWarning, RasterioIOError
+    from rasterio.errors import RasterioIOError
+
+    from seg_at_scale.io.geotags import open_dataset
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NotGeoreferencedWarning)
-            with rasterio.open(output) as ds:
-                tags = ds.tags()
+        with open_dataset(output) as ds:
+            tags = ds.tags()
     except (RasterioIOError, OSError):
         return None
     if FINGERPRINT_TAG not in tags:

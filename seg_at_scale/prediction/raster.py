@@ -161,77 +161,78 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
                        names=_names(model, image, fp, class_names), weights=model_digest(model),
                        device=device, exact=exact,
                        input_hash=on_rank0(lambda: readable_input_id(Path(image))))
-    model = prediction_network(model, o, plan.reader.bands, fp)  # BatchNorm folded
-    stages = check_staged(model, o, world) if o.staged else None  # or refused, before work
-    grid, batches = plan.grid, plan.batches
-    if world > len(batches):
-        raise agreed(ConfigError(f"processes={world} but the grid of '{image}' has only "
-                                 f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
-                                 f"processes <= {len(batches)} or a smaller tile_size"))
-    stats = PredictionStats(out_path, grid.height, grid.width, len(grid), grid.efficiency,
-                            processes=world, store=str(plan.working))
-    lock = output_lock(out_path) if rank == 0 else contextlib.nullcontext()
-    with lock:
-        reused = on_rank0(lambda: reusable(plan, o.overwrite))
-        if reused is not None:  # this very prediction finished before: nothing to compute
-            stats.tiles_resumed, stats.class_pixels, stats.reused = len(grid), reused, True
-            stats.total_s = time.perf_counter() - t_start
-            return stats
-        # the stage plan and its disk check: after the reuse check (a finished output is
-        # reported on a full disk too) and before the store (refused before any work)
-        stage_plan = (plan_staged(stages, grid, plan.reader.bands, out_path, o)
-                      if stages is not None else None)
-        opened: list[PredictionStore] = []
-        on_rank0(lambda: opened.append(open_store(plan, o)))
-        store = opened[0] if rank == 0 else PredictionStore.attach(plan.working)
-        todo = [b for b in batches if not all(store.done(t) for t in b.tiles)]
-        barrier()  # nobody writes before every rank has listed what is left
-        stats.tiles_resumed = len(grid) - sum(len(b.tiles) for b in todo)
-        mine = todo[rank::world]
-        stats.batches = len(mine)
-        source = RasterWindows(plan.reader, norm, fill_of(fp))
-        show = o.progress if o.progress is not None else not os.environ.get("CI")
+    with plan.reader:  # the input file closed however the prediction ends
+        model = prediction_network(model, o, plan.reader.bands, fp)  # BatchNorm folded
+        stages = check_staged(model, o, world) if o.staged else None  # or refused, before work
+        grid, batches = plan.grid, plan.batches
+        if world > len(batches):
+            raise agreed(ConfigError(f"processes={world} but the grid of '{image}' has only "
+                                     f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
+                                     f"processes <= {len(batches)} or a smaller tile_size"))
+        stats = PredictionStats(out_path, grid.height, grid.width, len(grid), grid.efficiency,
+                                processes=world, store=str(plan.working))
+        lock = output_lock(out_path) if rank == 0 else contextlib.nullcontext()
+        with lock:
+            reused = on_rank0(lambda: reusable(plan, o.overwrite))
+            if reused is not None:  # this very prediction finished before: nothing to compute
+                stats.tiles_resumed, stats.class_pixels, stats.reused = len(grid), reused, True
+                stats.total_s = time.perf_counter() - t_start
+                return stats
+            # the stage plan and its disk check: after the reuse check (a finished output is
+            # reported on a full disk too) and before the store (refused before any work)
+            stage_plan = (plan_staged(stages, grid, plan.reader.bands, out_path, o)
+                          if stages is not None else None)
+            opened: list[PredictionStore] = []
+            on_rank0(lambda: opened.append(open_store(plan, o)))
+            store = opened[0] if rank == 0 else PredictionStore.attach(plan.working)
+            todo = [b for b in batches if not all(store.done(t) for t in b.tiles)]
+            barrier()  # nobody writes before every rank has listed what is left
+            stats.tiles_resumed = len(grid) - sum(len(b.tiles) for b in todo)
+            mine = todo[rank::world]
+            stats.batches = len(mine)
+            source = RasterWindows(plan.reader, norm, fill_of(fp))
+            show = o.progress if o.progress is not None else not os.environ.get("CI")
 
-        def finish(ready: RowsOnDisk | None = None) -> list[int]:
-            return finalize(store, out_path, plan.kind, plan.reader, plan.names,
-                            o.probabilities, o.overwrite, o.keep_store, ready=ready)
+            def finish(ready: RowsOnDisk | None = None) -> list[int]:
+                return finalize(store, out_path, plan.kind, plan.reader, plan.names,
+                                o.probabilities, o.overwrite, o.keep_store, ready=ready)
 
-        # one process: its own writes wake the COG's writer, and the poll is a fallback;
-        # with ranks it also looks every 20 ms for the chunks the others write
-        ready = (RowsOnDisk(store, poll_s=0.02 if world > 1 else 0.5)
-                 if rank == 0 and finalize_beside(stages) else None)
-        if ready is not None:
-            store.watch(ready.wrote)
-        with ThreadPoolExecutor(1, thread_name_prefix="finalize") as finisher:
-            finishing = finisher.submit(finish, ready) if ready is not None else None
-            try:
-                if stages is not None:
-                    _staged(stages, stage_plan, source, grid, todo, store, o, stats, out_path,
-                            show)
-                else:
-                    pool_ctx = _image_pool(model, source, grid, batches[rank::world], device,
-                                           o.autocast, o.channels_last, stats,
-                                           show and rank == 0, world)
-                    with pool_ctx, progress_bar(sum(len(b.tiles) for b in todo),
-                                                show and rank == 0,
-                                                grid.height * grid.width / len(grid),
-                                                world) as bar:
-                        predict_batches(model, source, mine, grid, store, o, stats,
-                                        _Watching(bar, finishing))
-                barrier()  # every rank's tiles are on disk
-                if ready is not None:
-                    ready.all_written()
-                if rank == 0:
-                    t0 = time.perf_counter()
-                    stats.class_pixels = finishing.result() if finishing else finish()
-                    stats.finalize_s = time.perf_counter() - t0
-            except BaseException:
-                if ready is not None:  # its COG's temporary files removed as it stops
-                    ready.abort()
-                raise
-        barrier()
-    stats.total_s = time.perf_counter() - t_start
-    return stats
+            # one process: its own writes wake the COG's writer, and the poll is a fallback;
+            # with ranks it also looks every 20 ms for the chunks the others write
+            ready = (RowsOnDisk(store, poll_s=0.02 if world > 1 else 0.5)
+                     if rank == 0 and finalize_beside(stages) else None)
+            if ready is not None:
+                store.watch(ready.wrote)
+            with ThreadPoolExecutor(1, thread_name_prefix="finalize") as finisher:
+                finishing = finisher.submit(finish, ready) if ready is not None else None
+                try:
+                    if stages is not None:
+                        _staged(stages, stage_plan, source, grid, todo, store, o, stats, out_path,
+                                show)
+                    else:
+                        pool_ctx = _image_pool(model, source, grid, batches[rank::world], device,
+                                               o.autocast, o.channels_last, stats,
+                                               show and rank == 0, world)
+                        with pool_ctx, progress_bar(sum(len(b.tiles) for b in todo),
+                                                    show and rank == 0,
+                                                    grid.height * grid.width / len(grid),
+                                                    world) as bar:
+                            predict_batches(model, source, mine, grid, store, o, stats,
+                                            _Watching(bar, finishing))
+                    barrier()  # every rank's tiles are on disk
+                    if ready is not None:
+                        ready.all_written()
+                    if rank == 0:
+                        t0 = time.perf_counter()
+                        stats.class_pixels = finishing.result() if finishing else finish()
+                        stats.finalize_s = time.perf_counter() - t0
+                except BaseException:
+                    if ready is not None:  # its COG's temporary files removed as it stops
+                        ready.abort()
+                    raise
+            barrier()
+        stats.total_s = time.perf_counter() - t_start
+        return stats
 
 
 class _Watching:

@@ -54,6 +54,7 @@ from seg_at_scale.vectors.sources import (
     NODATA,
     BandReader,
     Source,
+    closed_on_error,
     open_labels,
     open_probabilities,
     probability_scale,
@@ -514,9 +515,10 @@ def polygonize(labels: Source, *, connectivity: int = 4, classes: Iterable[int] 
     reader = open_labels(labels)
     readers = [reader]
     scale = None
-    if probabilities is not None:
-        readers.append(open_probabilities(probabilities, reader))
-        scale = probability_scale(readers[1].dtype)
+    with closed_on_error(reader):
+        if probabilities is not None:
+            readers.append(open_probabilities(probabilities, reader))
+            scale = probability_scale(readers[1].dtype)
     merger = SeamMerger(reader.width, connectivity, kept, scale)
     if stats is not None:
         merger.stats = stats
@@ -525,11 +527,15 @@ def polygonize(labels: Source, *, connectivity: int = 4, classes: Iterable[int] 
 
 def _stream(merger: SeamMerger, readers: list[BandReader], strip_rows: int | None
             ) -> Iterator[Region]:
-    for row, strips in row_bands(readers, strip_rows):
-        lab = strips[0][0]
-        own = _own_probability(lab, strips[1], readers[1]) if len(strips) > 1 else None
-        yield from merger.add(lab, row, own)
-    yield from merger.finish()
+    try:
+        for row, strips in row_bands(readers, strip_rows):
+            lab = strips[0][0]
+            own = _own_probability(lab, strips[1], readers[1]) if len(strips) > 1 else None
+            yield from merger.add(lab, row, own)
+        yield from merger.finish()
+    finally:  # read to the end, stopped by an error, or dropped unfinished
+        for reader in readers:
+            reader.close()
 
 
 def _own_probability(labels: np.ndarray, probabilities: np.ndarray, reader: BandReader

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -24,6 +24,7 @@ from affine import Affine
 from rasterio.crs import CRS
 
 from seg_at_scale.errors import InputError
+from seg_at_scale.io.geotags import open_dataset
 from seg_at_scale.io.raster import RasterReader
 from seg_at_scale.io.zarr_raster import ZarrRaster, open_raster
 from seg_at_scale.tiling.geometry import Window
@@ -34,6 +35,7 @@ __all__ = [
     "NODATA",
     "STRIP_PIXELS",
     "georeference",
+    "closed_on_error",
     "open_labels",
     "open_probabilities",
     "block_rows",
@@ -61,6 +63,8 @@ class BandReader(Protocol):
 
     def read(self, window: Window) -> np.ndarray: ...
 
+    def close(self) -> None: ...
+
 
 class ArrayRaster:
     """An in-memory ``[C, H, W]`` or ``[H, W]`` array read in windows like a raster file."""
@@ -78,6 +82,9 @@ class ArrayRaster:
     def read(self, window: Window) -> np.ndarray:
         """``[C, h, w]`` view of a window."""
         return self.array[:, window.row : window.row_end, window.col : window.col_end]
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 def _open(source: Source, array: str, name: str) -> BandReader:
@@ -108,10 +115,11 @@ def open_labels(labels: Source) -> BandReader:
         InputError: the file cannot be read, has several bands, or is not uint8.
     """
     reader = _open(labels, "labels", "labels")
-    if reader.bands != 1 or reader.dtype != np.uint8:
-        raise InputError(f"labels '{reader_path(reader)}' has {reader.bands} band(s) of "
-                         f"{reader.dtype}; a label raster is one uint8 band of class ids "
-                         "(255 = no data): pass the prediction's mask or .zarr store")
+    with closed_on_error(reader):
+        if reader.bands != 1 or reader.dtype != np.uint8:
+            raise InputError(f"labels '{reader_path(reader)}' has {reader.bands} band(s) of "
+                             f"{reader.dtype}; a label raster is one uint8 band of class ids "
+                             "(255 = no data): pass the prediction's mask or .zarr store")
     return reader
 
 
@@ -127,12 +135,24 @@ def open_probabilities(probabilities: Source, labels: BandReader) -> BandReader:
     """
     reader = _open(probabilities, "probabilities", "probabilities")
     where = reader_path(reader)
-    if (reader.height, reader.width) != (labels.height, labels.width):
-        raise InputError(f"probabilities '{where}' are {reader.height}x{reader.width} but the "
-                         f"labels are {labels.height}x{labels.width}; pass the probabilities "
-                         "of the same prediction")
-    probability_scale(reader.dtype, where)
+    with closed_on_error(reader):
+        if (reader.height, reader.width) != (labels.height, labels.width):
+            raise InputError(f"probabilities '{where}' are {reader.height}x{reader.width} but "
+                             f"the labels are {labels.height}x{labels.width}; pass the "
+                             "probabilities of the same prediction")
+        probability_scale(reader.dtype, where)
     return reader
+
+
+@contextmanager
+def closed_on_error(*readers: BandReader) -> Iterator[None]:
+    """Close ``readers`` (their open files) when the block raises, then re-raise."""
+    try:
+        yield
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
 
 
 def probability_scale(dtype: np.dtype, where: str = "probabilities") -> float:
@@ -215,14 +235,11 @@ def georeference(source: str | os.PathLike[str]) -> tuple[Affine, CRS | None]:
         gt, wkt = attrs.get("geotransform"), attrs.get("crs_wkt")
         return (Affine.from_gdal(*gt) if gt else Affine.identity(),
                 CRS.from_wkt(wkt) if wkt else None)
-    import rasterio
-    from rasterio.errors import NotGeoreferencedWarning, RasterioIOError
+    from rasterio.errors import RasterioIOError
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NotGeoreferencedWarning)
-            with rasterio.open(path) as ds:
-                return ds.transform, ds.crs
+        with open_dataset(path) as ds:
+            return ds.transform, ds.crs
     except RasterioIOError as exc:
         raise InputError(f"cannot read the georeference of '{path}': {exc}") from exc
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -270,9 +271,12 @@ def _write(batches: Iterator[pa.RecordBatch], path: Path, driver: str, layer: st
             return
         import pyogrio
 
-        pyogrio.write_arrow(reader, path, layer=layer, driver=driver, geometry_name="geometry",
-                            geometry_type=layout.geometry_type,
-                            crs=crs.to_wkt() if crs else None)
+        with warnings.catch_warnings():
+            # an image without a CRS gives polygons in pixel coordinates, as it should
+            warnings.filterwarnings("ignore", "'crs' was not provided", UserWarning)
+            pyogrio.write_arrow(reader, path, layer=layer, driver=driver,
+                                geometry_name="geometry", geometry_type=layout.geometry_type,
+                                crs=crs.to_wkt() if crs else None)
     except Exception:
         if source.error is not None:  # GDAL reports "Error while accessing batch": say why
             raise source.error from None

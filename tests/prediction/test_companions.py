@@ -3,8 +3,10 @@ that recognises its own finished work (skipped), completing only what is missing
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import geopandas as gpd
@@ -12,10 +14,12 @@ import numpy as np
 import pystac
 import rasterio
 import shapely
+import tifffile
 from helpers.prediction import make_image, make_model, make_run, seg_predict_here
-from helpers.vectors import assert_same_regions, reference
+from helpers.vectors import PIXELS, assert_same_regions, reference
 
 from seg_at_scale.io import read_raster
+from seg_at_scale.io.geotags import open_dataset
 
 
 def _predict(run: Path, image: Path, out: Path, *extra: str) -> dict:
@@ -81,3 +85,35 @@ def test_an_output_another_prediction_made_is_refused_with_its_companions_intact
     mine.write_bytes(np.zeros(10, np.uint8).tobytes())  # not a prediction: never replaced
     res = seg_predict_here(f"run={run}", f"image={image}", f"output={mine}", "ckpt=last")
     assert res.returncode == 2 and "already exists; pass overwrite=true" in res.stderr
+
+
+def test_an_image_without_georeferencing_predicts_in_pixel_coordinates_without_warnings(
+        tmp_path):
+    """A microscope's or a detector's TIFF has no georeferencing: nothing to warn about.
+
+    rasterio's NotGeoreferencedWarning (opening the COG being written) and pyogrio's "'crs'
+    was not provided" (writing the polygons) were printed for every such scene; and every
+    file the prediction opens is closed by it (the input, the labels and probabilities the
+    polygons and the STAC Item read), not left to the garbage collector.
+    """
+    run = make_run(tmp_path / "run", make_model("same", levels=3, width=8))
+    pixels = read_raster(make_image(tmp_path / "geo.tif", 103, 89))
+    image = tmp_path / "plain.tif"
+    tifffile.imwrite(image, np.moveaxis(pixels, 0, -1))  # the same pixels, no GeoTIFF tags
+    out, gpkg = tmp_path / "out" / "a.tif", tmp_path / "out" / "a.gpkg"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _predict(run, image, out, f"vector={gpkg}", "vector_connectivity=8")
+        gc.collect()
+    said = [f"{w.category.__name__}: {w.message}" for w in caught]
+    assert not [s for s in said if "georeferenc" in s.lower() or "'crs'" in s
+                or ("ResourceWarning" in s and str(tmp_path) in s)], said
+
+    labels = read_raster(out)[0]
+    with open_dataset(out) as ds:
+        assert ds.crs is None and ds.transform.is_identity
+    frame = gpd.read_file(gpkg)
+    assert frame.crs is None and int(frame["pixels"].sum()) == int((labels != 255).sum())
+    got = [(int(c), g) for c, g in zip(frame["class_id"], frame.geometry, strict=True)]
+    assert_same_regions(reference(labels, 8, PIXELS), got)
+    assert pystac.Item.from_file(str(out.with_name("a.stac.json"))).geometry is None
