@@ -142,6 +142,26 @@ def _row(job_dir: Path, trial: Any) -> TrialRow:
                     record, _seconds(job_dir))
 
 
+def _no_jobs(folder: Path) -> str:
+    """Why ``folder`` is not a sweep folder, and which folder to give instead."""
+    give = "give the sweep folder (hydra.sweep.dir) of a `seg-train -m` run"
+    if not folder.is_dir():
+        return f"'{folder}' {'is not a folder' if folder.exists() else 'does not exist'}; {give}"
+    if (folder / ".hydra" / "overrides.yaml").is_file():
+        sweep = folder.resolve().parent
+        if (sweep / "multirun.yaml").is_file():
+            return (f"'{folder}' is one job of a sweep; give the sweep folder that holds it: "
+                    f"seg-sweep-report {sweep}")
+        return f"'{folder}' is the folder of one run, not of a sweep; {give}"
+    below = sorted({p.parent.parent.parent for depth in ("*/*", "*/*/*")
+                    for p in folder.glob(f"{depth}/.hydra/overrides.yaml")
+                    if (p.parent.parent.parent / "multirun.yaml").is_file()})
+    if below:
+        shown = ", ".join(str(p) for p in below[:5]) + (", ..." if len(below) > 5 else "")
+        return f"'{folder}' holds no Hydra job folders itself; the sweep folders below it: {shown}"
+    return f"'{folder}' holds no Hydra job folders (*/.hydra/overrides.yaml): {give}"
+
+
 def collect_trials(folder: str | Path, study_name: str | None = None) -> SweepReport:
     """Read every job folder of a sweep (and its optuna study, when there is one).
 
@@ -155,8 +175,7 @@ def collect_trials(folder: str | Path, study_name: str | None = None) -> SweepRe
     folder = Path(folder)
     jobs = sorted(p.parent.parent for p in folder.glob("*/.hydra/overrides.yaml"))
     if not jobs:
-        raise FileNotFoundError(f"'{folder}' holds no Hydra job folders (*/.hydra/overrides.yaml):"
-                                " give the sweep folder (hydra.sweep.dir) of a `seg-train -m` run")
+        raise FileNotFoundError(_no_jobs(folder))
     trials, direction = _study_trials(folder, study_name)
     rows = sorted((_row(j, trials.get(_job_number(j))) for j in jobs), key=lambda r: r.job)
     if direction is None:

@@ -248,9 +248,22 @@ def test_grid_sweep_report_finds_the_varying_key_and_the_best_command(tmp_path, 
     assert "best: job 1, objective 0.4200" in out.stdout
     command = "seg-train tiling=grid tiling.q=2 logger=csv"
     assert command in out.stdout and (folder / "best_command.txt").read_text().strip() == command
-    with pytest.raises(SystemExit) as stop:
-        report_main([str(tmp_path)])
-    assert stop.value.code == 2 and "holds no Hydra job folders" in capsys.readouterr().err
+    (folder / "multirun.yaml").write_text("{}\n")  # what Hydra writes in a sweep folder
+    one_run = tmp_path / "runs" / "2026-11-30_10-00-00"
+    (one_run / ".hydra").mkdir(parents=True)
+    (one_run / ".hydra" / "overrides.yaml").write_text("[]\n")
+    job = folder / "1_tiling.q=2"
+    for given, said in [  # a path that is not a sweep folder names the one to give
+            (tmp_path, f"holds no Hydra job folders itself; the sweep folders below it: {folder}\n"),
+            (tmp_path / "grd", "does not exist; give the sweep folder (hydra.sweep.dir)"),
+            (job, f"is one job of a sweep; give the sweep folder that holds it: "
+                  f"seg-sweep-report {folder}"),
+            (one_run, "is the folder of one run, not of a sweep; give the sweep folder"),
+            (one_run / ".hydra", "holds no Hydra job folders (*/.hydra/overrides.yaml)")]:
+        with pytest.raises(SystemExit) as stop:
+            report_main([str(given)])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and f"'{given}' " in err and said in err, err
 
 
 def test_job_outcome_reads_the_runs_best_value(tmp_path):
