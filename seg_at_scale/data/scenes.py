@@ -13,6 +13,7 @@ what exact whole-image training needs to normalise each tile's loss.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,14 +23,19 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Window
 
-__all__ = ["Scene", "find_scenes", "scene_images", "mask_beside", "validate_scene",
+__all__ = ["Scene", "find_scenes", "scene_images", "mask_beside", "paired_name", "tiff_of",
+           "validate_scene",
            "class_histogram",
            "check_mask_header", "check_mask_covers",
            "label_counts", "check_labels", "stream_rows"]
 
 IMAGE_SUFFIX, MASK_SUFFIX = "_image.tif", "_mask.tif"
 LAYOUTS = (f"<name>{IMAGE_SUFFIX} with <name>{MASK_SUFFIX} beside it, or images/<name>.tif "
-           "with masks/<name>.tif")
+           "with masks/<name>.tif (.tif or .tiff, in any case)")
+#: ``<name>_image.tif`` of the paired layout: ``.tif`` or ``.tiff``, in any case (GIS tools
+#: and Windows write ``.TIF``).
+_PAIRED = re.compile(r"(?P<name>.+)_image(?P<ext>\.tiff?)", re.IGNORECASE)
+_TIFF_EXTENSIONS = (".tif", ".tiff", ".TIF", ".TIFF")
 
 
 @dataclass
@@ -48,8 +54,7 @@ class Scene:
 
     @property
     def name(self) -> str:
-        stem = self.image.name
-        return stem[: -len(IMAGE_SUFFIX)] if stem.endswith(IMAGE_SUFFIX) else self.image.stem
+        return paired_name(self.image) or self.image.stem
 
 
 def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> list[Scene]:
@@ -63,7 +68,8 @@ def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> li
                          f"of scenes ({LAYOUTS})")
     scenes = []
     for image in scene_images(root, key=key) or []:
-        mask = mask_beside(image) if image.parent == root else root / "masks" / image.name
+        mask = (mask_beside(image) if image.parent == root else
+                tiff_of(root / "masks" / image.name))
         if not mask.exists():
             raise InputError(f"'{image}' has no mask: expected '{mask}'")
         scenes.append(Scene(image, mask))
@@ -72,9 +78,34 @@ def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> li
     return scenes
 
 
+def paired_name(path: Path) -> str | None:
+    """``<name>`` of ``<name>_image.tif`` (``.tiff``, any case); None for any other file."""
+    found = _PAIRED.fullmatch(path.name)
+    return found["name"] if found else None
+
+
 def mask_beside(image: Path) -> Path:
-    """The mask of ``<name>_image.tif``: ``<name>_mask.tif`` beside it."""
-    return image.with_name(image.name[: -len(IMAGE_SUFFIX)] + MASK_SUFFIX)
+    """The mask of ``<name>_image.tif``: ``<name>_mask.tif`` beside it.
+
+    With the image's extension (``a_image.TIF``: ``a_mask.TIF``), else the first of
+    ``.tif``, ``.tiff`` (any case) that exists; the first when none does.
+    """
+    found = _PAIRED.fullmatch(image.name)
+    if found is None:
+        raise ValueError(f"mask_beside: '{image}' is not named <name>_image.tif")
+    return tiff_of(image.with_name(f"{found['name']}_mask{found['ext']}"))
+
+
+def tiff_of(path: Path) -> Path:
+    """``path``, or the file beside it of the same stem and another TIFF extension.
+
+    ``.tif`` or ``.tiff`` in any case: ``tiff_of(Path("masks/a.tif"))`` finds
+    ``masks/a.TIFF``; ``path`` itself when none exists.
+    """
+    if path.exists():
+        return path
+    others = (path.with_suffix(ext) for ext in _TIFF_EXTENSIONS if ext != path.suffix)
+    return next((p for p in others if p.exists()), path)
 
 
 def scene_images(folder: Path, *, key: str = "data.root") -> list[Path] | None:
@@ -85,7 +116,8 @@ def scene_images(folder: Path, *, key: str = "data.root") -> list[Path] | None:
     both is refused: which scenes it means is the user's to say. A scene's name
     (:attr:`Scene.name`) is ``<name>`` in both.
     """
-    paired = sorted(folder.glob(f"*{IMAGE_SUFFIX}"))
+    paired = sorted(p for p in folder.iterdir() if paired_name(p) is not None
+                    and not p.name.startswith(".") and not p.is_dir())
     images = folder / "images"
     listed = sorted(p for p in images.iterdir() if p.suffix.lower() in (".tif", ".tiff")
                     and not p.name.startswith(".")) if images.is_dir() else []

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from seg_at_scale.config_check import check_local
-from seg_at_scale.data.scenes import IMAGE_SUFFIX, Scene, mask_beside, scene_images
+from seg_at_scale.data.scenes import Scene, mask_beside, paired_name, scene_images, tiff_of
 from seg_at_scale.errors import ConfigError, InputError, OutputExistsError, SegAtScaleError
 from seg_at_scale.io.writer import listed_once
 from seg_at_scale.models.card import ModelCard
@@ -151,7 +151,7 @@ def find_images(images: str) -> list[tuple[str, Path]]:
         files = [p for p in sorted(src.iterdir())
                  if p.suffix.lower() in RASTER_SUFFIXES and not p.name.startswith(".")]
         # a split folder of a training layout: its images by scene name, not their masks
-        paired = {p for p in files if p.name.endswith(IMAGE_SUFFIX) and mask_beside(p) in files}
+        paired = {p for p in files if paired_name(p) is not None and mask_beside(p) in files}
         masks = {mask_beside(p) for p in paired}
         named = ([(Scene(p).name if p in paired else p.stem, p, f"image '{p}'")
                   for p in files if p not in masks] if files else
@@ -179,15 +179,14 @@ def find_images(images: str) -> list[tuple[str, Path]]:
 def _mask_of(masks: Path | None, stem: str) -> Path | None:
     """The truth of scene ``stem`` in the folder ``masks``, or None.
 
-    ``<stem>.tif``, ``<stem>_mask.tif`` or ``<stem>.tiff``; in a split folder of the
-    ``images/`` + ``masks/`` layout, ``masks/<stem>.tif`` below it.
+    ``<stem>.tif`` or ``<stem>_mask.tif``; in a split folder of the ``images/`` +
+    ``masks/`` layout, ``masks/<stem>.tif`` below it (``.tif`` or ``.tiff``, any case).
     """
     if masks is None:
         return None
-    for name in (f"{stem}.tif", f"{stem}_mask.tif", f"{stem}.tiff", f"masks/{stem}.tif",
-                 f"masks/{stem}.tiff"):
-        if (masks / name).is_file():
-            return masks / name
+    for name in (stem, f"{stem}_mask", f"masks/{stem}"):
+        if (found := tiff_of(masks / f"{name}.tif")).is_file():
+            return found
     return None
 
 

@@ -122,8 +122,30 @@ def test_scenes_in_images_and_masks_folders_are_the_same_scenes(tmp_path, scene_
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError, match=r"data.root \(test split\): no scenes in '.*empty'; "
                                          r"give <name>_image.tif with <name>_mask.tif beside "
-                                         r"it, or images/<name>.tif with masks/<name>.tif"):
+                                         r"it, or images/<name>.tif with masks/<name>.tif "
+                                         r"\(.tif or .tiff, in any case\)"):
         find_scenes(tmp_path / "empty", key="data.root (test split)")
+
+
+def test_tiff_extensions_in_any_case_are_the_same_scenes(tmp_path, scene_files) -> None:
+    """``.TIF`` (GIS tools, Windows) and ``.tiff`` name scenes as ``.tif`` does, in both
+    layouts; ``a_image.TIF`` was not a scene at all ("no scenes")."""
+    paired = dataset(tmp_path / "paired", scene_files)
+    scene_files(paired / "train", name="t2", shape=(4, 53, 61), seed=7)
+    renamed = tmp_path / "renamed"
+    names = {"s0_image.tif": "s0_image.TIF", "s0_mask.tif": "s0_mask.TIF",
+             "t2_image.tif": "t2_image.tiff", "t2_mask.tif": "t2_mask.tif",
+             "s1_image.tif": "images/s1.tiff", "s1_mask.tif": "masks/s1.TIF"}
+    for path in sorted(paired.glob("*/*.tif")):
+        target = renamed / path.parent.name / names.get(path.name, path.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    a, b = check(paired), check(renamed)
+    assert {k: [(s.name, s.class_counts) for s in v] for k, v in a.scenes.items()} == \
+        {k: [(s.name, s.class_counts) for s in v] for k, v in b.scenes.items()}
+    assert [(s.image.name, s.mask.name) for s in b.scenes["train"]] == [
+        ("s0_image.TIF", "s0_mask.TIF"), ("t2_image.tiff", "t2_mask.tif")]
+    assert b.scenes["val"][0].mask == renamed / "val" / "masks" / "s1.TIF"
 
 
 def test_seg_train_stops_on_a_nan_before_training(tmp_path, scene_files) -> None:

@@ -254,7 +254,8 @@ def test_grid_sweep_report_finds_the_varying_key_and_the_best_command(tmp_path, 
     (one_run / ".hydra" / "overrides.yaml").write_text("[]\n")
     job = folder / "1_tiling.q=2"
     for given, said in [  # a path that is not a sweep folder names the one to give
-            (tmp_path, f"holds no Hydra job folders itself; the sweep folders below it: {folder}\n"),
+            (tmp_path, "holds no Hydra job folders itself; the sweep folders below it: "
+                       f"{folder}\n"),
             (tmp_path / "grd", "does not exist; give the sweep folder (hydra.sweep.dir)"),
             (job, f"is one job of a sweep; give the sweep folder that holds it: "
                   f"seg-sweep-report {folder}"),
