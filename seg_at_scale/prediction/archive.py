@@ -176,16 +176,18 @@ def find_images(images: str) -> list[tuple[str, Path]]:
     return found
 
 
-def _mask_of(masks: Path | None, stem: str) -> Path | None:
+def _mask_of(masks: Path | None, stem: str, image: Path | None = None) -> Path | None:
     """The truth of scene ``stem`` in the folder ``masks``, or None.
 
     ``<stem>.tif`` or ``<stem>_mask.tif``; in a split folder of the ``images/`` +
     ``masks/`` layout, ``masks/<stem>.tif`` below it (``.tif`` or ``.tiff``, any case).
+    Never the scene's ``image`` itself (``masks=`` the folder of the images).
     """
     if masks is None:
         return None
     for name in (stem, f"{stem}_mask", f"masks/{stem}"):
-        if (found := tiff_of(masks / f"{name}.tif")).is_file():
+        found = tiff_of(masks / f"{name}.tif")
+        if found.is_file() and not (image is not None and found.resolve() == image.resolve()):
             return found
     return None
 
@@ -212,7 +214,7 @@ def archive_scenes(images: str, output_dir: Path, *, output_format: str = "tif",
         raise ConfigError("vector_merge=true needs vector=<gpkg | parquet | fgb>")
     pieces = output_dir / ".vectors" if vector_merge else output_dir
     scenes = [ArchiveScene(stem, image, output_dir / f"{stem}.{output_format}",
-                           _mask_of(masks, stem),
+                           _mask_of(masks, stem, image),
                            pieces / f"{stem}.{vector}" if vector else None)
               for stem, image in find_images(images)]
     if options is not None:

@@ -107,7 +107,7 @@ def test_a_list_naming_a_url_or_a_gdal_virtual_path_is_refused_by_its_line(tmp_p
 def test_a_folder_names_a_scene_pair_by_its_scene_and_keeps_every_other_raster(tmp_path):
     """A pair <name>_image.tif + <name>_mask.tif is one scene, <name>; a lone x_image.tif and
     any other raster stay scenes of their own names: nothing in the folder is dropped."""
-    from seg_at_scale.prediction.archive import _mask_of, find_images
+    from seg_at_scale.prediction.archive import _mask_of, archive_scenes, find_images
 
     for name in ("a_image.tif", "a_mask.tif", "b.tif", "c_image.tif", "d_mask.tif"):
         _scene(tmp_path / name)
@@ -126,3 +126,6 @@ def test_a_folder_names_a_scene_pair_by_its_scene_and_keeps_every_other_raster(t
     assert [_mask_of(upper, s) for s in ("f", "g", "i")] == [
         upper / "f_mask.TIF", upper / "g_mask.tif", None]
     assert _mask_of(split, "e") == split / "masks" / "e.tif"
+    # masks= the images' folder: h.TIF, a scene without truth, was taken as its own truth
+    scored = archive_scenes(str(upper), tmp_path / "out", masks=upper)
+    assert [s.mask for s in scored] == [upper / "f_mask.TIF", upper / "g_mask.tif", None]
