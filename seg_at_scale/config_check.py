@@ -35,12 +35,12 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from seg_at_scale.errors import ConfigError, SegAtScaleError
 
 __all__ = ["known_keys", "check_types", "fits", "describe", "nearest", "resolved", "HYDRA_KEYS",
-           "remote_kind", "check_local"]
+           "remote_kind", "check_local", "unset_keys"]
 
 HYDRA_KEYS = frozenset({"_target_", "_convert_", "_recursive_", "_partial_"})
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+)://")
@@ -59,6 +59,29 @@ def resolved(node: DictConfig) -> dict[str, Any]:
     container.)
     """
     return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
+
+
+def unset_keys(cfg: DictConfig | ListConfig, prefix: str = "") -> list[str]:
+    """The dotted keys whose value is still ``???`` (a group leaves them to the user).
+
+    Read without resolving interpolations, so a key that only refers to an unset one
+    (``model.in_channels: ${data.bands}``) is not listed: the unset key is.
+
+    >>> unset_keys(OmegaConf.create({"data": {"bands": "???", "n": "${data.bands}"}, "q": 2}))
+    ['data.bands']
+    """
+    found = []
+    keys: list[Any] = list(range(len(cfg)) if isinstance(cfg, ListConfig) else cfg.keys())
+    for key in keys:
+        name = f"{prefix}{key!s}"
+        if OmegaConf.is_missing(cfg, key):
+            found.append(name)
+            continue
+        node = cfg._get_node(key)  # the node itself: an interpolation is not followed
+        if isinstance(node, DictConfig | ListConfig) and not OmegaConf.is_interpolation(
+                cfg, key) and not node._is_none():
+            found += unset_keys(node, f"{name}.")
+    return found
 
 
 def known_keys(group: str, values: Mapping[str, Any], names: Iterable[str], *,

@@ -27,10 +27,11 @@ import hydra
 from omegaconf import DictConfig
 
 from seg_at_scale.cli.common import long_lived, reports_errors, tidy_refused_run
-from seg_at_scale.config_check import nearest
+from seg_at_scale.config_check import nearest, unset_keys
 from seg_at_scale.errors import ConfigError
 
-__all__ = ["main", "check_added_keys", "check_model_bands", "check_hub_weights", "CONFIG_DIR"]
+__all__ = ["main", "check_added_keys", "check_unset", "check_model_bands", "check_hub_weights",
+           "CONFIG_DIR"]
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
 WEIGHT_KEYS = ("encoder_weights", "weights", "backbone_weights")  # model keys naming weights
@@ -62,6 +63,53 @@ def check_added_keys(cfg: DictConfig, added: list[str], groups: list[str]) -> No
         hint = f" (did you mean {near}=?)" if near else ""
         raise ConfigError(f"+{key}= adds a key that no part of seg-train reads{hint}; the "
                           f"top-level keys and groups are {', '.join(known)}")
+
+
+#: What to give for a key a group leaves to the user (``???``).
+_UNSET_HINTS = {"data.root": "<the folder of your train/ val/ test/ splits>",
+                "data.bands": "<the images' band count>",
+                "data.num_classes": "<the classes in the masks: labels 0..K-1>",
+                "pipeline.balance": "<the layers of each stage, e.g. [14,24]>"}
+
+
+def check_unset(cfg: DictConfig, choices: dict[str, str | None]) -> None:
+    """Refuse a run whose config still holds a ``???`` the user must set, naming them all.
+
+    ``seg-train data=tiff data.root=mine`` without ``data.bands`` ended in omegaconf's
+    traceback ("Missing mandatory value: data.bands"); refused here in one line that lists
+    every key to add, with what to put there (the training images' band count when
+    ``data.root`` already names readable scenes).
+    """
+    unset = unset_keys(cfg)
+    if not unset:
+        return
+    hints = dict(_UNSET_HINTS)
+    if "data.bands" in unset:
+        bands = _training_bands(cfg)
+        if bands is not None:
+            hints["data.bands"] = f"{bands}"
+    groups = sorted({k.split(".", 1)[0] for k in unset if "." in k})
+    chosen = ", ".join(f"{g}={choices[g]}" for g in groups if choices.get(g))
+    which = f" ({chosen} leaves {'it' if len(unset) == 1 else 'them'} to you)" if chosen else ""
+    named = unset[0] if len(unset) == 1 else f"{', '.join(unset[:-1])} and {unset[-1]}"
+    raise ConfigError(f"{named} {'has' if len(unset) == 1 else 'have'} no value{which}; add "
+                      + " ".join(f"{k}={hints.get(k, '<value>')}" for k in unset))
+
+
+def _training_bands(cfg: DictConfig) -> int | None:
+    """The band count of the first training image under ``data.root``, if one is readable."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_missing(cfg.data, "root"):
+        return None
+    try:
+        from seg_at_scale.data.scenes import find_scenes
+        from seg_at_scale.io import RasterReader
+
+        with RasterReader(find_scenes(Path(str(cfg.data.root)) / "train")[0].image) as image:
+            return image.bands
+    except Exception:  # noqa: BLE001 - a hint only: the preflight names what is wrong
+        return None
 
 
 def check_model_bands(cfg: DictConfig) -> None:
@@ -119,6 +167,7 @@ def main(cfg: DictConfig) -> float | None:
         check_added_keys(cfg, [o for o in hydra_cfg.overrides.task
                                if o.startswith("+") and not o.startswith("++")],
                          list(hydra_cfg.runtime.choices))
+        check_unset(cfg, dict(hydra_cfg.runtime.choices))  # every ??? named, in one line
         check_model_bands(cfg)  # before any work: nothing written, nothing built
         check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
         with long_lived():

@@ -259,3 +259,32 @@ def test_hf_hub_offline_refuses_before_the_scenes_and_the_model(tmp_path, monkey
     assert out.returncode == 2, out.stderr[-2000:]
     assert "model.encoder_weights='imagenet' is a hub name, but this machine is offline" in (
         out.stderr.strip().splitlines()[-1])
+
+
+def test_keys_a_group_leaves_to_the_user_are_named_in_one_line(tmp_path, scene_files):
+    """Before: ``seg-train data=tiff data.root=mine`` without data.bands ended in omegaconf's
+    traceback ("Missing mandatory value: data.bands"), and so did ``pipeline=manual``
+    without a balance. Now one line lists every unset key and what to give it: the training
+    images' band count when data.root names readable scenes."""
+    root = tmp_path / "mine"
+    for split in ("train", "val"):
+        scene_files(root / split, shape=(3, 61, 53))
+    cases = [
+        ([f"data.root={root}"], "data.bands and data.num_classes have no value (data=tiff "
+         "leaves them to you); add data.bands=3 data.num_classes=<the classes in the masks: "
+         "labels 0..K-1>"),
+        ([], "data.root, data.bands and data.num_classes have no value (data=tiff leaves them "
+         "to you); add data.root=<the folder of your train/ val/ test/ splits> "
+         "data.bands=<the images' band count> data.num_classes="),
+        ([f"data.root={root}", "data.bands=3", "pipeline=manual"], "data.num_classes and "
+         "pipeline.balance have no value (data=tiff, pipeline=manual leaves them to you); "
+         "add data.num_classes=<the classes in the masks: labels 0..K-1> "
+         "pipeline.balance=<the layers of each stage, e.g. [14,24]>")]
+    run = tmp_path / "run"
+    for extra, said in cases:
+        out = seg_train_here(tmp_path, "data=tiff", *extra, "model=unet_tiny",
+                             f"hydra.run.dir={run}")
+        assert out.returncode == 2, out.stderr[-2000:]
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"seg-train: error: {said}"), lines
+    assert not run.exists()  # the refused runs left no folder
