@@ -129,12 +129,21 @@ def tiling_footprint(model: nn.Module, tiling: Mapping[str, Any]) -> Footprint:
     return fp
 
 
+def _run_above(path: Path) -> str:
+    """What to give instead of ``path`` for ``run=``: the run folder above it, if any."""
+    for up in list(path.parents)[:2]:  # checkpoints/ and a checkpoint in it
+        if (up / RUN_CONFIG).is_file():
+            if path.suffix == ".ckpt":
+                return f"it is a checkpoint of the run '{up}': give run={up} ckpt={path.name}"
+            return f"it is inside the run '{up}': give run={up}"
+    return "give the folder of a training run (it holds run_config.yaml and checkpoints/)"
+
+
 def read_run_config(run: Path) -> DictConfig:
     """A run folder's ``run_config.yaml``, refused in one line when missing or unreadable."""
     path = run / RUN_CONFIG
     if not path.is_file():
-        raise InputError(f"run='{run}' has no {RUN_CONFIG}; give the folder of a training "
-                         "run (it holds run_config.yaml and checkpoints/)")
+        raise InputError(f"run='{run}' has no {RUN_CONFIG}; {_run_above(run)}")
     try:
         cfg = OmegaConf.load(path)
     except (yaml.YAMLError, ValueError, OSError) as exc:
@@ -149,10 +158,12 @@ def read_run_config(run: Path) -> DictConfig:
 
 
 def pick_checkpoint(run: Path, ckpt: str) -> Path:
-    """``best`` (highest val/miou in its name), ``last``, or a path."""
+    """``best`` (highest val/miou in its name), ``last``, a path, or a name in ``checkpoints/``."""
     folder = run / "checkpoints"
     if ckpt not in ("best", "last"):
         path = Path(ckpt)
+        if not path.exists() and not path.is_absolute() and (folder / ckpt).is_file():
+            path = folder / ckpt  # ckpt=epoch003-miou0.91.ckpt: the run's own
     elif ckpt == "last":
         path = folder / "last.ckpt"
     else:
@@ -160,8 +171,11 @@ def pick_checkpoint(run: Path, ckpt: str) -> Path:
                         key=lambda p: _miou_of(p.name))
         path = ranked[-1] if ranked else folder / "last.ckpt"
     if not path.exists():
-        raise InputError(f"ckpt={ckpt!r}: no checkpoint at '{path}'; use ckpt=last, ckpt=best "
-                         "or a path to a .ckpt file")
+        names = sorted(p.name for p in folder.glob("*.ckpt"))
+        held = (f" (the run holds {', '.join(names[:6])}{', ...' if len(names) > 6 else ''})"
+                if names else " (the run holds none)")
+        raise InputError(f"ckpt={ckpt!r}: no checkpoint at '{path}'; use ckpt=last, ckpt=best, "
+                         f"the name of one in '{folder}'{held} or a path to a .ckpt file")
     return path
 
 

@@ -311,3 +311,22 @@ def test_help_speaks_prediction():
         assert f"\n  {key}" in res.stdout, key
     assert "model_family" not in res.stdout and "experiment" not in res.stdout
     assert "sbatch" in res.stdout and "vector=a_buildings.gpkg" in res.stdout
+
+
+def test_a_checkpoint_or_the_checkpoints_folder_as_run_names_the_run_to_give(cli_case,
+                                                                             tmp_path):
+    """run= a checkpoint file or the run's checkpoints/ folder said only "has no
+    run_config.yaml"; ckpt= a checkpoint's name (as the run's folder lists it) was "no
+    checkpoint". Now the refusal names the command to give, and the name is the run's own."""
+    run, image = cli_case
+    ckpt = run / "checkpoints" / "last.ckpt"
+    _one_line(seg_predict(ckpt, image, tmp_path / "a.tif", check=False),
+              f"it is a checkpoint of the run '{run}': give run={run} ckpt=last.ckpt")
+    _one_line(seg_predict(run / "checkpoints", image, tmp_path / "a.tif", check=False),
+              f"it is inside the run '{run}': give run={run}")
+    _one_line(seg_predict(run, image, tmp_path / "a.tif", "ckpt=epoch9.ckpt", check=False),
+              f"ckpt='epoch9.ckpt': no checkpoint at 'epoch9.ckpt'; use ckpt=last, ckpt=best, "
+              f"the name of one in '{run / 'checkpoints'}' (the run holds last.ckpt)")
+    _nothing_written(tmp_path)
+    res = seg_predict(run, image, tmp_path / "a.tif", "ckpt=last.ckpt", "tile_size=128")
+    assert json.loads(res.stdout)["checkpoint"] == str(ckpt)
