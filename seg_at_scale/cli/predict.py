@@ -106,7 +106,7 @@ class PredictJob:
         vector_merge: images=: one vectors.<ext> with a scene column, not one file per scene.
         run: a training run folder (run_config.yaml + checkpoints/); give run= or model=.
         model: a model made by seg-export (.segmodel file or folder).
-        ckpt: run= only: best, last, the name of one in the run's checkpoints/ or a path.
+        ckpt: run= only: best (null), last, the name of one in checkpoints/ or a path.
         trust_run: build any model class and unpickle any checkpoint (runs code: only for a
             sender you trust).
         mask: ground truth of image=: also print per-class IoU and mIoU.
@@ -127,7 +127,7 @@ class PredictJob:
     vector_merge: bool = False
     run: str | None = None
     model: str | None = None
-    ckpt: str = "best"
+    ckpt: str | None = None
     trust_run: bool = False
     mask: str | None = None
     vector: str | None = None

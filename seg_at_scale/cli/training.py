@@ -12,13 +12,14 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import re
 import signal
 import typing
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import pytorch_lightning as pl
@@ -172,6 +173,51 @@ def check_trainer(cfg: DictConfig) -> None:
     params = [k for k in inspect.signature(pl.Trainer.__init__).parameters if k != "self"]
     known_keys("trainer", plain, params)
     check_types("trainer", plain, typing.get_type_hints(pl.Trainer.__init__))
+    check_devices(str(plain.get("accelerator", "auto")), plain.get("devices", "auto"))
+
+
+def build_trainer(group: DictConfig, **kwargs: Any) -> pl.Trainer:
+    """``pl.Trainer`` of the ``trainer`` group; what Lightning refuses, said in one line.
+
+    Lightning checks the combination of accelerator, strategy, devices and precision when
+    the trainer is made; its ``MisconfigurationException`` (or ``ValueError``: an unknown
+    strategy name) came through Hydra's wrapping as four lines and a traceback hint.
+    """
+    from hydra.errors import InstantiationException
+    from lightning_fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        return cast(pl.Trainer, instantiate(group, **kwargs))
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        if isinstance(cause, MisconfigurationException | ValueError):
+            said = " ".join(str(cause).split())
+            raise ConfigError(f"the trainer group: Lightning says: {said} (check trainer.* "
+                              "on the command line or conf/trainer/)") from None
+        raise
+
+
+def check_devices(accelerator: str, devices: Any) -> None:
+    """Refuse a GPU run on a machine whose torch sees no GPU, or fewer than asked for.
+
+    ``trainer=gpu`` on a CPU machine failed after the preflight, with the run folder
+    written, in Hydra's four-line wrapping of Lightning's "No supported gpu backend found!".
+    """
+    if accelerator not in ("gpu", "cuda"):
+        return  # auto picks what there is; cpu always runs; others are Lightning's to check
+    mps = accelerator == "gpu" and torch.backends.mps.is_available()
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0 and not mps:
+        raise ConfigError(f"trainer.accelerator={accelerator} but torch sees no GPU (torch "
+                          f"{torch.__version__}, CUDA {torch.version.cuda or 'not built in'}, "
+                          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                          "train on the CPU with trainer=default, or run where a GPU is")
+    ids = devices if isinstance(devices, list) else None
+    count = devices if isinstance(devices, int) and not isinstance(devices, bool) else None
+    if have and ((count is not None and count > have) or (ids and max(ids) >= have)):
+        raise ConfigError(f"trainer.devices={devices} but this machine has {have} GPU(s) "
+                          f"(cuda:0..{have - 1}); use trainer.devices={have} or fewer, or "
+                          "trainer.num_nodes for more machines")
 
 
 def check_memory(cfg: DictConfig, run: RunFolder | None = None) -> MemoryConfig:
@@ -300,9 +346,8 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
     loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
     for lg in loggers:
         lg.log_hyperparams({"computed": computed})
-    trainer: pl.Trainer = instantiate(cfg.trainer, callbacks=callbacks,
-                                      logger=loggers or False, plugins=plugins or None,
-                                      **pipeline_strategy(cfg.trainer, pipeline))
+    trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=loggers or False,
+                            plugins=plugins or None, **pipeline_strategy(cfg.trainer, pipeline))
     try:
         trainer.fit(task, datamodule=dm, ckpt_path=ckpt,  # plain data unless trusted
                     weights_only=not bool(cfg.get("trust_run", False)))

@@ -28,30 +28,44 @@ __all__ = ["load_trained", "model_files", "peek_card"]
 
 
 def load_trained(run: str | os.PathLike[str] | None = None,
-                 model: str | os.PathLike[str] | None = None, *, ckpt: str = "best",
+                 model: str | os.PathLike[str] | None = None, *, ckpt: str | None = None,
                  trust: bool = False) -> TrainedModel:
-    """The model ``run=`` (a training run folder) or ``model=`` (a seg-export file) names."""
-    if (run is None) == (model is None):
-        raise ConfigError("give the model to predict with as run=<training run folder> or "
-                          "model=<file made by seg-export>, one of them"
-                          + (" (both were given)" if run is not None else ""))
+    """The model ``run=`` (a training run folder) or ``model=`` (a seg-export file) names.
+
+    ``ckpt`` chooses among a run's checkpoints (None: ``best``); a model file holds one set
+    of weights, and a ``ckpt`` given with it is refused rather than ignored.
+    """
+    _check_named(run, model, ckpt)
     if run is not None:
-        return load_run(run, ckpt, trust=trust)
+        return load_run(run, ckpt or "best", trust=trust)
     assert model is not None
     return read_model(model, trust=trust)
 
 
+def _check_named(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] | None,
+                 ckpt: str | None) -> None:
+    if (run is None) == (model is None):
+        raise ConfigError("give the model to predict with as run=<training run folder> or "
+                          "model=<file made by seg-export>, one of them"
+                          + (" (both were given)" if run is not None else ""))
+    if model is not None and ckpt is not None:
+        raise ConfigError(f"ckpt={ckpt!r} chooses among a training run's checkpoints, but "
+                          f"model='{model}' holds one set of weights; leave ckpt out, or "
+                          "export the checkpoint you want (seg-export run=<run> ckpt=... "
+                          "output=...), or predict with run=<run> ckpt=...")
+
+
 def model_files(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] | None,
-                ckpt: str = "best") -> dict[str, Path]:
+                ckpt: str | None = None) -> dict[str, Path]:
     """The files a model is read from (no output may replace them), by what users call them."""
     if run is not None:
         return {"run config": Path(run) / RUN_CONFIG,
-                "checkpoint": pick_checkpoint(Path(run), ckpt)}
+                "checkpoint": pick_checkpoint(Path(run), ckpt or "best")}
     return {"model": Path(model)} if model is not None else {}
 
 
 def peek_card(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] | None,
-              ckpt: str = "best") -> tuple[ModelCard, str]:
+              ckpt: str | None = None) -> tuple[ModelCard, str]:
     """A model's card and name without building the network or loading weights.
 
     The launching process of a multi-process prediction checks every input with it before
@@ -59,13 +73,12 @@ def peek_card(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] 
     A run's footprint is the one its training computed (``computed`` in its config); the
     ranks compare it with the network's own.
     """
-    if (run is None) == (model is None):
-        load_trained(run, model)  # the same refusal
+    _check_named(run, model, ckpt)
     if model is not None:
         return ModelCard.of(read_card(Path(model))), f"model '{model}'"
     assert run is not None
     cfg = read_run_config(Path(run))
-    pick_checkpoint(Path(run), ckpt)
+    pick_checkpoint(Path(run), ckpt or "best")
     c = cfg.get("computed") or {}
     if not all(k in c for k in ("halo", "align", "padding", "out_residue")):
         raise InputError(f"'{Path(run) / RUN_CONFIG}' has no computed footprint (halo, align, "

@@ -10,6 +10,7 @@ answer took minutes to refuse.
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import socket
@@ -288,3 +289,42 @@ def test_keys_a_group_leaves_to_the_user_are_named_in_one_line(tmp_path, scene_f
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"seg-train: error: {said}"), lines
     assert not run.exists()  # the refused runs left no folder
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine whose torch sees no GPU")
+def test_a_gpu_trainer_on_a_machine_without_one_is_refused_before_any_work(tmp_path):
+    """Before: trainer=gpu ran the preflight, wrote the run folder and ended in Hydra's
+    four-line wrapping of Lightning's "No supported gpu backend found!" (exit 1)."""
+    run = tmp_path / "run"
+    out = seg_train_here(tmp_path, f"hydra.run.dir={run}", "trainer=gpu",
+                         *(o for o in TINY if not o.startswith("trainer=")))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "seg-train: error: trainer.accelerator=gpu but torch sees no GPU (torch ")
+    assert "train on the CPU with trainer=default" in out.stderr
+    assert not run.exists()
+
+
+def test_more_gpus_than_the_machine_has_are_refused_naming_the_count(monkeypatch):
+    from seg_at_scale.cli.training import check_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_devices("gpu", 2)
+    check_devices("cuda", [0, 1])
+    check_devices("cpu", 8)
+    for devices in (4, [1, 2]):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"trainer.devices={devices} but this machine has 2 GPU(s) (cuda:0..1); use "
+                "trainer.devices=2 or fewer")):
+            check_devices("gpu", devices)
+
+
+def test_what_lightning_refuses_in_the_trainer_group_is_one_line(tmp_path):
+    """An unknown strategy name came as Hydra's wrapping of Lightning's ValueError."""
+    out = seg_train_here(tmp_path, f"hydra.run.dir={tmp_path / 'run'}", *TINY,
+                         "+trainer.strategy=ddpx")
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("seg-train: error: the trainer group: Lightning says: You selected "
+                           "an invalid strategy name: `strategy='ddpx'`."), line

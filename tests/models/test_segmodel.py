@@ -63,6 +63,21 @@ def test_predicting_with_the_exported_model_equals_the_run_byte_for_byte(exporte
     assert items[0]["assets"] == items[1]["assets"]
 
 
+def test_ckpt_with_a_model_file_is_refused_not_ignored(exported, tmp_path):
+    """``model=<file> ckpt=last`` predicted with the file's weights, ckpt silently unused."""
+    from helpers.prediction import seg_predict_here
+
+    _, model, image = exported
+    out = seg_predict_here(f"model={model}", f"image={image}", f"output={tmp_path / 'a.tif'}",
+                           "ckpt=last")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"seg-predict: error: ckpt='last' chooses among a training run's checkpoints, but "
+        f"model='{model}' holds one set of weights; leave ckpt out, or export the checkpoint "
+        "you want (seg-export run=<run> ckpt=... output=...), or predict with run=<run> "
+        "ckpt=..."], out.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_card_describes_what_prediction_needs(exported):
     run, model, _ = exported
     with zipfile.ZipFile(model) as zf:
