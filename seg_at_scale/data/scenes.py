@@ -174,17 +174,24 @@ def label_counts(mask: RasterReader, band_rows: int | None = None) -> dict[int, 
 
 
 def check_labels(mask: RasterReader, counts: dict[int, int], num_classes: int,
-                 ignore_index: int) -> list[int]:
-    """Pixels per class ``0..num_classes-1``; refuses labels outside them (not ignore)."""
+                 ignore_index: int, *, model: bool = False) -> list[int]:
+    """Pixels per class ``0..num_classes-1``; refuses labels outside them (not ignore).
+
+    ``model``: the classes are a trained model's (a truth to score it against), which no
+    key of the command changes; else they are ``data.num_classes``, which the user sets.
+    """
     bad = sorted(v for v in counts if v >= num_classes and v != ignore_index)
     if bad:
         value = bad[0]
         r, c = _first_pixel(mask, value)
+        classes, fix = ((f"the model predicts {num_classes} classes", "give the truth of "
+                         "this model's classes, or drop mask=") if model else
+                        (f"data.num_classes={num_classes}", "fix the mask or raise "
+                         "data.num_classes"))
         raise InputError(
-            f"mask '{mask.path}' has label {value} at row {r}, col {c}, but "
-            f"data.num_classes={num_classes} (valid labels 0..{num_classes - 1}, "
-            f"{ignore_index} = ignore; {counts[value]} pixels carry it); fix the mask or raise "
-            "data.num_classes")
+            f"mask '{mask.path}' has label {value} at row {r}, col {c}, but {classes} (valid "
+            f"labels 0..{num_classes - 1}, {ignore_index} = ignore; {counts[value]} pixels "
+            f"carry it); {fix}")
     return [counts.get(k, 0) for k in range(num_classes)]
 
 
@@ -200,14 +207,16 @@ def _first_pixel(mask: RasterReader, value: int) -> tuple[int, int]:
 
 
 def class_histogram(mask: RasterReader, num_classes: int, ignore_index: int,
-                    band_rows: int | None = None, mask_bands: int = 1) -> list[int]:
+                    band_rows: int | None = None, mask_bands: int = 1, *,
+                    model: bool = False) -> list[int]:
     """Pixels per class over the whole mask, read in row bands; checks label values.
 
     ``mask_bands > 1``: one label band per image plane (e.g. detector wire planes); the
-    histogram counts all bands.
+    histogram counts all bands. ``model``: see :func:`check_labels`.
     """
     check_mask_header(mask, mask_bands)
-    return check_labels(mask, label_counts(mask, band_rows), num_classes, ignore_index)
+    return check_labels(mask, label_counts(mask, band_rows), num_classes, ignore_index,
+                        model=model)
 
 
 def check_mask_covers(mask: RasterReader, image: RasterReader) -> None:

@@ -311,4 +311,4 @@ def _check_mask(mask: Path, image: RasterReader, num_classes: int, ignore_index:
                          "mask=")
     with RasterReader(mask) as m:
         check_mask_covers(m, image)
-        class_histogram(m, num_classes, ignore_index)  # band count, integer, labels
+        class_histogram(m, num_classes, ignore_index, model=True)  # bands, integer, labels

@@ -134,7 +134,9 @@ def test_a_float_image_far_off_the_training_range_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(("setup", "expected"), [
-    ("label9", "has label 9 at row"),
+    ("label9", "has label 9 at row 200, col 300, but the model predicts 5 classes (valid "
+               "labels 0..4, 255 = ignore; 1 pixels carry it); give the truth of this "
+               "model's classes, or drop mask="),  # not "raise data.num_classes": no such key
     ("bands4", "has 4 bands; masks are single-band"),
     ("folder", "is a folder; a file is written there"),
     ("nodata300", "nodata=300 cannot occur in image"),
