@@ -66,13 +66,18 @@ def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> li
     if not root.is_dir():
         raise InputError(f"{key}: folder '{root}' does not exist; point {key} at a folder "
                          f"of scenes ({LAYOUTS})")
-    scenes = []
+    scenes: list[Scene] = []
+    named: dict[str, Path] = {}
     for image in scene_images(root, key=key) or []:
         mask = (mask_beside(image) if image.parent == root else
                 tiff_of(root / "masks" / image.name))
         if not mask.exists():
             raise InputError(f"'{image}' has no mask: expected '{mask}'")
         scenes.append(Scene(image, mask))
+        if (other := named.setdefault(scenes[-1].name, image)) != image:
+            raise InputError(f"{key}: '{other}' and '{image}' are both scene "
+                             f"'{scenes[-1].name}' (its metrics, its prediction); keep one "
+                             "of them in the folder")
     if not scenes:
         raise InputError(f"{key}: no scenes in '{root}'; give {LAYOUTS}")
     return scenes

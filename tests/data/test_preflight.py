@@ -3,6 +3,7 @@ data and tiling groups validated; normalisation worked out from the data."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -146,6 +147,12 @@ def test_tiff_extensions_in_any_case_are_the_same_scenes(tmp_path, scene_files) 
     assert [(s.image.name, s.mask.name) for s in b.scenes["train"]] == [
         ("s0_image.TIF", "s0_mask.TIF"), ("t2_image.tiff", "t2_mask.tif")]
     assert b.scenes["val"][0].mask == renamed / "val" / "masks" / "s1.TIF"
+    twice = renamed / "val" / "images" / "s1.tif"  # the same scene under a second extension
+    twice.write_bytes((renamed / "val" / "images" / "s1.tiff").read_bytes())
+    with pytest.raises(InputError, match=re.escape(
+            f"'{twice}' and '{twice.with_suffix('.tiff')}' are both scene 's1' (its metrics, "
+            "its prediction); keep one of them in the folder")):
+        check(renamed)
 
 
 def test_seg_train_stops_on_a_nan_before_training(tmp_path, scene_files) -> None:
