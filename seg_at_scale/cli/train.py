@@ -21,6 +21,7 @@ Lightning is imported, so their refusals come in seconds; the run itself is
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -156,9 +157,22 @@ def check_hub_weights(model: DictConfig) -> None:
             check_hub_name(spec, str(encoder), key=f"model.{key}")
 
 
+def main() -> float | None:
+    """``seg-train``: its arguments read first (:func:`~.overrides.precheck`), then Hydra's app.
+
+    A mistyped key (``modl=unet_tiny``) is named with the nearest one before Hydra, whose
+    answer is to append it (``+modl=unet_tiny``); the quoting a value needs is said too.
+    """
+    from seg_at_scale.cli.overrides import precheck, train_top_keys
+
+    if not any(a in ("--help", "-h", "--hydra-help") for a in sys.argv[1:]):
+        precheck("seg-train", None, top=train_top_keys())
+    return _main()
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 @reports_errors("seg-train")
-def main(cfg: DictConfig) -> float | None:
+def _main(cfg: DictConfig) -> float | None:
     """Train, validate, predict the test scenes; returns ``val/miou`` for sweeps."""
     from hydra.core.hydra_config import HydraConfig
 

@@ -154,6 +154,26 @@ def test_a_run_or_sweep_folder_that_is_a_url_is_refused_before_it_is_made(tmp_pa
     assert sorted(tmp_path.iterdir()) == []  # no 's3:' folder, no data, no train.log
 
 
+@pytest.mark.parametrize(("override", "hint"), [
+    ("modl=unet_tiny", " (did you mean model=?)"),
+    ("trainr.max_epochs=1", " (did you mean trainer.max_epochs=?)"),
+    ("modl/x=y", " (did you mean model/x=?)"), ("lr=0.1", "")])
+def test_a_mistyped_top_level_key_is_named_before_hydra(tmp_path, override, hint):
+    """Before: Hydra answered ``modl=unet_tiny`` with "Could not override 'modl'. To append
+    to your config use +modl=unet_tiny" and a trace."""
+    out = seg_train_here(tmp_path, *TINY, override, f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    key = override.split("=")[0]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"seg-train: error: {key}= is not a seg-train key or group{hint}; the top-level keys "
+        "and groups are callbacks, ckpt_path, data, experiment, finetune, hparams_search, "
+        "hydra, logger, memory, model, model_family, optimized_metric, pipeline, "), lines
+    assert sorted(tmp_path.iterdir()) == []
+    shown = seg_train_here(tmp_path, "--cfg", "job", *TINY)  # Hydra's flags are not keys
+    assert shown.returncode == 0 and "height: 157" in shown.stdout, shown.stderr[-2000:]
+
+
 @pytest.mark.parametrize(("override", "hint"), [("+modl=unet_tiny", " (did you mean model=?)"),
                                                ("+lr=0.1", ""), ("+optim.lr=0.1", "")])
 def test_a_top_level_key_added_with_plus_that_nothing_reads_is_refused(tmp_path, override,
