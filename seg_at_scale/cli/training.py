@@ -330,7 +330,6 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
     pipeline = resolve_run_pipeline(cfg, model, dm, memory)  # pipeline=manual|auto
     if pipeline is not None:
         computed["pipeline"] = pipeline.as_dict()
-    run.save(cfg, computed)
     log.info("halo %d (context %d, align %d, %s padding), E = %.3f on the validation grid %s",
              fp.halo, fp.context, fp.align, fp.padding, computed["efficiency"],
              computed["grid"])
@@ -344,10 +343,13 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [
         MemoryReport(memory.label), stop]
     loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
-    for lg in loggers:
-        lg.log_hyperparams({"computed": computed})
+    # the trainer before the run's config: what Lightning refuses leaves no run behind, so
+    # the corrected command may use the same folder (a saved config is a run to resume)
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                             plugins=plugins or None, **pipeline_strategy(cfg.trainer, pipeline))
+    run.save(cfg, computed)
+    for lg in loggers:
+        lg.log_hyperparams({"computed": computed})
     try:
         trainer.fit(task, datamodule=dm, ckpt_path=ckpt,  # plain data unless trusted
                     weights_only=not bool(cfg.get("trust_run", False)))

@@ -24,6 +24,7 @@ import pytest
 import torch
 from helpers import warm
 from helpers.cli import run_here, run_train, seg_train_here
+from omegaconf import OmegaConf
 
 from seg_at_scale.data.config import data_config
 from seg_at_scale.errors import ConfigError
@@ -320,11 +321,20 @@ def test_more_gpus_than_the_machine_has_are_refused_naming_the_count(monkeypatch
             check_devices("gpu", devices)
 
 
-def test_what_lightning_refuses_in_the_trainer_group_is_one_line(tmp_path):
-    """An unknown strategy name came as Hydra's wrapping of Lightning's ValueError."""
-    out = seg_train_here(tmp_path, f"hydra.run.dir={tmp_path / 'run'}", *TINY,
-                         "+trainer.strategy=ddpx")
+def test_what_lightning_refuses_in_the_trainer_group_is_one_line_and_no_run(tmp_path):
+    """An unknown strategy name came as Hydra's wrapping of Lightning's ValueError; then the
+    refusal came after the run's config was saved, and the corrected command in the same
+    folder was refused as "a run with another config"."""
+    run = tmp_path / "run"
+    out = seg_train_here(tmp_path, f"hydra.run.dir={run}", *TINY, "+trainer.strategy=ddpx")
     assert out.returncode == 2, out.stderr[-2000:]
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("seg-train: error: the trainer group: Lightning says: You selected "
                            "an invalid strategy name: `strategy='ddpx'`."), line
+    assert not (run / "run_config.yaml").exists()
+    assert not (run / ".hydra").exists()
+    out = seg_train_here(tmp_path, f"hydra.run.dir={run}", *TINY)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "another config" not in out.stderr
+    assert OmegaConf.load(run / "run_config.yaml").trainer.get("strategy") != "ddpx"
+    assert list((run / "checkpoints").glob("*.ckpt"))
