@@ -13,15 +13,20 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from seg_at_scale.cli.common import USER_ERROR_EXIT
 from seg_at_scale.config_check import nearest
 
 __all__ = ["precheck", "flat_keys", "train_top_keys"]
 
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
+
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf_predict"
+TRAIN_CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def flat_keys(config_name: str) -> list[str]:
@@ -36,7 +41,7 @@ def train_top_keys() -> list[str]:
     ``conf/train.yaml``'s keys, every config group (a folder of ``conf/``), and the keys the
     shipped experiments and searches add at the top (``optimized_metric``).
     """
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = TRAIN_CONFIG_DIR
     keys = {str(k) for k in OmegaConf.load(conf / "train.yaml")} | {
         p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")}
     for group in ("experiment", "hparams_search"):
@@ -113,3 +118,125 @@ def precheck(prog: str, config_name: str | None, argv: Sequence[str] | None = No
             near = nearest(key, keys)
             hint = f" (did you mean {near}=?)" if near else ""
             _fail(prog, f"{key}= is not a {prog} key{hint}; see {prog} --help for the keys")
+    if firsts is not None:
+        unknown = unknown_nested_key([parser.parse_overrides([a])[0] for a in args])
+        if unknown is not None:
+            _fail(prog, unknown)
+
+
+def unknown_nested_key(overrides: Sequence[Override]) -> str | None:
+    """What to say of a group's unknown option or a ``group.key`` the config lacks, if any.
+
+    Hydra answers ``trainer.max_epoch=2`` with "Could not override ... To append to your
+    config use +trainer.max_epoch=2" and a trace, and ``model=unet_tinyy`` with its config
+    search path. A key is looked up in the selected
+    group's file (and the files it extends) first; only a key not found there costs a
+    composition of the config (about 0.2 s), which decides. Not checked in a sweep over a
+    group (its options may differ in their keys).
+    """
+    groups = {p.name for p in TRAIN_CONFIG_DIR.iterdir() if p.is_dir()}
+    chosen: dict[str, str] = {}
+    plain: list[Override] = []
+    for o in overrides:
+        key = o.key_or_group
+        if o.package or key.startswith("hydra") or o.is_delete():
+            continue
+        if key in groups:
+            if o.is_sweep_override():
+                return None
+            chosen[key] = option = str(o.value())
+            options = sorted(p.stem for p in (TRAIN_CONFIG_DIR / key).glob("*.yaml"))
+            if o.value() is not None and option not in options:
+                near = nearest(option, options)
+                hint = f" (did you mean {key}={near}?)" if near else ""
+                return (f"{key}={option} is not an option of the {key} group{hint}; its "
+                        f"options are {', '.join(options)} (seg_at_scale/conf/{key}/)")
+        elif "." in key and not (o.is_add() or o.is_force_add()):
+            plain.append(o)
+    missing = [o for o in plain if not _in_group_file(o.key_or_group, chosen, groups)]
+    if not missing:
+        return None
+    from hydra import compose, initialize_config_dir
+
+    selections = [o.input_line for o in overrides
+                  if o.input_line and o.key_or_group in groups and not o.package]
+    try:
+        with initialize_config_dir(config_dir=str(TRAIN_CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=[s for s in selections if s is not None])
+    except Exception:  # noqa: BLE001 - an unknown option, a bad value: Hydra's to say
+        return None
+    for o in missing:
+        path = o.key_or_group.split(".")
+        node, depth = _walk(cfg, path)
+        if depth == len(path):
+            continue
+        where = ".".join(path[:depth])
+        if not isinstance(node, DictConfig):
+            return (f"{o.key_or_group}= sets a key below {where}, which is a value, not a "
+                    f"group of keys; set {where}= itself")
+        names = sorted(str(k) for k in node.keys())
+        near = nearest(path[depth], names)
+        hint = f" (did you mean {where}.{near}=?)" if near else ""
+        return (f"{o.key_or_group}= is not a key of {where}{hint}; its keys are "
+                f"{', '.join(names)}. A key it does not have yet is added with "
+                f"+{o.key_or_group}=")
+    return None
+
+
+def _in_group_file(key: str, chosen: dict[str, str], groups: set[str]) -> bool:
+    """``key`` is set in its group option's file (or one that file extends).
+
+    Or in ``train.yaml`` for a key of no group. False means "compose to know".
+    """
+    if chosen.get("experiment") or chosen.get("hparams_search"):
+        return False  # they set keys of any group
+    first, rest = key.split(".", 1)
+    if first not in groups:
+        return _has(_load(TRAIN_CONFIG_DIR / "train.yaml"), key)
+    todo = [(first, chosen.get(first) or _default_option(first))]
+    seen: set[tuple[str, str | None]] = set()
+    while todo:
+        group, option = todo.pop()
+        file = TRAIN_CONFIG_DIR / group / f"{option}.yaml"
+        if option is None or (group, option) in seen or not file.is_file():
+            continue
+        seen.add((group, option))
+        doc = _load(file)
+        if _has(doc, rest):
+            return True
+        for entry in doc.get("defaults") or []:  # the files it extends, in its group or
+            if isinstance(entry, str) and entry != "_self_":  # another's, placed here
+                todo.append((group, entry))
+            elif isinstance(entry, DictConfig) and len(entry) == 1:
+                (name, value), = entry.items()
+                if str(name).startswith("/") and str(name).endswith("@_here_"):
+                    todo.append((str(name)[1:-len("@_here_")], str(value)))
+    return False
+
+
+def _default_option(group: str) -> str | None:
+    for entry in _load(TRAIN_CONFIG_DIR / "train.yaml").get("defaults", []):
+        if isinstance(entry, DictConfig) and group in entry:
+            value = entry[group]
+            return None if value is None else str(value)
+    return None
+
+
+def _load(file: Path) -> DictConfig:
+    doc = OmegaConf.load(file)
+    assert isinstance(doc, DictConfig), file  # a config file is a mapping
+    return doc
+
+
+def _has(node: Any, key: str) -> bool:
+    parts = key.split(".")
+    return _walk(node, parts)[1] == len(parts)
+
+
+def _walk(node: Any, parts: list[str]) -> tuple[Any, int]:
+    """The deepest node of ``parts`` below ``node`` and how many parts led there."""
+    for depth, part in enumerate(parts):
+        if not isinstance(node, DictConfig) or part not in node.keys():
+            return node, depth
+        node = node._get_node(part)
+    return node, len(parts)

@@ -174,6 +174,47 @@ def test_a_mistyped_top_level_key_is_named_before_hydra(tmp_path, override, hint
     assert shown.returncode == 0 and "height: 157" in shown.stdout, shown.stderr[-2000:]
 
 
+@pytest.mark.parametrize(("override", "expected"), [
+    ("trainer.max_epoch=2", "trainer.max_epoch= is not a key of trainer (did you mean "
+     "trainer.max_epochs=?); its keys are _target_, accelerator, check_val_every_n_epoch, "),
+    ("data.synthetic.splits.tran=3", "data.synthetic.splits.tran= is not a key of "
+     "data.synthetic.splits (did you mean data.synthetic.splits.train=?); its keys are test, "
+     "train, val. A key it does not have yet is added with +data.synthetic.splits.tran="),
+    ("logger.offline=false", "logger.offline= is not a key of logger; its keys are csv. A key "
+     "it does not have yet is added with +logger.offline="),
+    ("seed.x=1", "seed.x= sets a key below seed, which is a value, not a group of keys; set "
+     "seed= itself"),
+    ("precision=bf17", "precision=bf17 is not an option of the precision group (did you mean "
+     "precision=bf16?); its options are 16, 16-mixed, 32, 32-true, bf16, bf16-mixed "
+     "(seg_at_scale/conf/precision/)"),
+])
+def test_a_mistyped_key_of_a_group_or_option_is_named_before_hydra(tmp_path, override,
+                                                                    expected):
+    """Before: Hydra answered ``trainer.max_epoch=2`` with "Could not override ... To append
+    to your config use +trainer.max_epoch=2" and a trace (``precision=bf17``: its config
+    search path)."""
+    out = seg_train_here(tmp_path, *TINY, override, f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"seg-train: error: {expected}"), lines
+    assert sorted(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("overrides", [
+    # set by the precision group into trainer, by a file the option extends, by a family
+    ["trainer=fast", "trainer.precision=bf16-mixed", "trainer.limit_val_batches=1",
+     "model=unet_tiny", "model.in_channels=4", "data.synthetic.splits.train=3"],
+    ["experiment=unet2015", "model.base_width=8", "+trainer.gradient_clip_val=1.0"],
+    ["-m", "model=unet_tiny,gscnn_tiny", "model.whatever_a_sweep_has=1"],  # left to Hydra
+    ["--config-dir", "mine", "mygroup.key=1"],  # the user's groups are not known here
+])
+def test_keys_the_composed_config_has_pass_the_precheck(overrides):
+    from seg_at_scale.cli.overrides import precheck, train_top_keys
+
+    top = [*train_top_keys(), "mygroup"]
+    assert precheck("seg-train", None, overrides, top=top) is None
+
+
 @pytest.mark.parametrize(("override", "hint"), [("+modl=unet_tiny", " (did you mean model=?)"),
                                                ("+lr=0.1", ""), ("+optim.lr=0.1", "")])
 def test_a_top_level_key_added_with_plus_that_nothing_reads_is_refused(tmp_path, override,
