@@ -493,8 +493,7 @@ class GdalReader(RasterReader):
                              f"({len(missing)} of its {len(self.files) - 1} files missing); "
                              "restore them or rebuild it (e.g. gdalbuildvrt)")
         self.geotags = GeoTags.from_gdal(ds)
-        self.nodata = self._nodata_arg if self._nodata_arg is not None else \
-            self._band_nodata(ds.nodatavals)
+        self._band_values = tuple(ds.nodatavals)
         flags = set(ds.mask_flag_enums[0])
         self.has_mask = (MaskFlags.per_dataset in flags
                          and not flags & {MaskFlags.nodata, MaskFlags.alpha, MaskFlags.all_valid})
@@ -503,6 +502,23 @@ class GdalReader(RasterReader):
                                  (seg[0], seg[1]), True, f"GDAL {ds.driver}", (), (), None)
         if self.has_mask:
             self._mask = (self.layout, None, None)  # type: ignore[assignment]
+
+    @property
+    def nodata(self) -> float | None:  # type: ignore[override]
+        """The ``nodata`` argument, else the bands' one value.
+
+        Bands with different values are refused where the value is asked for, not when the
+        file is opened: opening it for its size or its files needs none, and ``nodata=``
+        decides it for the prediction.
+        """
+        if self._nodata_arg is not None:
+            return self._nodata_arg
+        return self._band_nodata(self._band_values)
+
+    def __repr__(self) -> str:
+        return (f"RasterReader('{self.path}', bands={self.bands}, height={self.height}, "
+                f"width={self.width}, dtype={self.dtype}, nodata={self._nodata_arg}, "
+                f"band nodata={self._band_values})")
 
     def _band_nodata(self, values: tuple[float | None, ...]) -> float | None:
         distinct = {"nan" if v is not None and np.isnan(v) else v for v in values}

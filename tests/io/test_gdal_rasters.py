@@ -131,8 +131,10 @@ def test_no_data_of_the_bands_and_its_override(tmp_path):
     first = text.index("<NoDataValue>-9999.0</NoDataValue>")
     vrt.write_text(text[:first] + "<NoDataValue>0.0</NoDataValue>"
                    + text[first + len("<NoDataValue>-9999.0</NoDataValue>"):])
-    with pytest.raises(InputError) as err:
-        RasterReader(vrt)
+    with RasterReader(vrt) as mosaic:  # opened for its size or files: no value needed
+        assert (mosaic.height, mosaic.width, mosaic.bands) == (H, W, 2)
+        with pytest.raises(InputError) as err:
+            mosaic.nodata  # noqa: B018 - asked for: refused
     assert str(err.value) == (f"'{vrt}' has a different no-data value per band (0.0, "
                               "-9999.0); pass nodata=<value> for all of them")
     with RasterReader(vrt, nodata=-9999) as mosaic:

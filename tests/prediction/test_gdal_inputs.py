@@ -77,3 +77,35 @@ def test_a_vrt_mosaic_predicts_as_its_scene_and_is_known_by_its_pieces(tmp_path)
         f"'{pieces[1]}' is truncated: its data ends at byte {size} but the file has "
         f"{size - 50} bytes. Re-copy or re-generate it.")
     assert not (tmp_path / "c.tif").exists() and not list(tmp_path.glob(".c.tif*"))
+
+
+def test_bands_with_their_own_no_data_predict_with_nodata_and_are_refused_without(tmp_path):
+    """Before: a raster whose bands carry different no-data values was refused at every
+    opening, so the fix the refusal gives (``nodata=<value>``) was refused the same way."""
+    run = make_run(tmp_path / "run", make_model("same", levels=3, width=8))
+    whole = make_image(tmp_path / "whole.tif", height=121, width=137)
+    image = read_raster(whole)
+    image[:, 7:19, 30:41] = 0  # no data, in every band
+    write_raster(whole, image, overwrite=True, geotags=RasterReader(whole).geotags)
+    vrt = write_vrt([whole], tmp_path / "bands.vrt")
+    text = vrt.read_text()
+    assert "<NoDataValue>" not in text
+    for band in range(image.shape[0]):  # band k's no-data value: k
+        tag = f'<VRTRasterBand dataType="Byte" band="{band + 1}"'
+        at = text.index(">", text.index(tag)) + 1
+        text = text[:at] + f"<NoDataValue>{band}</NoDataValue>" + text[at:]
+    vrt.write_text(text)
+    out = seg_predict_here(f"run={run}", f"image={vrt}", f"output={tmp_path / 'a.tif'}")
+    assert out.returncode == 2 and out.stderr.strip().endswith(
+        f"'{vrt}' has a different no-data value per band (0.0, 1.0, 2.0, 3.0); pass "
+        "nodata=<value> for all of them")
+    got = seg_predict_here(f"run={run}", f"image={vrt}", f"output={tmp_path / 'b.tif'}",
+                           "nodata=0", "preview=false")
+    assert got.returncode == 0, got.stderr[-2000:]
+    want = seg_predict_here(f"run={run}", f"image={whole}", f"output={tmp_path / 'c.tif'}",
+                            "nodata=0", "preview=false")
+    assert want.returncode == 0, want.stderr[-2000:]
+    labels = read_raster(tmp_path / "b.tif")
+    assert labels.tobytes() == read_raster(tmp_path / "c.tif").tobytes()
+    assert ((labels[0] == 255) == (image == 0).all(0)).all()  # no data: every band at 0
+    assert (labels[0, 7:19, 30:41] == 255).all()
