@@ -57,6 +57,7 @@ from seg_at_scale.errors import ConfigError, SegAtScaleError
 from seg_at_scale.parallel.environment import launcher, plain_environment, quiet_srun_hint
 from seg_at_scale.parallel.lifetime import RankWatch, die_with_parent
 from seg_at_scale.prediction.lock import scene_lock
+from seg_at_scale.prediction.outputs import output_kind
 
 if TYPE_CHECKING:  # the network stack is imported after the output lock (_claim_output)
     import torch
@@ -165,6 +166,8 @@ class PredictJob:
         for key in (*READ, *WRITTEN):
             if job.get(key):
                 check_local(f"{key}='{job[key]}'", str(job[key]), output=key in WRITTEN)
+        if job.get("output") and not job.get("images"):
+            output_kind(Path(job["output"]))  # before its lock is named after it
         device = str(job.get("device", "auto"))
         if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
             raise ConfigError(f"device={device!r}: use auto, cpu, cuda or cuda:<index>")

@@ -10,12 +10,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from seg_at_scale.prediction.options import PredictOptions, default_batch_size, output_kind
+    from seg_at_scale.prediction.options import PredictOptions, default_batch_size
+    from seg_at_scale.prediction.outputs import output_kind
     from seg_at_scale.prediction.raster import PredictionStats, predict_raster
     from seg_at_scale.prediction.store import NODATA, PredictionStore
 
 _WHERE = {"PredictOptions": "options", "PredictionStats": "raster", "default_batch_size": "options",
-          "output_kind": "options", "predict_raster": "raster", "NODATA": "store",
+          "output_kind": "outputs", "predict_raster": "raster", "NODATA": "store",
           "PredictionStore": "store"}
 
 __all__ = ["PredictionStats", "PredictionStore", "PredictOptions", "NODATA",

@@ -34,7 +34,8 @@ from seg_at_scale.errors import ConfigError, InputError, OutputExistsError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.io.raster import is_tiff, raster_files
 from seg_at_scale.models.card import ModelCard
-from seg_at_scale.prediction.options import PredictOptions, default_batch_size, output_kind
+from seg_at_scale.prediction.options import PredictOptions, default_batch_size
+from seg_at_scale.prediction.outputs import output_kind
 from seg_at_scale.tiling import make_grid
 from seg_at_scale.tiling.engine import plan_batches
 

@@ -21,7 +21,6 @@ import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -30,7 +29,7 @@ from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.tiling.geometry import TileGrid
 
-__all__ = ["PredictOptions", "output_kind", "default_batch_size"]
+__all__ = ["PredictOptions", "default_batch_size"]
 
 
 @dataclass(frozen=True)
@@ -186,17 +185,6 @@ def field_docs(cls: type) -> dict[str, str]:
 def _at_least(key: str, value: int | None, low: int, fix: str) -> None:
     if value is not None and value < low:
         raise ConfigError(f"{key}={value!r}: {fix}")
-
-
-def output_kind(path: Path) -> str:
-    """``"zarr"`` or ``"cog"`` from the output's extension; anything else is refused."""
-    suffix = path.suffix.lower()
-    if suffix == ".zarr":
-        return "zarr"
-    if suffix in (".tif", ".tiff"):
-        return "cog"
-    raise ConfigError(f"output='{path}': the extension {suffix or '(none)'!r} names no format "
-                      "this writes; use .tif (Cloud-Optimized GeoTIFF) or .zarr (Zarr v3)")
 
 
 def default_batch_size(grid: TileGrid, device: torch.device | str) -> int:

@@ -29,7 +29,8 @@ from seg_at_scale.io.raster import raster_files
 from seg_at_scale.models.fold import fold_batchnorm
 from seg_at_scale.prediction.checks import rewritten_by_resume, store_path
 from seg_at_scale.prediction.finalize import cog_outputs
-from seg_at_scale.prediction.options import PredictOptions, default_batch_size, output_kind
+from seg_at_scale.prediction.options import PredictOptions, default_batch_size
+from seg_at_scale.prediction.outputs import output_kind
 from seg_at_scale.prediction.provenance import digest, file_blake3, file_sha256, finished
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, make_grid

@@ -40,7 +40,8 @@ from seg_at_scale.prediction.checks import check_outputs, store_path
 from seg_at_scale.prediction.compile_choice import checked_network
 from seg_at_scale.prediction.finalize import RowsOnDisk, finalize
 from seg_at_scale.prediction.lock import output_lock
-from seg_at_scale.prediction.options import PredictOptions, output_kind
+from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.outputs import output_kind
 from seg_at_scale.prediction.plan import (
     model_digest,
     open_store,

@@ -332,3 +332,15 @@ def test_a_checkpoint_or_the_checkpoints_folder_as_run_names_the_run_to_give(cli
     _nothing_written(tmp_path)
     res = seg_predict(run, image, tmp_path / "a.tif", "ckpt=last.ckpt", "tile_size=128")
     assert json.loads(res.stdout)["checkpoint"] == str(ckpt)
+
+
+@pytest.mark.parametrize("output", [".", "/", "..", "mine/..", "labels"])
+def test_an_output_that_names_a_folder_or_no_format_is_one_line(cli_case, tmp_path, output):
+    """Before: ``output=.`` and ``output=/`` ended in a traceback ("PosixPath('.') has an
+    empty name") where the output's lock is named, exit status 1."""
+    run, image = cli_case
+    (tmp_path / "mine").mkdir()
+    res = seg_predict_here(f"run={run}", f"image={image}", f"output={output}", cwd=tmp_path)
+    _one_line(res, f"output='{Path(output)}': the extension '(none)' names no format this "
+              "writes; use .tif (Cloud-Optimized GeoTIFF) or .zarr (Zarr v3)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
