@@ -26,6 +26,7 @@ from seg_at_scale.prediction.checks import probabilities_path
 from seg_at_scale.prediction.provenance import (
     CLASS_PIXELS_TAG,
     FINGERPRINT_TAG,
+    PROBABILITIES_OF_TAG,
     TILING_TAG,
     digest,
 )
@@ -65,6 +66,8 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
     h, w = store.labels.shape
     classes = len(names)  # the histogram's length: one count per class of the model
     if kind == "cog":
+        fingerprint = cast(dict[str, Any], store.group.attrs["fingerprint"])
+        done = digest(dict(fingerprint))
         if store.probabilities is not None:  # first: the labels' file, last, marks "done"
             k = store.probabilities.shape[0]
             write_cog(cog_outputs(out_path, probabilities)[1], (k, h, w),
@@ -72,9 +75,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
                       (b.astype(np.float32) if b.dtype == np.float16 else b
                        for b in store.row_bands(store.probabilities, ready)),
                       geotags=reader.geotags, resampling="average", overwrite=True,
-                      descriptions=names[:k])
-        fingerprint = cast(dict[str, Any], store.group.attrs["fingerprint"])
-        done = digest(dict(fingerprint))
+                      descriptions=names[:k], tags=lambda: {PROBABILITIES_OF_TAG: done})
         tiling = ("exact" if fingerprint.get("exact", True) else
                   "approximate: tiling.exact=false, overlapping tiles; not the whole-image "
                   "forward")

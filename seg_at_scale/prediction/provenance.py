@@ -28,10 +28,14 @@ from pathlib import Path
 from typing import Any, cast
 
 __all__ = ["digest", "finished", "FINGERPRINT_TAG", "CLASS_PIXELS_TAG", "TILING_TAG",
+           "PROBABILITIES_OF_TAG",
            "file_sha256", "file_blake3", "written_by", "mark_png", "mark_item", "vector_record",
            "WRITTEN_KEY"]
 
 FINGERPRINT_TAG = "SEG_AT_SCALE_FINGERPRINT"
+#: the probabilities COG's record: the digest of the prediction whose softmax it holds (not
+#: FINGERPRINT_TAG, which marks a finished output: this file is none)
+PROBABILITIES_OF_TAG = "SEG_AT_SCALE_PROBABILITIES_OF"
 CLASS_PIXELS_TAG = "SEG_AT_SCALE_CLASS_PIXELS"
 TILING_TAG = "SEG_AT_SCALE_TILING"  # exact, or approximate (tiling.exact=false)
 WRITTEN_KEY = "seg_at_scale:written"  # a companion's record: {"prediction", "sha256"}
@@ -128,9 +132,16 @@ def written_by(key: str, path: Path) -> str | None:
 
     None when nothing records one: a file of the user's, or one changed since it was
     written (its content no longer hashes to the recorded value). ``key`` is
-    ``preview``, ``stac`` or ``vector``; other keys are never recorded.
+    ``preview``, ``stac``, ``vector`` or ``probabilities`` (a ``.tif`` output's softmax
+    COG, whose tag records the prediction; its pixels are not hashed); other keys are
+    never recorded.
     """
     try:
+        if key == "probabilities":
+            from seg_at_scale.io.geotags import open_dataset
+
+            with open_dataset(path) as ds:
+                return ds.tags().get(PROBABILITIES_OF_TAG)
         if key == "preview":
             body, mark = _png_mark(path.read_bytes())
             return _checked(mark, lambda: _sha256(body))

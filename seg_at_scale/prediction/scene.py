@@ -34,6 +34,7 @@ from seg_at_scale.prediction.checks import (
     not_ours,
     preview_path,
     probabilities_path,
+    same_path,
 )
 from seg_at_scale.prediction.layout_choice import with_layout
 from seg_at_scale.prediction.lock import scene_lock
@@ -44,6 +45,7 @@ from seg_at_scale.prediction.provenance import (
     mark_item,
     mark_png,
     vector_record,
+    written_by,
 )
 from seg_at_scale.prediction.raster import PredictionStats, on_rank0, predict_raster
 from seg_at_scale.vectors import write_vectors
@@ -134,6 +136,8 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
     made: dict[str, str] = {}
     png = preview_path(output)
     done = finished_digest(output)
+    if options.overwrite and not stats.reused:
+        _drop_replaced(output, options, vector, done)
     if options.preview:
         if not (stats.reused and png.exists()):
             _may_write("preview", png, output, options)
@@ -188,6 +192,44 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
                 item_path(tmp).unlink(missing_ok=True)
         made["stac"] = str(item)
     return made
+
+
+def _drop_replaced(output: Path, options: PredictOptions, vector: Path | None,
+                   done: str | None) -> None:
+    """Remove what a prediction replaced by ``overwrite=true`` had beside it.
+
+    Its companions that this prediction does not write again describe the replaced
+    labels: the preview, the STAC Item and a ``.tif`` output's probabilities at their names beside
+    the output, and the polygons the replaced Item names. Only files a prediction wrote
+    and nobody changed since (:func:`~.provenance.written_by`): a file of the user's at
+    one of those names stays.
+    """
+    item = item_path(output)
+    stale = [(k, p) for k, p, again in (
+        ("preview", preview_path(output), options.preview),
+        ("stac", item, options.stac),
+        ("probabilities", probabilities_path(output),
+         options.probabilities is not None or output.suffix.lower() == ".zarr"),
+    ) if not again]
+    polygons = _item_asset(item, "vectors")
+    if polygons is not None and (vector is None or not same_path(polygons, vector)):
+        stale.append(("vector", polygons))
+    for key, path in stale:
+        made_by = written_by(key, path) if path.exists() else None
+        if made_by is not None and made_by != done:
+            path.unlink()
+            if key == "vector":
+                vector_record(path).unlink(missing_ok=True)
+            log.info("removed %s '%s': it was the replaced prediction's", key, path)
+
+
+def _item_asset(item: Path, key: str) -> Path | None:
+    """The file an existing STAC Item's asset ``key`` names (None: no Item, no asset)."""
+    try:
+        href = json.loads(item.read_text())["assets"][key]["href"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return (item.parent / str(href)).resolve() if "://" not in str(href) else None
 
 
 def _may_write(key: str, path: Path, output: Path, options: PredictOptions) -> None:

@@ -357,3 +357,30 @@ def test_a_store_begun_when_sha256_named_inputs_resumes_to_the_same_labels(
     _replace_keeping_mtime(image, 2)
     with pytest.raises(OutputExistsError, match=r"differs in: input"):
         _predict(net, image, other)
+
+
+def test_overwrite_takes_the_replaced_predictions_companions_with_it(run, tmp_path):
+    """Before: ``overwrite=true`` with other inputs and options left the replaced
+    prediction's probabilities and polygons beside the new labels, and the next run that
+    asked for polygons at that path was refused as "not written by the prediction"."""
+    a = make_image(tmp_path / "a.tif", height=131, width=149, seed=1)
+    b = make_image(tmp_path / "b.tif", height=131, width=149, seed=2)
+    out, polygons = tmp_path / "o" / "m.tif", tmp_path / "o" / "m.gpkg"
+    _ok(seg_predict_here(f"run={run}", f"image={a}", f"output={out}", *OPTS,
+                         "probabilities=uint8", f"vector={polygons}"))
+    old_png = (tmp_path / "o" / "m_preview.png").read_bytes()
+    _ok(seg_predict_here(f"run={run}", f"image={b}", f"output={out}", *OPTS,
+                         "overwrite=true"))
+    assert sorted(p.name for p in out.parent.iterdir()) == [
+        "m.stac.json", "m.tif", "m_preview.png"]
+    assert (tmp_path / "o" / "m_preview.png").read_bytes() != old_png  # drawn again
+    item = json.loads((tmp_path / "o" / "m.stac.json").read_text())
+    assert sorted(item["assets"]) == ["labels"]
+    _ok(seg_predict_here(f"run={run}", f"image={b}", f"output={out}", *OPTS,
+                         f"vector={polygons}"))  # the polygons of the labels now there
+    assert polygons.exists()
+    (tmp_path / "o" / "m_preview.png").write_bytes(b"the user's own picture")
+    _ok(seg_predict_here(f"run={run}", f"image={a}", f"output={out}", *OPTS,
+                         "overwrite=true", "preview=false", "stac=false"))
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.tif", "m_preview.png"]
+    assert (tmp_path / "o" / "m_preview.png").read_bytes() == b"the user's own picture"
