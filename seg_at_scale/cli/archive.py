@@ -23,6 +23,7 @@ from seg_at_scale.prediction.archive import (
     SceneRecord,
     archive_scenes,
     check_archive,
+    check_merge,
     predict_archive,
 )
 from seg_at_scale.prediction.lock import output_lock
@@ -52,6 +53,8 @@ def archive_work(job: PredictJob, card: ModelCard, source: str,
                             vector_merge=job.vector_merge, options=job.options)
     refused = check_archive(scenes, job.options, card=card, source=source, model_files=files,
                             cuda=cuda, on_error=job.on_error)
+    if job.vector_merge:
+        check_merge(scenes, refused)
     return ArchiveWork(scenes, refused)
 
 

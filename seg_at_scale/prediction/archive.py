@@ -73,7 +73,7 @@ from seg_at_scale.tiling.geometry import fill_of
 from seg_at_scale.tiling.statistic_passes import has_statistics
 from seg_at_scale.tiling.statistics import uses_image_pool
 
-__all__ = ["ArchiveScene", "find_images", "archive_scenes", "check_archive",
+__all__ = ["ArchiveScene", "find_images", "archive_scenes", "check_archive", "check_merge",
            "predict_archive", "SceneRecord", "RASTER_SUFFIXES", "VECTOR_FORMATS",
            "scene_writes", "check_output_names"]
 
@@ -306,6 +306,36 @@ def check_archive(scenes: Sequence[ArchiveScene], options: PredictOptions, *,
                          f"was computed: {listed}{more}. Fix them, or pass on_error=skip to "
                          "predict the others (summary.csv lists the skipped ones)")
     return bad
+
+
+def check_merge(scenes: Sequence[ArchiveScene], refused: Sequence[SceneRecord]) -> None:
+    """Refuse ``vector_merge=true`` over scenes with a CRS and scenes without one.
+
+    Polygons of a scene without georeferencing are in its pixel coordinates: merged into a
+    layer in a CRS, they were placed as if they were metres. Scenes in different CRSs are
+    merged, reprojected to the first one's (:func:`~.report.merge_vectors`). Read before
+    any tile (the CRS of each scene, through GDAL).
+    """
+    from seg_at_scale.io.geotags import open_dataset
+
+    skipped = {r.stem for r in refused}
+    placed: ArchiveScene | None = None
+    plain: ArchiveScene | None = None
+    crs_of_placed = ""
+    for s in scenes:
+        if s.stem in skipped:
+            continue
+        with open_dataset(s.image) as ds:
+            if ds.crs is None:
+                plain = plain or s
+            elif placed is None:
+                placed, crs_of_placed = s, ds.crs.to_string()
+        if placed is not None and plain is not None:
+            raise ConfigError(
+                f"vector_merge=true: scene '{plain.stem}' has no CRS (its polygons are in "
+                f"pixel coordinates) and scene '{placed.stem}' is in {crs_of_placed}: their "
+                "polygons cannot share one layer and nothing was computed; predict them as "
+                "two archives, or drop vector_merge (one polygon file per scene)")
 
 
 def predict_archive(trained: TrainedModel, scenes: Sequence[ArchiveScene],

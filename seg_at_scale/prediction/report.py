@@ -16,6 +16,7 @@ import csv
 import io
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -65,7 +66,9 @@ def merge_vectors(records: Sequence[SceneRecord], scenes: Sequence[ArchiveScene]
                   output_dir: Path) -> Path | None:
     """Every finished scene's polygons in one file, ``vectors.<ext>``, with a ``scene`` column.
 
-    Scenes in another CRS than the first are reprojected to it (GeoPandas). GeoPackage and
+    Scenes in another CRS than the first are reprojected to it (GeoPandas), their ``area``
+    measured again in its units (scenes with a CRS and without one are refused before the
+    work: :func:`~.archive.check_merge`). GeoPackage and
     FlatGeobuf are appended scene by scene; GeoParquet is written once (all polygons in
     memory). Written under a temporary name and renamed when complete.
     """
@@ -87,11 +90,14 @@ def merge_vectors(records: Sequence[SceneRecord], scenes: Sequence[ArchiveScene]
         crs = crs or frame.crs
         if crs is not None and frame.crs is not None and frame.crs != crs:
             frame = frame.to_crs(crs)
+            frame["area"] = frame.geometry.area  # in the merged layer's units
         frame.insert(0, "scene", piece.stem)
         if parquet:
             frames.append(frame)
         else:  # streamed: one scene in memory at a time
-            pyogrio.write_dataframe(frame, tmp, layer="vectors", append=k > 0)
+            with warnings.catch_warnings():  # scenes without a CRS: pixel coordinates
+                warnings.filterwarnings("ignore", "'crs' was not provided", UserWarning)
+                pyogrio.write_dataframe(frame, tmp, layer="vectors", append=k > 0)
     if parquet:
         import pandas as pd
 

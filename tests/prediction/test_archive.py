@@ -283,3 +283,41 @@ def test_a_scene_that_fails_mid_read_is_skipped_and_the_stream_goes_on(archive, 
         assert rows[stem]["status"] in ("done", "reused")
         assert read_raster(out / f"{stem}.tif").tobytes() == read_raster(
             tmp / "single" / f"{stem}.tif").tobytes()
+
+
+def test_merged_polygons_of_two_crss_are_measured_in_one_and_without_a_crs_refused(archive,
+                                                                                  tmp_path):
+    """Before: a scene in Web Mercator was reprojected into the merged layer with its
+    ``area`` still in Web Mercator's units, and a scene without georeferencing was merged,
+    its pixel coordinates placed as if they were the layer's metres."""
+    import geopandas as gpd
+
+    tmp, run = archive
+    scenes = tmp_path / "scenes"
+    scenes.mkdir()
+    (scenes / "s0.tif").write_bytes((tmp / "scenes" / "s0.tif").read_bytes())  # UTM 33N
+    pixels = read_raster(tmp / "scenes" / "s1.tif")
+    write_raster(scenes / "web.tif", pixels, tile=(64, 64),
+                 geotags=example_geotags((1670000.0, 5000000.0), 10.0, epsg=3857))
+    out = tmp_path / "out"
+    res = _archive(run, f"images={scenes}", f"output_dir={out}", "vector=gpkg",
+                   "vector_merge=true", "vector_min_area=0")
+    merged = gpd.read_file(res["vectors"])
+    assert merged.crs.to_epsg() == 32633
+    web = merged[merged["scene"] == "web"]
+    piece = gpd.read_file(out / ".vectors" / "web.gpkg")
+    assert piece.crs.to_epsg() == 3857 and len(web) == len(piece) > 0
+    np.testing.assert_allclose(web["area"].to_numpy(),
+                               piece.to_crs(32633).geometry.area.to_numpy(), rtol=1e-9)
+    assert web["area"].sum() < 0.7 * piece["area"].sum()  # Mercator's areas, shrunk
+
+    write_raster(scenes / "plain.tif", pixels, tile=(64, 64))  # no georeferencing
+    out = tmp_path / "out2"
+    res = seg_predict_here(f"run={run}", *OPTS, f"images={scenes}", f"output_dir={out}",
+                           "vector=gpkg", "vector_merge=true")
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == (
+        "seg-predict: error: vector_merge=true: scene 'plain' has no CRS (its polygons are in "
+        "pixel coordinates) and scene 's0' is in EPSG:32633: their polygons cannot share one "
+        "layer and nothing was computed; predict them as two archives, or drop vector_merge "
+        "(one polygon file per scene)")
+    assert not out.exists() or not list(out.glob("*.tif"))
