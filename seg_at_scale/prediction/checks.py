@@ -133,6 +133,20 @@ def companion_is_ours(key: str, path: Path, output: Path) -> bool:
     return done is not None and written_by(key, path) == done[0]
 
 
+def _check_writable(key: str, out: Path) -> None:
+    """Refuse an output whose folder (or the nearest one there is) cannot be written.
+
+    Found before any tile: a read-only folder given for the polygons ended the run after
+    the labels were written, in a message about training paths.
+    """
+    folder = Path(os.path.abspath(out)).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}='{out}': the folder '{folder}' is not writable; choose a "
+                          "writable location")
+
+
 def same_path(a: Path, b: Path) -> bool:
     """Whether two paths name one file: after ``./``, ``..`` and symlinks, or hard links."""
     if Path(os.path.realpath(a)) == Path(os.path.realpath(b)):
@@ -165,6 +179,7 @@ def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
                 raise ConfigError(f"{okey} '{out}' is the {ikey} '{inp}' (or holds it): "
                                   "writing it would destroy an input; choose another output "
                                   "path")
+        _check_writable(okey, out)
         zarr = out.suffix.lower() == ".zarr"
         if zarr and out.exists() and not out.is_dir():
             raise ConfigError(f"{okey} '{out}' is a plain file, not a Zarr store; remove it or "

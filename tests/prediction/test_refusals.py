@@ -344,3 +344,26 @@ def test_an_output_that_names_a_folder_or_no_format_is_one_line(cli_case, tmp_pa
     _one_line(res, f"output='{Path(output)}': the extension '(none)' names no format this "
               "writes; use .tif (Cloud-Optimized GeoTIFF) or .zarr (Zarr v3)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_a_polygon_file_in_a_folder_that_cannot_be_written_is_refused_before_work(
+        cli_case, tmp_path, monkeypatch):
+    """Before: ``vector=<read-only folder>/v.gpkg`` ended the run after the labels and the
+    preview were written, in a message naming training paths (SEG_DATA_DIR, data.root)."""
+    run, image = cli_case
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    real = os.access
+
+    def access(path, mode, *args, **kwargs):  # the folder as a read-only mount shows it
+        if Path(path) == locked and mode & os.W_OK:
+            return False
+        return real(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "access", access)
+    out = tmp_path / "o" / "m.tif"
+    for vector in (locked / "v.gpkg", locked / "deeper" / "v.gpkg"):
+        res = seg_predict(run, image, out, f"vector={vector}", check=False)
+        _one_line(res, f"vector='{vector}': the folder '{locked}' is not writable; choose a "
+                  "writable location")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
