@@ -50,6 +50,40 @@ def train_top_keys() -> list[str]:
     return sorted(keys - {"defaults"})
 
 
+#: How each command takes its arguments, for a refusal of something else.
+_EXAMPLES = {"seg-predict": "run=<run folder> image=scene.tif output=labels.tif",
+             "seg-train": "model=unet_tiny trainer.max_epochs=5",
+             "seg-export": "run=<run folder> output=model.segmodel"}
+
+
+def _key_value(prog: str) -> str:
+    example = _EXAMPLES.get(prog, "key=value")
+    return f"arguments are key=value, as in '{prog} {example}' (see {prog} --help)"
+
+
+def _check_flags(prog: str, argv: Sequence[str], names: set[str]) -> None:
+    """``--version``: the project's version; ``--image x``: the key=value to write instead.
+
+    Hydra reads ``--run`` as its own flag (run, not multirun) and the value after it as an
+    override, and prints its own version for ``--version``.
+    """
+    if "--version" in argv:
+        import hydra
+
+        from seg_at_scale import __version__
+
+        print(f"{prog} (seg_at_scale) {__version__}, Hydra {hydra.__version__}")
+        raise SystemExit(0)
+    for i, arg in enumerate(argv):
+        name, eq, value = arg[2:].partition("=")
+        if not arg.startswith("--") or name not in names:
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else "<value>"
+        _fail(prog, f"'{arg}' is not a flag of {prog}: give {name}={value} (arguments are "
+              f"key=value; see {prog} --help)")
+
+
 def _fail(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(USER_ERROR_EXIT)
@@ -81,18 +115,24 @@ def precheck(prog: str, config_name: str | None, argv: Sequence[str] | None = No
     from hydra.errors import OverrideParseException
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    keys = flat_keys(config_name) if config_name else None
+    _check_flags(prog, argv, {*(keys or ()), *(top or ())})
     try:  # Hydra's own flags (--cfg job, --config-dir d, -m) told from the overrides
         flags, rest = get_args_parser().parse_known_args(argv)
     except SystemExit:
         return  # flags Hydra cannot read: Hydra says so itself
     multirun = bool(flags.multirun)
-    args = [*flags.overrides, *(a for a in rest if not a.startswith("-"))]
+    for arg in rest:
+        if arg.startswith("-"):
+            _fail(prog, f"'{arg}' is not a flag of {prog}; {_key_value(prog)}")
+    args = list(flags.overrides)
     parser = OverridesParser.create()
-    keys = flat_keys(config_name) if config_name else None
     own = bool(flags.config_dir or flags.config_path) or any(
         a.startswith("hydra.searchpath") for a in args)
     firsts = None if top is None or own else set(top)
     for arg in args:
+        if "=" not in arg and not arg.startswith("~"):
+            _fail(prog, f"'{arg}' is not key=value; {_key_value(prog)}")
         try:
             (override,) = parser.parse_overrides([arg])
         except OverrideParseException as exc:

@@ -367,3 +367,36 @@ def test_a_polygon_file_in_a_folder_that_cannot_be_written_is_refused_before_wor
         _one_line(res, f"vector='{vector}': the folder '{locked}' is not writable; choose a "
                   "writable location")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["RUN", "scene.tif", "o/pos.tif"], "'scene.tif' is not key=value; arguments are "
+     "key=value, as in 'seg-predict run=<run folder> image=scene.tif output=labels.tif' "
+     "(see seg-predict --help)"),
+    (["--run", "r1", "--image", "scene.tif"], "'--run' is not a flag of seg-predict: give "
+     "run=r1 (arguments are key=value; see seg-predict --help)"),
+    (["RUN", "image=scene.tif", "--output", "o/x.tif"], "'--output' is not a flag of "
+     "seg-predict: give output=o/x.tif (arguments are key=value; see seg-predict --help)"),
+    (["RUN", "image=scene.tif", "--output=o/x.tif"], "'--output=o/x.tif' is not a flag of "
+     "seg-predict: give output=o/x.tif"),
+    (["help"], "'help' is not key=value; arguments are key=value"),
+    (["RUN", "--frobnicate"], "'--frobnicate' is not a flag of seg-predict; arguments are "
+     "key=value"),
+])
+def test_an_argument_that_is_not_key_value_is_told_the_form(cli_case, tmp_path, args,
+                                                             expected):
+    """Before: ``seg-predict run=r scene.tif`` was advised to quote it as "scene.tif=''",
+    ``--run r`` was read as Hydra's own flag and ``r`` as an override, and ``--version``
+    printed only Hydra's version."""
+    run, _ = cli_case
+    res = seg_predict_here(*(f"run={run}" if a == "RUN" else a for a in args), cwd=tmp_path)
+    _one_line(res, expected)
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_version_names_the_project():
+    from seg_at_scale import __version__
+
+    res = seg_predict_here("--version")
+    assert res.returncode == 0 and res.stdout.strip().startswith(
+        f"seg-predict (seg_at_scale) {__version__}, Hydra "), res.stdout
