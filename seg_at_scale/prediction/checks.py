@@ -38,6 +38,8 @@ from seg_at_scale.prediction.options import PredictOptions, default_batch_size
 from seg_at_scale.prediction.outputs import output_kind
 from seg_at_scale.tiling import make_grid
 from seg_at_scale.tiling.engine import plan_batches
+from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.tile_sides import smallest_side
 
 __all__ = ["SceneCheck", "check_scene", "check_outputs", "same_path", "scene_outputs",
            "preview_path", "probabilities_path", "store_path", "check_dtype",
@@ -305,20 +307,45 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Mod
         check_dtype(reader, card.input, source, strict=options.check_dtype)
         if mask is not None:
             _check_mask(mask, reader, card.num_classes, card.ignore_index)
-        if options.tile_size == "auto" and options.q is None:  # chosen with the network
-            return SceneCheck(reader.height, reader.width, str(reader.dtype), None, None)
         fp = card.footprint
+        if options.tile_size == "auto" and options.q is None:  # chosen with the network
+            most = most_batches(reader.height, reader.width, fp, options.batch_size)
+            if ranks > most:  # whatever tile the network is given
+                raise too_many_ranks(ranks, image, most, None, most)
+            return SceneCheck(reader.height, reader.width, str(reader.dtype), None, None)
         tile = None if options.tile_size == "auto" else options.tile_size  # q wins
         grid = make_grid(reader.height, reader.width, fp, q=options.q, tile_size=tile,
                          uniform=True)
         batch = options.batch_size or default_batch_size(grid, "cuda" if cuda else "cpu")
         batches = plan_batches(grid.tiles, batch)
         if ranks > len(batches):
-            raise ConfigError(f"processes={ranks} but the grid of '{image}' has only "
-                              f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
-                              f"processes <= {len(batches)} or a smaller tile_size")
+            raise too_many_ranks(ranks, image, len(batches), len(grid),
+                                 most_batches(reader.height, reader.width, fp, batch))
         return SceneCheck(reader.height, reader.width, str(reader.dtype), len(grid),
                           len(batches))
+
+
+def most_batches(height: int, width: int, fp: Footprint, batch_size: int | None) -> int:
+    """The most batches any grid of a ``height x width`` image has: the smallest tiles'."""
+    grid = make_grid(height, width, fp, tile_size=smallest_side(fp), uniform=True)
+    return len(plan_batches(grid.tiles, batch_size or 1))
+
+
+def too_many_ranks(ranks: int, image: Path, batches: int, tiles: int | None,
+                   most: int) -> ConfigError:
+    """More processes than the image's grid has batches: what to give instead."""
+    def n(count: int, what: str) -> str:
+        return f"{count} {what}{'' if count == 1 else ('es' if what == 'batch' else 's')}"
+
+    if tiles is None:
+        return ConfigError(f"processes={ranks} but no grid of '{image}' has more than "
+                           f"{n(most, 'batch')} of tiles for this model (its smallest tiles); "
+                           f"use processes <= {most}")
+    smaller = (f", or smaller tiles (tile_size or q: up to {n(most, 'batch')})"
+               if most > batches else "")
+    return ConfigError(f"processes={ranks} but the grid of '{image}' has only "
+                       f"{n(batches, 'batch')} of tiles ({n(tiles, 'tile')}); use "
+                       f"processes <= {batches}{smaller}")
 
 
 def _check_mask(mask: Path, image: RasterReader, num_classes: int, ignore_index: int) -> None:

@@ -33,10 +33,15 @@ from torch import Tensor, nn
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.data.windows import RasterWindows
-from seg_at_scale.errors import ConfigError, SegAtScaleError
+from seg_at_scale.errors import SegAtScaleError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.parallel.launch import barrier, rank_world
-from seg_at_scale.prediction.checks import check_outputs, store_path
+from seg_at_scale.prediction.checks import (
+    check_outputs,
+    most_batches,
+    store_path,
+    too_many_ranks,
+)
 from seg_at_scale.prediction.compile_choice import checked_network
 from seg_at_scale.prediction.finalize import RowsOnDisk, finalize
 from seg_at_scale.prediction.lock import output_lock
@@ -167,9 +172,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         stages = check_staged(model, o, world) if o.staged else None  # or refused, before work
         grid, batches = plan.grid, plan.batches
         if world > len(batches):
-            raise agreed(ConfigError(f"processes={world} but the grid of '{image}' has only "
-                                     f"{len(batches)} batches of tiles ({len(grid)} tiles); use "
-                                     f"processes <= {len(batches)} or a smaller tile_size"))
+            raise agreed(too_many_ranks(world, image, len(batches), len(grid), most_batches(
+                grid.height, grid.width, fp, o.batch_size)))
         stats = PredictionStats(out_path, grid.height, grid.width, len(grid), grid.efficiency,
                                 processes=world, store=str(plan.working))
         lock = output_lock(out_path) if rank == 0 else contextlib.nullcontext()

@@ -400,3 +400,19 @@ def test_version_names_the_project():
     res = seg_predict_here("--version")
     assert res.returncode == 0 and res.stdout.strip().startswith(
         f"seg-predict (seg_at_scale) {__version__}, Hydra "), res.stdout
+
+
+def test_more_processes_than_any_grid_of_the_image_has_batches_is_refused_before_ranks(
+        cli_case, tmp_path):
+    """Before: with tile_size=auto the check ran in the ranks, after Lightning's banner,
+    and advised "a smaller tile_size" for a 20 x 30 image no tile can cut ("1 batches")."""
+    run, image = cli_case
+    small = tmp_path / "small.tif"
+    write_raster(small, read_raster(image)[:, :20, :30])
+    res = seg_predict(run, small, tmp_path / "o" / "m.tif", "processes=3", check=False)
+    _one_line(res, f"processes=3 but no grid of '{small}' has more than 1 batch of tiles for "
+              "this model (its smallest tiles); use processes <= 1")
+    res = seg_predict(run, small, tmp_path / "o" / "m.tif", "processes=2", "q=1", check=False)
+    _one_line(res, f"processes=2 but the grid of '{small}' has only 1 batch of tiles (1 "
+              "tile); use processes <= 1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small.tif"]
