@@ -9,15 +9,24 @@ null or 0. ``data.class_weights`` of the synthetic and TIFF datasets is this exp
 ``${seg.gradient_reduction:<tiling mode>}``: ``sum`` for grid tiling, ``mean`` for random
 tiles (:func:`seg_at_scale.tasks.segmentation.gradient_reduction_for`); the tasks'
 ``gradient_reduction``.
+
+``${seg.job_folder:<job number>,<override dirname>}``: a sweep job's folder name, one
+level below the sweep folder: ``<n>_<overrides>`` with a path's ``/`` written ``_`` (a
+value like ``data.root=/scenes/a`` made a tree of folders, in which the sweep report found
+no job), cut at :data:`JOB_FOLDER_CHARS` characters (a file name holds 255 bytes; the
+number keeps it unique).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from omegaconf import OmegaConf
 
-__all__ = ["register_resolvers"]
+__all__ = ["register_resolvers", "job_folder", "JOB_FOLDER_CHARS"]
+
+JOB_FOLDER_CHARS = 120
 
 
 def _class_weights(root: str, num_classes: int, ignore_index: int,
@@ -33,6 +42,14 @@ def _gradient_reduction(tiling_mode: str) -> str:
     return gradient_reduction_for(str(tiling_mode))
 
 
+def job_folder(num: Any, overrides: Any = "") -> str:
+    """``<num>_<overrides>``, one folder: no separator, at most ``JOB_FOLDER_CHARS``."""
+    name = f"{num}_{overrides}" if str(overrides) else str(num)
+    for sep in {"/", "\\", os.sep}:
+        name = name.replace(sep, "_")
+    return name[:JOB_FOLDER_CHARS]
+
+
 def register_resolvers() -> None:
     """Register the project's resolvers (idempotent)."""
     if not OmegaConf.has_resolver("seg.class_weights"):
@@ -40,3 +57,5 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("seg.class_weights", _class_weights, use_cache=True)
     if not OmegaConf.has_resolver("seg.gradient_reduction"):
         OmegaConf.register_new_resolver("seg.gradient_reduction", _gradient_reduction)
+    if not OmegaConf.has_resolver("seg.job_folder"):
+        OmegaConf.register_new_resolver("seg.job_folder", job_folder)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import sys
 from pathlib import Path
@@ -84,13 +85,23 @@ def test_interrupted_run_resumes_from_last_checkpoint(tmp_path):
 
 
 def test_exact_grid_training_runs_and_multirun_sweeps(tmp_path):
+    """With a path among the overrides (``data.root=/scenes``, as the README's sweep of a
+    user's scenes): before, its slashes made each job a tree of folders named after the
+    path, and the sweep report found no job."""
+    root = tmp_path / "data" / "mine"
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "-m", *TINY, "tiling=grid",
-           "tiling.q=1,2", "predict_after_fit=false", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+           "tiling.q=1,2", "predict_after_fit=false", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+           f"data.root={root}"]
     env = {"SEG_DATA_DIR": str(tmp_path / "data"), "PATH": "/usr/bin:/bin"}
     out = warm.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert (root / "train").is_dir()
+    jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert [p.name[:2] for p in jobs] == ["0_", "1_"] and "_tmp_" in jobs[0].name
     summaries = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(summaries) == 2
+    with open(tmp_path / "sweep" / "sweep_report.csv") as fh:
+        assert len(list(csv.DictReader(fh))) == 2
     effs = [json.loads(p.read_text())["computed"]["efficiency"] for p in summaries]
     assert effs[0] < effs[1]  # q=2 pays more halo than q=1
 
