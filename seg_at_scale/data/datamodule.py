@@ -148,12 +148,18 @@ class TileDataModule(pl.LightningDataModule):
         out = ResumableSampler(sampler, batch_size)
         trainer = getattr(self, "trainer", None)
         loop = getattr(trainer, "fit_loop", None)
-        if trainer is not None and loop is not None and loop.restarting:
-            done = int(loop.epoch_loop.batch_progress.current.completed)
-            if 0 < done < -(-len(out) // batch_size):  # not at an epoch's end
-                out.resume_at(int(trainer.current_epoch), done)
-                log.info("resuming epoch %d after its first %d batches",
-                         trainer.current_epoch, done)
+        if trainer is None or loop is None:
+            return out
+        # the epoch Lightning runs first, set now: with workers, the first batches are
+        # drawn before Lightning sets it, and a run resumed from an epoch's last.ckpt (what
+        # a killed run resumes from) trained on epoch 0's tiles again
+        epoch = int(loop.epoch_progress.current.processed)
+        done = int(loop.epoch_loop.batch_progress.current.completed)
+        if loop.restarting and 0 < done < -(-len(out) // batch_size):  # inside the epoch
+            out.resume_at(epoch, done)
+            log.info("resuming epoch %d after its first %d batches", epoch, done)
+        else:
+            out.resume_at(epoch, 0)
         return out
 
     def _rank_world(self) -> tuple[int, int]:

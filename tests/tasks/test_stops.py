@@ -166,3 +166,36 @@ def test_a_stop_inside_an_image_resumes_to_the_uninterrupted_weights(tmp_path: P
     assert a["global_step"] == b["global_step"] == 4
     for k, v in a["state_dict"].items():
         assert torch.equal(b["state_dict"][k], v), k
+
+
+def test_a_sigkilled_run_with_loader_workers_resumes_to_the_uninterrupted_weights(
+        tmp_path: Path) -> None:
+    """SIGKILL (the OOM killer, a lost node) leaves each epoch's ``last.ckpt``; the rerun
+    resumes from it. Before: with data-loader workers the resumed run drew its first epoch's
+    tiles before Lightning set the sampler's epoch, trained on epoch 0's tiles again, and
+    ended on other weights than the uninterrupted run."""
+    args = ["data.num_workers=2", "trainer.max_epochs=6"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ref = start(tmp_path / "a", *args, run_dir=tmp_path / "ref")
+    run = tmp_path / "run"
+    victim = start(tmp_path / "b", *args, run_dir=run)
+    last, seen, stamp = run / "checkpoints" / "last.ckpt", 0, None
+    end = time.monotonic() + 240
+    while seen < 2:  # two epochs' checkpoints written: killed inside a later epoch
+        assert victim.poll() is None and time.monotonic() < end, "ended before the kill"
+        now = last.stat().st_mtime_ns if last.exists() else None
+        if now is not None and now != stamp:
+            seen, stamp = seen + 1, now
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    assert victim.wait(60) == -signal.SIGKILL
+    again = start(tmp_path / "b", *args, run_dir=run)
+    assert again.wait(300) == 0, (tmp_path / "b" / "out.txt").read_text()[-3000:]
+    assert "Restored all states from the checkpoint" in (tmp_path / "b" / "out.txt").read_text()
+    assert ref.wait(300) == 0, (tmp_path / "a" / "out.txt").read_text()
+    a, b = (torch.load(p / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+            for p in (tmp_path / "ref", run))
+    assert a["global_step"] == b["global_step"] == 24
+    for k, v in a["state_dict"].items():
+        assert torch.equal(b["state_dict"][k], v), k
