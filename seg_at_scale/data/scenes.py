@@ -35,6 +35,7 @@ LAYOUTS = (f"<name>{IMAGE_SUFFIX} with <name>{MASK_SUFFIX} beside it, or images/
 #: ``<name>_image.tif`` of the paired layout: ``.tif`` or ``.tiff``, in any case (GIS tools
 #: and Windows write ``.TIF``).
 _PAIRED = re.compile(r"(?P<name>.+)_image(?P<ext>\.tiff?)", re.IGNORECASE)
+_MASK = re.compile(r"(?P<name>.+)_mask(?P<ext>\.tiff?)", re.IGNORECASE)
 _TIFF_EXTENSIONS = (".tif", ".tiff", ".TIF", ".TIFF")
 
 
@@ -80,7 +81,27 @@ def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> li
                              "of them in the folder")
     if not scenes:
         raise InputError(f"{key}: no scenes in '{root}'; give {LAYOUTS}")
+    _check_masks_have_images(root, {s.mask.resolve() for s in scenes})
     return scenes
+
+
+def _check_masks_have_images(root: Path, used: set[Path]) -> None:
+    """Refuse a mask whose image is missing: a misnamed image left out of training unseen."""
+    beside = [p for p in root.iterdir() if _MASK.fullmatch(p.name) and p.is_file()]
+    masks = root / "masks"
+    listed = [p for p in masks.iterdir() if p.suffix.lower() in (".tif", ".tiff")
+              and not p.name.startswith(".") and p.is_file()] if masks.is_dir() else []
+    for mask in sorted([*beside, *listed]):
+        if mask.resolve() in used:
+            continue
+        if mask.parent == root:
+            found = _MASK.fullmatch(mask.name)
+            assert found is not None
+            image = mask.with_name(f"{found['name']}_image{found['ext']}")
+        else:
+            image = root / "images" / mask.name
+        raise InputError(f"mask '{mask}' has no image: expected '{image}'; name its image so, "
+                         "or remove the mask (its scene would be left out of training)")
 
 
 def paired_name(path: Path) -> str | None:
@@ -136,10 +157,13 @@ def check_mask_header(mask: RasterReader, mask_bands: int = 1) -> None:
     """Refuse a mask with the wrong band count or float samples (from its header)."""
     if mask.bands != mask_bands:
         if mask_bands == 1:
+            colour = " (a colour mask: one class id per colour)" if mask.bands in (3, 4) \
+                else ""
             raise InputError(f"mask '{mask.path}' has {mask.bands} bands; masks are "
-                             "single-band label images (one class id per pixel), or set "
-                             "data.mask_bands for one label band per plane (data.mask_bands=1 "
-                             "now)")
+                             "single-band label images, one class id 0..K-1 per pixel: write "
+                             f"its labels as one band of class ids{colour}. Labels of each "
+                             "plane of a multi-plane image are data.mask_bands' (data=cosmic "
+                             "sets it; data.mask_bands=1 now)")
         raise InputError(f"mask '{mask.path}' has {mask.bands} bands but data.mask_bands="
                          f"{mask_bands}; give one label band per plane or fix data.mask_bands")
     if np.issubdtype(mask.dtype, np.floating):

@@ -294,3 +294,43 @@ def test_nan_under_gdal_internal_mask_is_no_data(tmp_path, scene_files) -> None:
     write_with_gdal_mask(root / "val" / "s1_image.tif", image, valid)
     with pytest.raises(InputError, match=r"NaN pixels \(first in row 40\)"):
         check(root, scale=1.0)
+
+
+@pytest.mark.parametrize("layout", ["paired", "folders"])
+def test_a_mask_without_its_image_is_named(tmp_path, scene_files, layout) -> None:
+    """Before: a misnamed or deleted image left its scene out of training without a word
+    (an image without its mask was refused)."""
+    root = dataset(tmp_path, scene_files)
+    scene_files(root / "train", name="s9", shape=SHAPE, seed=9)
+    if layout == "folders":
+        for split in ("train", "val", "test"):
+            (root / split / "images").mkdir()
+            (root / split / "masks").mkdir()
+            for p in sorted((root / split).glob("*_image.tif")):
+                p.rename(root / split / "images" / p.name.replace("_image", ""))
+            for p in sorted((root / split).glob("*_mask.tif")):
+                p.rename(root / split / "masks" / p.name.replace("_mask", ""))
+        orphan, image = root / "train" / "masks" / "s9.tif", root / "train" / "images" / "s9.tif"
+    else:
+        orphan, image = root / "train" / "s9_mask.tif", root / "train" / "s9_image.tif"
+    image.rename(tmp_path / "elsewhere.tif")  # deleted, or renamed by a slip
+    with pytest.raises(InputError) as err:
+        check(root)
+    assert str(err.value) == (f"mask '{orphan}' has no image: expected '{image}'; name its "
+                              "image so, or remove the mask (its scene would be left out of "
+                              "training)")
+
+
+def test_a_colour_mask_is_told_to_become_class_ids(tmp_path, scene_files) -> None:
+    """Before: a 3-band mask was advised data.mask_bands, which the tiff group does not
+    have (Hydra's error), and which with + ended in a traceback at the first step."""
+    root = dataset(tmp_path, scene_files)
+    write_raster(root / "val" / "s1_mask.tif", np.zeros((3, *SHAPE[1:]), np.uint8),
+                 overwrite=True)
+    with pytest.raises(InputError) as err:
+        check(root)
+    assert str(err.value).endswith(
+        "s1_mask.tif' has 3 bands; masks are single-band label images, one class id 0..K-1 "
+        "per pixel: write its labels as one band of class ids (a colour mask: one class id "
+        "per colour). Labels of each plane of a multi-plane image are data.mask_bands' "
+        "(data=cosmic sets it; data.mask_bands=1 now)")
