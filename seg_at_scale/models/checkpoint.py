@@ -18,6 +18,7 @@ import logging
 import os
 import pickle
 import re
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = ["load_checkpoint", "model_state", "checkpoint_problem", "UnsafeCheckp
 log = logging.getLogger(__name__)
 
 PICKLED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")  # the global a refused pickle asks for
+_WEIGHTS_ERROR = re.compile(r"WeightsUnpickler error:\s*([^\n]+)")  # torch's own reason
 # what torch.load raises for a file that is not a readable torch file
 UNREADABLE = (RuntimeError, EOFError, OSError, ValueError, KeyError, zipfile.BadZipFile)
 
@@ -72,9 +74,17 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> dic
         log.warning("trust_run=true: loading '%s' with weights_only=False (this runs any code "
                     "the file holds)", path)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=not trust)
+        with warnings.catch_warnings():  # a pickle.dump file: torch warns of its protocol
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            ckpt = torch.load(path, map_location="cpu", weights_only=not trust)
     except pickle.UnpicklingError as exc:
         found = PICKLED_GLOBAL.search(str(exc))
+        said = _WEIGHTS_ERROR.search(str(exc))
+        if found is None and said is not None and _pickled(path):  # not by torch.save
+            raise UnsafeCheckpointError(
+                f"checkpoint '{path}' is not plain data torch can load without running code "
+                f"({said.group(1).strip()}): a pickle not written by torch.save, or a "
+                f"damaged file; refused. Use another checkpoint, or {TRUST_HINT}") from None
         if found is None:
             raise _unreadable(path, exc) from None
         raise UnsafeCheckpointError(
@@ -87,6 +97,12 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> dic
         raise InputError(f"checkpoint '{path}' holds no state_dict: it is not a checkpoint "
                          "of a training run; give a .ckpt written by seg-train")
     return ckpt
+
+
+def _pickled(path: Path) -> bool:
+    """The file starts as a pickle of protocol 2 or above does (its PROTO opcode)."""
+    with open(path, "rb") as fh:
+        return fh.read(1) == b"\x80"
 
 
 def _unreadable(path: Path, exc: BaseException) -> InputError:

@@ -144,3 +144,25 @@ def test_an_unreadable_checkpoint_names_the_file(tmp_path):
     torch.save({"weights": torch.zeros(2)}, other)
     with pytest.raises(InputError, match=r"other.ckpt' holds no state_dict"):
         load_checkpoint(other)
+
+
+def test_a_file_pickle_dump_wrote_is_refused_as_one_torch_cannot_load_safely(tmp_path):
+    """Before: "cannot be read (Weights only load failed. In PyTorch 2.6, we changed the
+    default value of the weights_only argument in torch.load fr): it is truncated or not a
+    torch checkpoint", after torch's warning about the pickle protocol."""
+    import pickle
+    import warnings
+
+    marker = tmp_path / "PWNED"
+    raw = tmp_path / "raw.ckpt"
+    raw.write_bytes(pickle.dumps(Payload(marker), protocol=4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's warning about the protocol is not shown
+        with pytest.raises(UnsafeCheckpointError) as err:
+            load_checkpoint(raw)
+    assert str(err.value) == (
+        f"checkpoint '{raw}' is not plain data torch can load without running code "
+        "(Unsupported operand 149): a pickle not written by torch.save, or a damaged file; "
+        "refused. Use another checkpoint, or pass trust_run=true only if you trust whoever "
+        "made it (it may then run code)")
+    assert not marker.exists()
