@@ -31,8 +31,8 @@ from seg_at_scale.cli.common import long_lived, reports_errors, tidy_refused_run
 from seg_at_scale.config_check import nearest, unset_keys
 from seg_at_scale.errors import ConfigError
 
-__all__ = ["main", "check_added_keys", "check_unset", "check_model_bands", "check_hub_weights",
-           "CONFIG_DIR"]
+__all__ = ["main", "check_added_keys", "check_unset", "check_numbers", "check_model_bands",
+           "check_hub_weights", "CONFIG_DIR"]
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
 WEIGHT_KEYS = ("encoder_weights", "weights", "backbone_weights")  # model keys naming weights
@@ -113,6 +113,40 @@ def _training_bands(cfg: DictConfig) -> int | None:
         return None
 
 
+#: Numbers of the run that torch and Lightning take unchecked: (key, smallest, kind).
+#: ``seed=abc`` ended in int()'s traceback, ``task.optimizer.lr=-1`` in torch's, after
+#: Lightning had started and the run folder was written.
+_NUMBERS = (("seed", None, int), ("task.optimizer.lr", 0.0, float),
+            ("task.optimizer.weight_decay", 0.0, float), ("task.optimizer.momentum", 0.0, float))
+
+
+def check_numbers(cfg: DictConfig) -> None:
+    """Refuse numbers torch and Lightning would take unchecked, naming key, value and fix.
+
+    A seed that is not a whole number, a learning rate not above 0, a negative weight
+    decay or momentum.
+    """
+    from omegaconf import OmegaConf
+
+    for key, low, kind in _NUMBERS:
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if value is None:
+            continue
+        whole = kind is int
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and (
+            not whole or float(value).is_integer())
+        if not ok:
+            raise ConfigError(f"{key}={value!r} is not a {'whole number' if whole else 'number'}"
+                              f"; give e.g. {key}={_EXAMPLES[key]}")
+        if low is not None and (value <= low if key.endswith(".lr") else value < low):
+            bound = "above 0" if key.endswith(".lr") else "0 or more"
+            raise ConfigError(f"{key}={value} must be {bound}; give e.g. {key}={_EXAMPLES[key]}")
+
+
+_EXAMPLES = {"seed": "0", "task.optimizer.lr": "0.001", "task.optimizer.weight_decay": "0.0001",
+             "task.optimizer.momentum": "0.9"}
+
+
 def check_model_bands(cfg: DictConfig) -> None:
     """The model reads the data's bands: ``model.in_channels`` (``model.planes``) is ``data.bands``.
 
@@ -182,6 +216,7 @@ def _main(cfg: DictConfig) -> float | None:
                                if o.startswith("+") and not o.startswith("++")],
                          list(hydra_cfg.runtime.choices))
         check_unset(cfg, dict(hydra_cfg.runtime.choices))  # every ??? named, in one line
+        check_numbers(cfg)
         check_model_bands(cfg)  # before any work: nothing written, nothing built
         check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
         with long_lived():

@@ -81,7 +81,7 @@ def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> li
                              "of them in the folder")
     if not scenes:
         raise InputError(f"{key}: no scenes in '{root}'; give {LAYOUTS}")
-    _check_masks_have_images(root, {s.mask.resolve() for s in scenes})
+    _check_masks_have_images(root, {s.mask.resolve() for s in scenes if s.mask is not None})
     return scenes
 
 

@@ -338,3 +338,24 @@ def test_what_lightning_refuses_in_the_trainer_group_is_one_line_and_no_run(tmp_
     assert "another config" not in out.stderr
     assert OmegaConf.load(run / "run_config.yaml").trainer.get("strategy") != "ddpx"
     assert list((run / "checkpoints").glob("*.ckpt"))
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("task.optimizer.lr=-1", "task.optimizer.lr=-1 must be above 0; give e.g. "
+     "task.optimizer.lr=0.001"),
+    ("task.optimizer.lr=0", "task.optimizer.lr=0 must be above 0"),
+    ("task.optimizer.lr=abc", "task.optimizer.lr='abc' is not a number; give e.g. "
+     "task.optimizer.lr=0.001"),
+    ("task.optimizer.weight_decay=-0.1", "task.optimizer.weight_decay=-0.1 must be 0 or more"),
+    ("seed=abc", "seed='abc' is not a whole number; give e.g. seed=0"),
+    ("seed=1.5", "seed=1.5 is not a whole number"),
+])
+def test_a_learning_rate_or_seed_torch_would_refuse_is_one_line_before_work(tmp_path, override,
+                                                                           expected):
+    """Before: tracebacks (torch's "Invalid learning rate: -1", int()'s ValueError) after
+    Lightning had started, and the run folder they left refused the corrected rerun."""
+    run = tmp_path / "run"
+    out = seg_train_here(tmp_path, f"hydra.run.dir={run}", *TINY, override)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(f"seg-train: error: {expected}")
+    assert not (run / "run_config.yaml").exists() and not (tmp_path / "data").exists()
