@@ -213,8 +213,9 @@ def load_weights(model: nn.Module, state: dict[str, Tensor], where: str) -> None
     mismatch = weights_mismatch(model, state)
     if mismatch:
         raise InputError(f"{where}: the weights do not fit the model its config describes: "
-                         f"{mismatch}. The config was edited or belongs to another "
-                         "run: restore it")
+                         f"{mismatch}. The checkpoint is another run's (predict it with "
+                         "run=<that run's folder>, or give one of this run's checkpoints), "
+                         "or the config was edited (restore it)")
     model.load_state_dict(state)
 
 

@@ -416,3 +416,19 @@ def test_more_processes_than_any_grid_of_the_image_has_batches_is_refused_before
     _one_line(res, f"processes=2 but the grid of '{small}' has only 1 batch of tiles (1 "
               "tile); use processes <= 1")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["small.tif"]
+
+
+def test_a_checkpoint_of_another_run_is_named_as_such(cli_case, tmp_path):
+    """Before: ``ckpt=<another run's checkpoint>`` was put down to an edited config
+    ("restore it"), which the user had not touched."""
+    from helpers.prediction import make_model, make_run
+
+    run, image = cli_case
+    other = make_run(tmp_path / "other", make_model("same", levels=3, width=4))
+    res = seg_predict(run, image, tmp_path / "m.tif",
+                      f"ckpt={other / 'checkpoints' / 'last.ckpt'}", check=False)
+    line = _one_line(res, "the weights do not fit the model its config describes")
+    assert line.endswith("The checkpoint is another run's (predict it with run=<that run's "
+                         "folder>, or give one of this run's checkpoints), or the config was "
+                         "edited (restore it)")
+    assert not (tmp_path / "m.tif").exists()
