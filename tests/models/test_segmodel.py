@@ -140,3 +140,28 @@ def test_export_refuses_to_replace_without_overwrite_or_to_write_over_the_run(ex
     assert "output='s3://bucket/unet.segmodel' is a URL (s3:): seg_at_scale reads and writes " \
         "local files only" in out.stderr.strip().splitlines()[-1]
     assert sorted(tmp_path.iterdir()) == []  # no 's3:' folder made where it ran
+
+
+def test_the_python_path_of_the_readme_equals_the_command(exported, tmp_path):
+    """The README's Python lines (load_trained + predict_scene) predict with the model's
+    normalisation and footprint: the labels seg-predict model= writes. Before, the README
+    pointed at predict_raster, which takes the bare network and normalises by x / 255."""
+    from seg_at_scale.io import read_raster
+    from seg_at_scale.models.loading import load_trained
+    from seg_at_scale.prediction.options import PredictOptions
+    from seg_at_scale.prediction.scene import predict_scene
+
+    _, model, image = exported
+    trained = load_trained(model=model)
+    predict_scene(trained, image, tmp_path / "py.tif",
+                  PredictOptions(tile_size=96, preview=False, stac=False, progress=False))
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.predict", f"model={model}",
+           f"image={image}", f"output={tmp_path / 'cmd.tif'}", "progress=false",
+           "tile_size=96", "preview=false", "stac=false"]
+    out = warm.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert read_raster(tmp_path / "py.tif").tobytes() == read_raster(
+        tmp_path / "cmd.tif").tobytes()
+    from seg_at_scale.data.normalize import Normalizer
+
+    assert trained.normalizer != Normalizer()  # not predict_raster's default, x / 255
