@@ -294,6 +294,11 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Mod
 
         vector_format(vector, "vector")
         check_options(options.vector_connectivity, options.vector_classes, None)
+        beyond = sorted(c for c in options.vector_classes or () if c >= card.num_classes)
+        if beyond:  # polygons of a class the model never predicts: an empty file
+            raise ConfigError(f"vector_classes={list(options.vector_classes or ())} holds "
+                              f"{beyond}, but {source} predicts classes 0..{card.num_classes - 1}"
+                              f" ({', '.join(card.class_names)}); give ids among them")
     check_outputs(scene_outputs(output, options, vector), inputs, overwrite=options.overwrite)
     with RasterReader(image, nodata=options.nodata) as reader:
         if reader.height == 0 or reader.width == 0:

@@ -432,3 +432,14 @@ def test_a_checkpoint_of_another_run_is_named_as_such(cli_case, tmp_path):
                          "folder>, or give one of this run's checkpoints), or the config was "
                          "edited (restore it)")
     assert not (tmp_path / "m.tif").exists()
+
+
+def test_polygon_classes_the_model_does_not_predict_are_refused(cli_case, tmp_path):
+    """Before: ``vector_classes=[9]`` with a 5-class model wrote an empty GeoPackage."""
+    run, image = cli_case
+    res = seg_predict(run, image, tmp_path / "m.tif", f"vector={tmp_path / 'm.gpkg'}",
+                      "vector_classes=[1,9]", check=False)
+    line = _one_line(res, "vector_classes=[1, 9] holds [9], but run '")
+    assert line.endswith("predicts classes 0..4 (background, vegetation, water, road, "
+                         "building); give ids among them"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
