@@ -159,9 +159,16 @@ def find_images(images: str) -> list[tuple[str, Path]]:
                   for p in scene_images(src, key=f"images='{images}'") or []])
     else:
         named = [(Path(p).stem, Path(p), f"image '{p}'") for p in sorted(glob.glob(images))]
-    if not named:
-        raise InputError(f"images='{images}' names no rasters; give a folder of .tif files, "
+    if not named and not src.exists() and not any(c in images for c in "*?["):
+        raise InputError(f"images='{images}' does not exist; give a folder of .tif files, "
                          "a glob such as 'scenes/*.tif', a .txt list or a STAC JSON file")
+    if not named:
+        others = sorted({p.suffix for p in src.iterdir() if p.suffix}) if src.is_dir() else []
+        hint = (f" (it holds {', '.join(others[:5])} files: give them as a glob, e.g. "
+                f"images='{src / ('*' + others[0])}')" if others else "")
+        raise InputError(f"images='{images}' names no rasters{hint}; give a folder of .tif "
+                         "files, a glob such as 'scenes/*.tif', a .txt list or a STAC JSON "
+                         "file")
     found = [(output_stem(name, what=what), path) for name, path, what in named]
     fix = "the items distinct ids" if src.suffix.lower() == ".json" else \
         "scenes distinct names"

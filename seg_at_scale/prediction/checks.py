@@ -346,8 +346,7 @@ def too_many_ranks(ranks: int, image: Path, batches: int, tiles: int | None,
         return ConfigError(f"processes={ranks} but no grid of '{image}' has more than "
                            f"{n(most, 'batch')} of tiles for this model (its smallest tiles); "
                            f"use processes <= {most}")
-    smaller = (f", or smaller tiles (tile_size or q: up to {n(most, 'batch')})"
-               if most > batches else "")
+    smaller = ", or smaller tiles (tile_size or q)" if most > batches else ""
     return ConfigError(f"processes={ranks} but the grid of '{image}' has only "
                        f"{n(batches, 'batch')} of tiles ({n(tiles, 'tile')}); use "
                        f"processes <= {batches}{smaller}")

@@ -89,7 +89,10 @@ def vector_format(output: str | os.PathLike[str], key: str = "output") -> str:
     suffix = Path(output).suffix.lower()
     if suffix not in FORMATS:
         choices = ", ".join(f"{ext} ({name})" for ext, (_, name) in FORMATS.items())
-        raise ConfigError(f"{key} '{output}': unknown vector extension '{suffix}'; use "
+        bare = str(output).lower().lstrip(".")
+        named = (f" (a file name: {key}=<name>.{bare}; the format alone is for images=)"
+                 if not suffix and f".{bare}" in FORMATS else "")
+        raise ConfigError(f"{key} '{output}': unknown vector extension '{suffix}'{named}; use "
                           f"{choices}")
     return FORMATS[suffix][0]
 

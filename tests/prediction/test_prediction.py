@@ -243,7 +243,7 @@ class _Interrupt(Normalizer):
     ("scene.tif", ("overwrite=true",), "is the image"),
     ("mask.tif", ("mask={image}",), None),
     ("mask.tif", ("processes=0",), "processes=0: give a whole number >= 1"),
-    ("mask.tif", ("processes=2", "q=1", "device=cpu"), "only 1 batches of tiles"),
+    ("mask.tif", ("processes=2", "q=1", "device=cpu"), "only 1 batch of tiles"),
 ])
 def test_bad_prediction_input_is_refused_before_work(cli_case, tmp_path, output, extra,
                                                      message):

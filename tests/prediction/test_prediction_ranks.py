@@ -62,8 +62,8 @@ def test_forked_ranks_refuse_bad_input_once(cli_case, tmp_path):
     assert proc.returncode == 2
     # checked before any rank is forked: one line, no torch or Lightning lines around it
     assert proc.stderr.strip().splitlines() == [
-        f"seg-predict: error: processes=2 but the grid of '{image}' has only 1 batches of "
-        "tiles (1 tiles); use processes <= 1 or a smaller tile_size"], proc.stderr
+        f"seg-predict: error: processes=2 but the grid of '{image}' has only 1 batch of "
+        "tiles (1 tile); use processes <= 1, or smaller tiles (tile_size or q)"], proc.stderr
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])

@@ -443,3 +443,26 @@ def test_polygon_classes_the_model_does_not_predict_are_refused(cli_case, tmp_pa
     assert line.endswith("predicts classes 0..4 (background, vegetation, water, road, "
                          "building); give ids among them"), line
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_an_archive_folder_that_is_missing_or_holds_other_rasters_is_told_so(cli_case,
+                                                                            tmp_path):
+    """Before: both read "names no rasters", and a folder of .img files gave no hint."""
+    run, _ = cli_case
+    res = seg_predict_here(f"run={run}", f"images={tmp_path / 'nope'}",
+                           f"output_dir={tmp_path / 'out'}")
+    _one_line(res, f"images='{tmp_path / 'nope'}' does not exist; give a folder of .tif files")
+    (tmp_path / "erdas").mkdir()
+    (tmp_path / "erdas" / "a.img").write_bytes(b"")
+    res = seg_predict_here(f"run={run}", f"images={tmp_path / 'erdas'}",
+                           f"output_dir={tmp_path / 'out'}")
+    _one_line(res, f"images='{tmp_path / 'erdas'}' names no rasters (it holds .img files: "
+              f"give them as a glob, e.g. images='{tmp_path / 'erdas' / '*.img'}')")
+
+
+def test_a_vector_format_alone_for_one_scene_is_told_to_name_a_file(cli_case, tmp_path):
+    """Before: ``vector=gpkg`` with image= read "unknown vector extension ''"."""
+    run, image = cli_case
+    res = seg_predict(run, image, tmp_path / "m.tif", "vector=gpkg", check=False)
+    _one_line(res, "vector 'gpkg': unknown vector extension '' (a file name: "
+              "vector=<name>.gpkg; the format alone is for images=)")
