@@ -31,7 +31,7 @@ from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_su
 from seg_at_scale.data.config import AUTO, DataConfig, TilingConfig, data_config, tiling_config
 from seg_at_scale.data.preflight import CACHE_NAME, FactCache, PreflightReport, preflight
 from seg_at_scale.data.sources.base import Source
-from seg_at_scale.errors import ConfigError
+from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Footprint, make_grid
 from seg_at_scale.tiling.geometry import TilingError
@@ -121,6 +121,11 @@ def run_preflight(data: DataConfig, run: RunFolder, predict_after_fit: bool) -> 
     # a scale the user gave is checked against the dtype; one the run worked out is not
     fixed = (cast(float, data.scale)  # a number unless auto (DataConfig checks it)
              if "data.scale" not in run.filled and data.scale != AUTO else None)
+    test = Path(data.root) / "test"
+    if predict_after_fit and not test.exists() and (Path(data.root) / "train").is_dir():
+        raise InputError(f"data.root: '{test}' does not exist: the held-out scenes seg-train "
+                         "predicts and scores after training; add a test/ split, or pass "
+                         "predict_after_fit=false to train without one")
     return preflight(data.root, splits, bands=data.bands, num_classes=data.num_classes,
                      ignore_index=data.ignore_index, mask_bands=data.mask_bands,
                      nodata=data.nodata, scale=fixed, cache=Path(data.root) / CACHE_NAME)

@@ -359,3 +359,23 @@ def test_a_learning_rate_or_seed_torch_would_refuse_is_one_line_before_work(tmp_
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith(f"seg-train: error: {expected}")
     assert not (run / "run_config.yaml").exists() and not (tmp_path / "data").exists()
+
+
+def test_a_missing_test_split_names_predict_after_fit(tmp_path, scene_files):
+    """Before: "data.root (test split): folder '…/test' does not exist", without the
+    option that trains without one."""
+    root = tmp_path / "mine"
+    for split in ("train", "val"):
+        scene_files(root / split, shape=(3, 61, 53))
+    args = ("data=tiff", f"data.root={root}", "data.bands=3", "data.num_classes=5",
+            "model=unet_tiny", "trainer=fast", "logger=csv", "tiling.tile_size=56")
+    out = seg_train_here(tmp_path, *args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"seg-train: error: data.root: '{root / 'test'}' does not exist: the held-out scenes "
+        "seg-train predicts and scores after training; add a test/ split, or pass "
+        "predict_after_fit=false to train without one")
+    assert not (tmp_path / "run").exists()
+    out = seg_train_here(tmp_path, *args, "predict_after_fit=false",
+                         f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stderr[-2000:]
