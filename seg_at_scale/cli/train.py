@@ -31,8 +31,8 @@ from seg_at_scale.cli.common import long_lived, reports_errors, tidy_refused_run
 from seg_at_scale.config_check import nearest, unset_keys
 from seg_at_scale.errors import ConfigError
 
-__all__ = ["main", "check_added_keys", "check_unset", "check_numbers", "check_model_bands",
-           "check_hub_weights", "CONFIG_DIR"]
+__all__ = ["main", "check_added_keys", "check_unset", "check_numbers", "check_epochs",
+           "check_model_bands", "check_hub_weights", "CONFIG_DIR"]
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
 WEIGHT_KEYS = ("encoder_weights", "weights", "backbone_weights")  # model keys naming weights
@@ -143,6 +143,26 @@ def check_numbers(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value} must be {bound}; give e.g. {key}={_EXAMPLES[key]}")
 
 
+def check_epochs(cfg: DictConfig) -> None:
+    """Refuse ``trainer.max_epochs`` that trains nothing or never ends.
+
+    ``0`` predicted the test scenes with untrained weights and saved no checkpoint; ``-1``
+    (Lightning's "no limit") without ``max_steps`` or ``max_time`` trained until killed.
+    """
+    from omegaconf import OmegaConf
+
+    epochs = OmegaConf.select(cfg, "trainer.max_epochs", default=None)
+    if epochs is None or isinstance(epochs, bool) or not isinstance(epochs, int):
+        return  # Lightning's type check says the rest
+    steps = OmegaConf.select(cfg, "trainer.max_steps", default=None)
+    limited = (isinstance(steps, int) and steps > 0) or \
+        OmegaConf.select(cfg, "trainer.max_time", default=None) is not None
+    if epochs == 0 or epochs < -1 or (epochs == -1 and not limited):
+        what = ("trains nothing" if epochs == 0 else "never ends: give trainer.max_steps or "
+                "trainer.max_time with it" if epochs == -1 else "is not an epoch count")
+        raise ConfigError(f"trainer.max_epochs={epochs} {what}; give e.g. trainer.max_epochs=12")
+
+
 _EXAMPLES = {"seed": "0", "task.optimizer.lr": "0.001", "task.optimizer.weight_decay": "0.0001",
              "task.optimizer.momentum": "0.9"}
 
@@ -217,6 +237,7 @@ def _main(cfg: DictConfig) -> float | None:
                          list(hydra_cfg.runtime.choices))
         check_unset(cfg, dict(hydra_cfg.runtime.choices))  # every ??? named, in one line
         check_numbers(cfg)
+        check_epochs(cfg)
         check_model_bands(cfg)  # before any work: nothing written, nothing built
         check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
         with long_lived():

@@ -349,6 +349,11 @@ def test_what_lightning_refuses_in_the_trainer_group_is_one_line_and_no_run(tmp_
     ("task.optimizer.weight_decay=-0.1", "task.optimizer.weight_decay=-0.1 must be 0 or more"),
     ("seed=abc", "seed='abc' is not a whole number; give e.g. seed=0"),
     ("seed=1.5", "seed=1.5 is not a whole number"),
+    ("trainer.max_epochs=0", "trainer.max_epochs=0 trains nothing; give e.g. "
+     "trainer.max_epochs=12"),
+    ("trainer.max_epochs=-1", "trainer.max_epochs=-1 never ends: give trainer.max_steps or "
+     "trainer.max_time with it"),
+    ("trainer.max_epochs=-3", "trainer.max_epochs=-3 is not an epoch count"),
 ])
 def test_a_learning_rate_or_seed_torch_would_refuse_is_one_line_before_work(tmp_path, override,
                                                                            expected):
@@ -379,3 +384,12 @@ def test_a_missing_test_split_names_predict_after_fit(tmp_path, scene_files):
     out = seg_train_here(tmp_path, *args, "predict_after_fit=false",
                          f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("trainer", [{"max_epochs": -1, "max_steps": 10},
+                                     {"max_epochs": -1, "max_time": "00:01:00:00"},
+                                     {"max_epochs": 1}, {"max_epochs": 12, "max_steps": -1}])
+def test_epoch_limits_lightning_ends_on_are_accepted(trainer):
+    from seg_at_scale.cli.train import check_epochs
+
+    assert check_epochs(OmegaConf.create({"trainer": trainer})) is None
