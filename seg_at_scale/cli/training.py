@@ -388,11 +388,16 @@ def _train(cfg: DictConfig, folder: Path) -> float | None:
     if not trainer.is_global_zero:  # rank 0 predicts the test scenes alone and reports
         return None
     metric = trainer.callback_metrics.get("val/miou")
-    summary: dict[str, Any] = {"run": str(run.path), "val/miou": float(metric)
-                               if metric is not None else None, "computed": computed,
-                               "allocator": allocator()}  # tcmalloc where preloaded
+    last = float(metric) if metric is not None else None
     saver = trainer.checkpoint_callback  # ModelCheckpoint (conf/callbacks), or None
     best = saver.best_model_path if isinstance(saver, ModelCheckpoint) else ""
+    kept = saver.best_model_score if best and isinstance(saver, ModelCheckpoint) else None
+    # val/miou: the checkpoint's that the test scenes are predicted with (and a sweep's
+    # report ranks by); val/miou_last: the last epoch's
+    summary: dict[str, Any] = {"run": str(run.path),
+                               "val/miou": float(kept) if kept is not None else last,
+                               "val/miou_last": last, "computed": computed,
+                               "allocator": allocator()}  # tcmalloc where preloaded
     if best:
         task.load_state_dict(_state_dict(best))
         summary["checkpoint"] = best

@@ -174,3 +174,16 @@ def test_each_model_composes_into_its_own_family():
                 net = instantiate(cfg.model)
             named = re.search(r"/model_family@_here_: (\w+)", path.read_text()).group(1)
             assert isinstance(net, family[named]), path.stem
+
+
+def test_the_summary_names_the_kept_checkpoints_score_and_the_last_epochs(tmp_path):
+    """Before: the summary's val/miou was the last epoch's, beside the best checkpoint it
+    named (and predicted the test scenes with)."""
+    summary = train(tmp_path, "run", "predict_after_fit=false", "trainer.max_epochs=4",
+                    "task.optimizer.lr=0.2")  # a rate the last epoch does worse with
+    with open(tmp_path / "run" / "csv" / "version_0" / "metrics.csv") as fh:
+        history = [float(m["val/miou"]) for m in csv.DictReader(fh) if m["val/miou"]]
+    assert len(history) == 4 and max(history) > history[-1]
+    assert summary["val/miou"] == pytest.approx(max(history), abs=1e-6)
+    assert summary["val/miou_last"] == pytest.approx(history[-1], abs=1e-6)
+    assert f"miou{max(history):.4f}" in summary["checkpoint"]
