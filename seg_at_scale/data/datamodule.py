@@ -86,10 +86,24 @@ class TileDataModule(pl.LightningDataModule):
         self.scenes: dict[str, list[Scene]] = dict(scenes or {})
 
     def optimizer_steps_per_epoch(self) -> int:
-        """Optimiser steps in one epoch: one per training image (grid), else one per batch."""
+        """Optimiser steps in one epoch: one per training image (grid), else one per batch.
+
+        Random tiles: the batches the trainer runs (``limit_train_batches``, gradient
+        accumulation). Counted from a loader of their own, not through the trainer's
+        (``estimated_stepping_batches`` makes the trainer's loader before a resumed run's
+        loops are restored, and its sampler started the resumed epoch at epoch 0).
+        """
         if self.tiling.mode == "grid":
             return len(self.scenes_of("train"))
-        return len(self.train_dataloader())
+        batches = len(self.train_dataloader())
+        trainer = getattr(self, "trainer", None)
+        limit = getattr(trainer, "limit_train_batches", None)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            batches = min(batches, limit)
+        elif isinstance(limit, float):
+            batches = int(batches * limit)
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        return max(1, -(-batches // accumulate))
 
     def scenes_of(self, split: str) -> list[Scene]:
         """Validated scenes of a split (cached)."""

@@ -43,3 +43,26 @@ def test_grid_mode_steps_once_per_image_on_the_whole_image_gradient(tmp_path, sc
     # the scheduler's horizon is those steps: one per image, not one per tile
     assert dm.optimizer_steps_per_epoch() == steps[-1] == task._optimizer_steps() == 2
     assert 0.0 <= float(trainer.callback_metrics["val/miou"]) <= 1.0
+
+
+def test_the_learning_rate_schedule_ends_with_the_batches_lightning_runs(tmp_path, scene_files):
+    """Random tiles with ``limit_train_batches`` (trainer=fast): before, the schedule's
+    horizon was every batch of the epochs (8 per epoch here: 24 steps), so after the run's 6 steps
+    the rate had hardly decayed."""
+    from seg_at_scale.tasks.segmentation import poly_lr
+
+    for k in range(2):
+        scene_files(tmp_path / "train", name=f"s{k}", shape=(3, 83, 97), seed=k)
+    scene_files(tmp_path / "val", name="v", shape=(3, 83, 97), seed=9)
+    torch.manual_seed(0)
+    net = UNet(3, 5, levels=2, base_width=4, padding="same")
+    dm = tiff_module(tmp_path, net.footprint(), 5, tiling="random", core_size=32,
+                     samples_per_epoch=16, batch_size=2)
+    task = SegmentationTask(net, 5, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                            scheduler=poly_lr, gradient_reduction="mean")
+    trainer = pl.Trainer(max_epochs=3, limit_train_batches=2, limit_val_batches=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         num_sanity_val_steps=0, accelerator="cpu")
+    trainer.fit(task, datamodule=dm)
+    assert trainer.global_step == 6 == task._optimizer_steps()
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.0  # (1 - 6 / 6) ** 0.9
