@@ -207,6 +207,17 @@ def _check_mode(values: dict[str, Any]) -> None:
         if values.get(key) in (None, ""):
             raise ConfigError(f"{key}= is missing: give seg-predict {key}=<path> (see "
                               "seg-predict --help)")
+    if not many:  # keys of an archive alone, set away from their defaults: not ignored
+        for key, default, fix in _ARCHIVE_ONLY:
+            if key in values and values[key] != default:
+                raise ConfigError(f"{key}={values[key]} is for images= (an archive); with "
+                                  f"image= {fix}")
+
+
+#: Keys an archive alone reads: (key, default, what to do instead with image=).
+_ARCHIVE_ONLY = (("output_format", "tif", "the output's extension chooses (.tif or .zarr)"),
+                 ("on_error", "stop", "a bad scene is refused; leave on_error out"),
+                 ("vector_merge", False, "vector=<name>.gpkg is the one polygon file"))
 
 
 def run_prediction(cfg: DictConfig, *, fork: bool = False) -> dict[str, Any]:

@@ -278,7 +278,9 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Mod
     if not image.is_file():
         raise InputError(f"image='{image}' does not exist; give the path of a raster to "
                          "predict" if not image.exists() else f"image='{image}' is a folder; "
-                         "give a raster file (images=<folder> predicts every raster in it)")
+                         "give a raster file (images=<folder> predicts every raster in it)"
+                         if image.is_dir() else f"image='{image}' is not a file (a device or "
+                         "a pipe); give the path of a raster file")
     card.normalizer(source)  # a std or scale that is not > 0
     inputs = {"image": image, **model_files, **({"mask": mask} if mask is not None else {})}
     # the files GDAL reads the image from (a VRT mosaic's pieces): no output replaces them,

@@ -73,14 +73,15 @@ def output_lock(output: Path, what: str | None = None) -> Iterator[Path]:
 @contextlib.contextmanager
 def _locked(output: Path, what: str | None, *, claims: bool) -> Iterator[Path]:
     folder = output.parent if str(output.parent) else Path(".")
+    named = what or f"output='{output}'"  # an archive's: output_dir '<folder>'
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"output='{output}': cannot create its folder ({exc}); choose "
-                          "a writable location") from exc
+        raise ConfigError(f"{named}: cannot create its folder ({exc}); choose a writable "
+                          "location") from exc
     if not os.access(folder, os.W_OK):
-        raise ConfigError(f"output='{output}': the folder '{folder}' is not writable; "
-                          "choose a writable location")
+        raise ConfigError(f"{named}: the folder '{folder}' is not writable; choose a "
+                          "writable location")
     path = lock_path(output)
     lock = FileLock(path, timeout=0)
     named = what or f"output '{output}'"

@@ -466,3 +466,41 @@ def test_a_vector_format_alone_for_one_scene_is_told_to_name_a_file(cli_case, tm
     res = seg_predict(run, image, tmp_path / "m.tif", "vector=gpkg", check=False)
     _one_line(res, "vector 'gpkg': unknown vector extension '' (a file name: "
               "vector=<name>.gpkg; the format alone is for images=)")
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("output_format=zarr", "output_format=zarr is for images= (an archive); with image= the "
+     "output's extension chooses (.tif or .zarr)"),
+    ("on_error=skip", "on_error=skip is for images= (an archive); with image= a bad scene is "
+     "refused"),
+    ("vector_merge=true", "vector_merge=True is for images= (an archive)"),
+])
+def test_an_archive_key_with_one_scene_is_refused_not_ignored(cli_case, tmp_path, override,
+                                                              expected):
+    """Before: ``image=a.tif output=a.tif output_format=zarr`` wrote a COG, silently."""
+    run, image = cli_case
+    res = seg_predict(run, image, tmp_path / "m.tif", override, check=False)
+    _one_line(res, expected)
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_an_image_that_is_a_device_is_not_called_a_folder(cli_case, tmp_path):
+    run, _ = cli_case
+    res = seg_predict(run, Path("/dev/null"), tmp_path / "m.tif", check=False)
+    _one_line(res, "image='/dev/null' is not a file (a device or a pipe); give the path of a "
+              "raster file")
+
+
+def test_an_archive_output_folder_that_cannot_be_written_is_named_as_output_dir(
+        cli_case, tmp_path, monkeypatch):
+    """Before: "output='ro/archive': the folder 'ro' is not writable" (archive: the name of
+    the archive's own lock)."""
+    run, image = cli_case
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **k: False if Path(p) == locked
+                        and mode & os.W_OK else real(p, mode, *a, **k))
+    res = seg_predict_here(f"run={run}", f"images={image}", f"output_dir={locked}")
+    _one_line(res, f"output_dir '{locked}': the folder '{locked}' is not writable; choose a "
+              "writable location")
