@@ -27,12 +27,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from seg_at_scale.cli.common import long_lived, reports_errors, tidy_refused_run
+from seg_at_scale.cli.common import USER_ERROR_EXIT, long_lived, reports_errors, tidy_refused_run
 from seg_at_scale.config_check import nearest, unset_keys
 from seg_at_scale.errors import ConfigError
 
 __all__ = ["main", "check_added_keys", "check_unset", "check_numbers", "check_epochs",
-           "check_model_bands", "check_hub_weights", "CONFIG_DIR"]
+           "check_sweep", "check_model_bands", "check_hub_weights", "CONFIG_DIR"]
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
 WEIGHT_KEYS = ("encoder_weights", "weights", "backbone_weights")  # model keys naming weights
@@ -163,6 +163,67 @@ def check_epochs(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.max_epochs={epochs} {what}; give e.g. trainer.max_epochs=12")
 
 
+def check_sweep(argv: list[str]) -> None:
+    """Every value of a ``-m`` sweep's keys, checked before its first trial runs.
+
+    ``-m tiling.batch_size=2,0,4`` trained trial 0 to the end, then stopped the sweep on
+    trial 1's refusal. The config is composed once (each group at its first value); each
+    listed value of a key below a group, or of a top-level number, is then checked as its
+    trial would check it (the ``data`` and ``tiling`` groups, the numbers of
+    :func:`check_numbers` and :func:`check_epochs`). Optuna's ranges are drawn later and
+    not checked here; neither are values Hydra cannot compose (Hydra says so itself).
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from seg_at_scale.data.config import data_config, tiling_config
+
+    try:
+        flags, _ = get_args_parser().parse_known_args(argv)
+        overrides = OverridesParser.create().parse_overrides(list(flags.overrides))
+    except (SystemExit, Exception):  # noqa: BLE001 - what Hydra cannot read, it says
+        return
+    if not flags.multirun or flags.config_dir or flags.config_path:
+        return
+    base, swept = [], []
+    for o in overrides:
+        if not o.is_sweep_override():
+            base.append(o.input_line)
+        elif not o.is_discrete_sweep():
+            return  # a range an optimiser draws from
+        else:
+            values = list(o.sweep_iterator())
+            base.append(f"{o.get_key_element()}={values[0]}" if values else o.input_line)
+            if "." in o.key_or_group or o.key_or_group == "seed":
+                swept.append((o.key_or_group, values))
+    if not swept:
+        return
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose("train", overrides=[b for b in base if b is not None])
+    except Exception:  # noqa: BLE001 - Hydra's to say, at the trial
+        return
+    for key, values in swept:
+        for value in values:
+            trial = cfg.copy()
+            try:
+                OmegaConf.update(trial, key, value, force_add=True)
+                group = key.split(".")[0]
+                if group in ("data", "tiling"):
+                    check = data_config if group == "data" else tiling_config
+                    check(OmegaConf.to_container(trial[group], resolve=True))  # type: ignore[arg-type]
+                check_numbers(trial)
+                check_epochs(trial)
+            except ConfigError as exc:
+                shown = ",".join(str(v) for v in values)
+                raise ConfigError(f"the sweep's {key}={shown}: {exc} (the trial of {key}="
+                                  f"{value}); no trial was run") from None
+            except Exception:  # noqa: BLE001 - what only the trial can resolve: its own
+                return
+
+
 _EXAMPLES = {"seed": "0", "task.optimizer.lr": "0.001", "task.optimizer.weight_decay": "0.0001",
              "task.optimizer.momentum": "0.9"}
 
@@ -221,6 +282,11 @@ def main() -> float | None:
 
     if not any(a in ("--help", "-h", "--hydra-help") for a in sys.argv[1:]):
         precheck("seg-train", None, top=train_top_keys())
+        try:
+            check_sweep(sys.argv[1:])
+        except ConfigError as exc:
+            print(f"seg-train: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(USER_ERROR_EXIT) from None
     return _main()
 
 

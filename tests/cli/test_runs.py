@@ -271,3 +271,29 @@ def test_filled_values_are_reused_on_resume_and_their_requests_compared(tmp_path
     assert (tmp_path / ".hydra" / "resume_1" / "config.yaml").exists()
     with pytest.raises(ConfigError, match=r"data.scale: 'auto' in the run, 0.5 now"):
         RunFolder.open(tmp_path, config(0.5, 1))
+
+
+def test_a_bad_value_in_a_sweep_is_refused_before_the_first_trial(tmp_path):
+    """Before: ``-m tiling.batch_size=2,0,4`` trained trial 0 to the end, then the sweep
+    stopped on trial 1's refusal (and trial 2 never ran)."""
+    sweep = tmp_path / "sweep"
+    out = seg_train_here(tmp_path, "-m", *TINY, "tiling.batch_size=2,0,4",
+                         "task.optimizer.lr=0.01,0.02", f"hydra.sweep.dir={sweep}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        "seg-train: error: the sweep's tiling.batch_size=2,0,4: tiling.batch_size=0: give "
+        "tiles per batch as a whole number >= 1 (the trial of tiling.batch_size=0); no trial "
+        "was run"]
+    assert not sweep.exists() and not (tmp_path / "data").exists()
+    out = seg_train_here(tmp_path, "-m", *TINY, "task.optimizer.lr=0.01,-1",
+                         f"hydra.sweep.dir={sweep}")
+    assert out.returncode == 2 and "the sweep's task.optimizer.lr=0.01,-1: " \
+        "task.optimizer.lr=-1 must be above 0" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_values_of_a_good_sweep_pass_its_check():
+    from seg_at_scale.cli.train import check_sweep
+
+    assert check_sweep(["-m", "model=unet_tiny,unet_small", "tiling.batch_size=2,4",
+                        "task.optimizer.lr=range(1,3)", "seed=0,1", "data.num_workers=0"]) is None
+    assert check_sweep(["tiling.batch_size=0"]) is None  # not a sweep: the run checks it
