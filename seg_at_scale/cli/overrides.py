@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from seg_at_scale.cli.common import USER_ERROR_EXIT
 from seg_at_scale.config_check import nearest
 
-__all__ = ["precheck", "flat_keys", "train_top_keys"]
+__all__ = ["precheck", "flat_keys", "train_top_keys", "compose_train", "TRAIN_CONFIG_DIR"]
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
@@ -130,11 +130,13 @@ def precheck(prog: str, config_name: str | None, argv: Sequence[str] | None = No
     own = bool(flags.config_dir or flags.config_path) or any(
         a.startswith("hydra.searchpath") for a in args)
     firsts = None if top is None or own else set(top)
+    parsed = []
     for arg in args:
         if "=" not in arg and not arg.startswith("~"):
             _fail(prog, f"'{arg}' is not key=value; {_key_value(prog)}")
         try:
             (override,) = parser.parse_overrides([arg])
+            parsed.append(override)
         except OverrideParseException as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unreadable"
             _fail(prog, f"cannot read the argument '{arg}' ({first}); {_quote_hint(arg)}")
@@ -159,7 +161,7 @@ def precheck(prog: str, config_name: str | None, argv: Sequence[str] | None = No
             hint = f" (did you mean {near}=?)" if near else ""
             _fail(prog, f"{key}= is not a {prog} key{hint}; see {prog} --help for the keys")
     if firsts is not None:
-        unknown = unknown_nested_key([parser.parse_overrides([a])[0] for a in args])
+        unknown = unknown_nested_key(parsed)
         if unknown is not None:
             _fail(prog, unknown)
 
@@ -196,14 +198,9 @@ def unknown_nested_key(overrides: Sequence[Override]) -> str | None:
     missing = [o for o in plain if not _in_group_file(o.key_or_group, chosen, groups)]
     if not missing:
         return None
-    from hydra import compose, initialize_config_dir
-
-    selections = [o.input_line for o in overrides
-                  if o.input_line and o.key_or_group in groups and not o.package]
-    try:
-        with initialize_config_dir(config_dir=str(TRAIN_CONFIG_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=[s for s in selections if s is not None])
-    except Exception:  # noqa: BLE001 - an unknown option, a bad value: Hydra's to say
+    cfg = compose_train([o.input_line for o in overrides
+                         if o.input_line and o.key_or_group in groups and not o.package])
+    if cfg is None:
         return None
     for o in missing:
         path = o.key_or_group.split(".")
@@ -221,6 +218,21 @@ def unknown_nested_key(overrides: Sequence[Override]) -> str | None:
                 f"{', '.join(names)}. A key it does not have yet is added with "
                 f"+{o.key_or_group}=")
     return None
+
+
+def compose_train(overrides: Sequence[str]) -> DictConfig | None:
+    """``seg-train``'s config composed with ``overrides`` (about 0.2 s), before Hydra's app.
+
+    None when Hydra cannot compose it (an unknown option, a bad value): its app says so
+    when it runs.
+    """
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(TRAIN_CONFIG_DIR), version_base="1.3"):
+            return compose("train", overrides=list(overrides))
+    except Exception:  # noqa: BLE001 - Hydra's to say
+        return None
 
 
 def _in_group_file(key: str, chosen: dict[str, str], groups: set[str]) -> bool:

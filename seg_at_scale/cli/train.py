@@ -28,13 +28,14 @@ import hydra
 from omegaconf import DictConfig
 
 from seg_at_scale.cli.common import USER_ERROR_EXIT, long_lived, reports_errors, tidy_refused_run
+from seg_at_scale.cli.overrides import TRAIN_CONFIG_DIR, compose_train
 from seg_at_scale.config_check import nearest, unset_keys
 from seg_at_scale.errors import ConfigError
 
 __all__ = ["main", "check_added_keys", "check_unset", "check_numbers", "check_epochs",
            "check_sweep", "check_model_bands", "check_hub_weights", "CONFIG_DIR"]
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # shipped in the wheel
+CONFIG_DIR = str(TRAIN_CONFIG_DIR)  # shipped in the wheel
 WEIGHT_KEYS = ("encoder_weights", "weights", "backbone_weights")  # model keys naming weights
 
 
@@ -173,7 +174,6 @@ def check_sweep(argv: list[str]) -> None:
     :func:`check_numbers` and :func:`check_epochs`). Optuna's ranges are drawn later and
     not checked here; neither are values Hydra cannot compose (Hydra says so itself).
     """
-    from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
@@ -200,11 +200,9 @@ def check_sweep(argv: list[str]) -> None:
                 swept.append((o.key_or_group, values))
     if not swept:
         return
-    try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            cfg = compose("train", overrides=[b for b in base if b is not None])
-    except Exception:  # noqa: BLE001 - Hydra's to say, at the trial
-        return
+    cfg = compose_train([b for b in base if b is not None])
+    if cfg is None:
+        return  # Hydra's to say, at the trial
     for key, values in swept:
         for value in values:
             trial = cfg.copy()

@@ -176,7 +176,8 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
         tif_probs = probs if probs is not None and probs.suffix != ".zarr" else None
         assets = {"labels", *(["probabilities"] if tif_probs else []),
                   *(["vectors"] if vector is not None else [])}
-        if rewritten or _assets(item) != assets:
+        have = _assets(item)
+        if rewritten or have is None or set(have) != assets:
             _may_write("stac", item, output, options)
             model = {"source": trained.source, "family": trained.card.family,
                      "fingerprint": done}
@@ -199,8 +200,8 @@ def _drop_replaced(output: Path, options: PredictOptions, vector: Path | None,
     """Remove what a prediction replaced by ``overwrite=true`` had beside it.
 
     Its companions that this prediction does not write again describe the replaced
-    labels: the preview, the STAC Item and a ``.tif`` output's probabilities at their names beside
-    the output, and the polygons the replaced Item names. Only files a prediction wrote
+    labels: the preview, the STAC Item and a ``.tif`` output's probabilities at their
+    names beside the output, and the polygons the replaced Item names. Only files a prediction wrote
     and nobody changed since (:func:`~.provenance.written_by`): a file of the user's at
     one of those names stays.
     """
@@ -224,12 +225,11 @@ def _drop_replaced(output: Path, options: PredictOptions, vector: Path | None,
 
 
 def _item_asset(item: Path, key: str) -> Path | None:
-    """The file an existing STAC Item's asset ``key`` names (None: no Item, no asset)."""
-    try:
-        href = json.loads(item.read_text())["assets"][key]["href"]
-    except (OSError, ValueError, KeyError, TypeError):
+    """The local file an existing STAC Item's asset ``key`` names (None: none)."""
+    href = ((_assets(item) or {}).get(key) or {}).get("href")
+    if not isinstance(href, str) or "://" in href:
         return None
-    return (item.parent / str(href)).resolve() if "://" not in str(href) else None
+    return (item.parent / href).resolve()
 
 
 def _may_write(key: str, path: Path, output: Path, options: PredictOptions) -> None:
@@ -242,12 +242,13 @@ def _may_write(key: str, path: Path, output: Path, options: PredictOptions) -> N
         raise OutputExistsError(not_ours(key, path, output))
 
 
-def _assets(item: Path) -> set[str] | None:
-    """The asset keys of an existing STAC Item (None: missing or unreadable)."""
+def _assets(item: Path) -> dict[str, Any] | None:
+    """The assets of an existing STAC Item by key (None: missing or unreadable)."""
     try:
-        return set(json.loads(item.read_text())["assets"])
+        assets = json.loads(item.read_text())["assets"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    return assets if isinstance(assets, dict) else None
 
 
 def _vector_options(output: Path, options: PredictOptions,
