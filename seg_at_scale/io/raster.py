@@ -37,7 +37,7 @@ import tifffile
 
 from seg_at_scale.errors import InputError
 from seg_at_scale.io.geotags import GDAL_NODATA_TAG, GeoTags, open_dataset
-from seg_at_scale.io.segments import PageLayout, SegmentCache, mask_page
+from seg_at_scale.io.segments import PageLayout, SegmentCache, image_pages, mask_page
 from seg_at_scale.io.threads import pixel_threads
 from seg_at_scale.io.writer import check_output_path, write_raster, write_raster_bands
 from seg_at_scale.tiling.geometry import Fill, Window, source_indices
@@ -210,6 +210,12 @@ class RasterReader:
         """Refuse volumes and truncated files up front, with a clear message."""
         if int(page.imagedepth) != 1:
             raise _cannot_read(self.path, f"it is a 3-D volume (depth {page.imagedepth})")
+        images = image_pages(self._tif)
+        if images > 1:
+            raise InputError(
+                f"'{self.path}' holds {images} images (pages) and is read as one: give each "
+                f"alone (gdal_translate GTIFF_DIR:2:{self.path} page2.tif, and so on), or "
+                "stack them as bands (gdalbuildvrt -separate) if they are one scene's bands")
         layouts = [self.layout] + ([self._mask[0]] if self._mask else [])
         ends = [o + n for lay in layouts
                 for o, n in zip(lay.offsets, lay.counts, strict=True) if o and n]

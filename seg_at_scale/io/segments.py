@@ -28,7 +28,7 @@ from typing import Any, Literal, cast
 import numpy as np
 import tifffile
 
-__all__ = ["PageLayout", "SegmentCache", "mask_page"]
+__all__ = ["PageLayout", "SegmentCache", "image_pages", "mask_page"]
 
 GDAL_MASK_BIT = 4  # NewSubfileType bit of a transparency mask (TIFF 6.0, FILETYPE_MASK)
 REDUCED_BIT = 1  # ... of a reduced-resolution copy (an overview)
@@ -270,3 +270,13 @@ def mask_page(tif: tifffile.TiffFile, height: int, width: int) -> tifffile.TiffP
                 and int(page.samplesperpixel) == 1):
             return page
     return None
+
+
+def image_pages(tif: tifffile.TiffFile) -> int:
+    """How many full images the file holds among its first :data:`MAX_PAGES` IFDs.
+
+    A page is another image unless NewSubfileType marks it reduced (an overview) or a mask:
+    a GeoTIFF or COG holds 1; a multi-page TIFF (a time series, a scanner's stack) more.
+    """
+    return sum(1 for page in tif.pages[:MAX_PAGES]
+               if not int(getattr(page, "subfiletype", 0)) & (GDAL_MASK_BIT | REDUCED_BIT))

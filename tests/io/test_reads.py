@@ -13,6 +13,7 @@ import torch
 from helpers.io import CountingFile, make_array, write_with_gdal_mask
 
 import seg_at_scale.io.raster as raster_mod
+from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.tiling import Window
 
@@ -329,3 +330,27 @@ def test_windows_across_the_border_equal_the_definition_at_every_reach(tmp_path:
                                                   err_msg=f"{kind} {w} {fill} {pixels}")
                 np.testing.assert_array_equal(r.read_mask(w, fill=fill), want_mask,
                                               err_msg=f"{kind} {w} {fill} mask")
+
+
+@pytest.mark.parametrize("second", [(40, 30), (25, 17)])
+def test_a_tiff_of_several_images_is_refused_with_the_way_to_split_it(
+        tmp_path: Path, second: tuple[int, int]) -> None:
+    """A multi-page TIFF (a time series, a scanner's stack) is not read as its first page."""
+    path = tmp_path / "pages.tif"
+    with tifffile.TiffWriter(path) as tif:
+        tif.write(make_array((40, 30), "uint8"))
+        tif.write(make_array(second, "uint8"))  # a second full-resolution image
+    with pytest.raises(InputError, match=r"pages\.tif' holds 2 images.*GTIFF_DIR:2:"):
+        RasterReader(path)
+
+
+def test_reduced_and_mask_pages_are_not_other_images(tmp_path: Path) -> None:
+    path = tmp_path / "overviews.tif"
+    image = make_array((64, 48), "uint8")
+    with tifffile.TiffWriter(path) as tif:
+        tif.write(image, tile=(16, 16))
+        tif.write(image[::2, ::2], tile=(16, 16), subfiletype=1)  # an overview
+        tif.write(np.ones((64, 48), bool), tile=(16, 16), subfiletype=4)  # a mask
+    with RasterReader(path) as r:
+        assert r.has_mask
+        np.testing.assert_array_equal(r.read(Window(0, 0, 64, 48))[0], image)
