@@ -59,9 +59,12 @@ from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.checkpoint import load_checkpoint
 from seg_at_scale.models.registry import build_model
 from seg_at_scale.models.trained import (
+    MEANING_KEY,
     RUN_CONFIG,
     TrainedModel,
     card_of_config,
+    read_run_config,
+    weights_meaning,
 )
 from seg_at_scale.parallel.environment import plain_environment, quiet_srun_hint
 from seg_at_scale.parallel.launch import group_of_its_own
@@ -341,7 +344,7 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
     stop = SaveOnStop(run.path / "checkpoints", requeue_signal=next(
         (p.requeue_signal for p in plugins if getattr(p, "auto_requeue", False)), None))
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [
-        MemoryReport(memory.label), stop]
+        MemoryReport(memory.label), stop, RecordMeaning(run.path)]
     loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
     # the trainer before the run's config: what Lightning refuses leaves no run behind, so
     # the corrected command may use the same folder (a saved config is a run to resume)
@@ -356,6 +359,26 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
     except SIGTERMException:  # checkpoint saved by SaveOnStop; exit as the signal asks
         raise SystemExit(128 + (stop.signal or signal.SIGTERM)) from None
     return trainer, task, loggers
+
+
+class RecordMeaning(pl.Callback):
+    """Each checkpoint records what its weights mean.
+
+    That is :func:`weights_meaning` of the run's saved config: loading the checkpoint under
+    another run's classes or normalisation is refused.
+    """
+
+    def __init__(self, run: Path) -> None:
+        self.run = run
+        self.meaning: dict[str, Any] | None = None
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if not trainer.is_global_zero:  # rank 0 writes the file
+            return
+        if self.meaning is None:  # the config as saved (computed values in) and as loaded
+            self.meaning = weights_meaning(read_run_config(self.run))
+        checkpoint[MEANING_KEY] = self.meaning
 
 
 def _no_advert(record: logging.LogRecord) -> bool:

@@ -210,7 +210,7 @@ class RasterReader:
         """Refuse volumes and truncated files up front, with a clear message."""
         if int(page.imagedepth) != 1:
             raise _cannot_read(self.path, f"it is a 3-D volume (depth {page.imagedepth})")
-        images = image_pages(self._tif)
+        images = image_pages(self._tif) if self._tif is not None else 1
         if images > 1:
             raise InputError(
                 f"'{self.path}' holds {images} images (pages) and is read as one: give each "

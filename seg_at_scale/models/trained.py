@@ -41,11 +41,13 @@ from seg_at_scale.tiling.halo import footprint as measured_footprint
 
 __all__ = ["TrainedModel", "load_run", "footprint_with_halo", "pick_checkpoint",
            "card_of_config", "tiling_footprint", "load_weights", "weights_mismatch",
-           "read_run_config", "RUN_CONFIG", "CARD_FORMAT"]
+           "read_run_config", "RUN_CONFIG", "CARD_FORMAT", "MEANING_KEY", "weights_meaning",
+           "check_meaning"]
 
 log = logging.getLogger(__name__)
 
 RUN_CONFIG = "run_config.yaml"  # resolved config + computed values, saved with every run
+MEANING_KEY = "seg_at_scale_weights_meaning"  # a checkpoint's record of weights_meaning
 CARD_FORMAT = "seg_at_scale.model/1"
 
 
@@ -219,32 +221,70 @@ def load_weights(model: nn.Module, state: dict[str, Tensor], where: str) -> None
     model.load_state_dict(state)
 
 
-def card_of_config(cfg: DictConfig, fp: Footprint) -> dict[str, Any]:
-    """The card of a training config's model: family and keys, footprint, data."""
+def weights_meaning(cfg: DictConfig) -> dict[str, Any]:
+    """What a run's weights mean: the model's keys, the bands, the classes, the normalisation.
+
+    Saved in each checkpoint the run writes (:data:`MEANING_KEY`), and compared when a run
+    folder is loaded: a checkpoint of another run with the same shapes would otherwise be
+    used with this run's classes and normalisation, and predict wrong labels.
+    """
     node = OmegaConf.to_container(cfg.model, resolve=True)
     assert isinstance(node, dict)
     fam = family_of(str(node.get("_target_")))
     data = cfg.data
-    computed = cfg.get("computed") or {}
     k = int(data.num_classes)
     names = list(data.class_names) if data.get("class_names") else [f"class_{i}"
                                                                      for i in range(k)]
-    nodata = data.get("nodata")
     bands: Any = data.get("bands") or node.get("in_channels") or node.get("planes")  # int() checks
+    return {"model": {"family": fam.name if fam else None, **node},
+            "data": {"bands": int(bands), "num_classes": k, "class_names": names,
+                     "normalization": {"scale": float(data.scale),
+                                       "mean": [float(v) for v in data.mean],
+                                       "std": [float(v) for v in data.std]}}}
+
+
+def check_meaning(saved: Any, cfg: DictConfig, where: str) -> None:
+    """Refuse a checkpoint written under other model or data keys than ``cfg``'s (named).
+
+    Checkpoints without the record (another tool's, or made by hand) are taken as they are.
+    """
+    if not isinstance(saved, dict):
+        return
+    now = weights_meaning(cfg)
+    differ = [f"{key}: {a!r} in the checkpoint, {b!r} in the config"
+              for key, a, b in _differences(saved, now, "")]
+    if differ:
+        raise InputError(f"{where} was trained with other keys than the run's config: "
+                         f"{'; '.join(differ[:3])}. The checkpoint is another run's (predict "
+                         "it with run=<that run's folder>, or give one of this run's "
+                         "checkpoints), or the config was edited (restore it)")
+
+
+def _differences(a: Any, b: Any, key: str) -> list[tuple[str, Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in _differences(a.get(k), b.get(k), f"{key}.{k}" if key else str(k))]
+    return [] if a == b else [(key, a, b)]
+
+
+def card_of_config(cfg: DictConfig, fp: Footprint) -> dict[str, Any]:
+    """The card of a training config's model: family and keys, footprint, data."""
+    meaning = weights_meaning(cfg)
+    data = cfg.data
+    computed = cfg.get("computed") or {}
+    k = int(data.num_classes)
+    nodata = data.get("nodata")
     return {
         "format": CARD_FORMAT, "seg_at_scale_version": seg_at_scale.__version__,
-        "model": {"family": fam.name if fam else None, **node},
+        "model": meaning["model"],
         "footprint": {"halo": fp.halo, "align": fp.align, "padding": fp.padding,
                       "out_residue": fp.out_residue},
         "exact": bool((cfg.get("tiling") or {}).get("exact", True)),
-        "data": {"bands": int(bands),
-                 "num_classes": k, "class_names": names,
+        "data": {**meaning["data"],
                  "colours": [list(c) for c in default_palette(k)],
                  "ignore_index": int(data.ignore_index),
                  "nodata": "nan" if isinstance(nodata, float) and math.isnan(nodata)
                  else nodata,  # JSON has no NaN
-                 "normalization": {"scale": float(data.scale), "mean": list(data.mean),
-                                   "std": list(data.std)},
                  "input": _plain(computed.get("input")),
                  "fingerprint": computed.get("data_fingerprint")},
     }
@@ -300,6 +340,7 @@ def load_run(run: str | os.PathLike[str], ckpt: str = "best", *,
     model = build_model(without_weight_files(node), where=where, trust=trust)
     path = pick_checkpoint(run, ckpt)
     data = load_checkpoint(path, trust=trust)
+    check_meaning(data.get(MEANING_KEY), cfg, f"{where}: checkpoint '{path}'")
     load_weights(model, model_state(data), f"{where}, checkpoint '{path}'")
     model.eval()
     fp = tiling_footprint(model, cfg.get("tiling") or {})

@@ -3,6 +3,7 @@ the project's errors arrive as one line. Through the real ``seg-train`` command.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -78,6 +79,36 @@ def test_a_refused_rerun_into_a_moved_run_changes_no_file(finished_run, tmp_path
     assert "holds a run with another config" in out.stderr
     assert snapshot(moved) == before  # train.log too: nothing appended
     assert "is now in" not in (moved / "train.log").read_text()
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("data.mean", [0.25, 0.5, 0.5, 0.5], "data.normalization.mean"),
+    ("data.class_names", ["water", "background", "vegetation", "road", "building"],
+     "data.class_names"),
+])
+def test_a_checkpoint_of_a_run_with_other_classes_or_normalisation_is_refused(
+        finished_run, tmp_path, key, value, named) -> None:
+    """Before: a checkpoint with the same shapes predicted silently under the other run's
+    classes and normalisation (wrong labels, no word)."""
+    from seg_at_scale.errors import InputError
+    from seg_at_scale.models.checkpoint import load_checkpoint
+    from seg_at_scale.models.trained import MEANING_KEY, weights_meaning
+
+    _, run = finished_run
+    saved = load_checkpoint(run / "checkpoints" / "last.ckpt")[MEANING_KEY]
+    assert saved == weights_meaning(OmegaConf.load(run / "run_config.yaml"))
+    other = tmp_path / "other"  # another run: same network, other data keys
+    shutil.copytree(run, other)
+    cfg = OmegaConf.load(other / "run_config.yaml")
+    OmegaConf.update(cfg, key, value)
+    OmegaConf.save(cfg, other / "run_config.yaml")
+    for ckpt in ("last", str(run / "checkpoints" / "last.ckpt")):
+        with pytest.raises(InputError, match=rf"was trained with other keys than the run's "
+                                             rf"config: {re.escape(named)}: .* in the "
+                                             r"checkpoint, .* in the config\. The checkpoint "
+                                             r"is another run's"):
+            load_run(other, ckpt)
+    assert load_run(run, "last").card.class_names[0] == "background"
 
 
 def write_uint16_scenes(root: Path) -> None:
