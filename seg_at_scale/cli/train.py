@@ -250,6 +250,30 @@ def check_model_bands(cfg: DictConfig) -> None:
                               f"{mapped}; or set data.bands to the images' bands")
 
 
+def check_planes(cfg: DictConfig, choices: dict[str, str | None]) -> None:
+    """A network of detector planes trains with the task that scores them, and only it.
+
+    A model key ``planes`` (UResNet's) goes with ``task=cosmic`` and one label band per
+    plane. Any other pairing failed after its first steps (the 4 bands of ``data=synthetic`` taken
+    as 4 planes, scored as 20 classes by ``task=segmentation``), or trained a U-Net's logits
+    cut into planes by ``task=cosmic``.
+    """
+    model, task = choices.get("model"), choices.get("task")
+    planes, scored = cfg.model.get("planes"), "planes" in cfg.task
+    if planes is not None and not scored:
+        raise ConfigError(f"model={model} labels each detector plane (model.planes) apart, "
+                          f"which task={task} does not score; use task=cosmic with data of "
+                          "one label band per plane (data=cosmic, or data.mask_bands=<planes>)")
+    if scored and planes is None:
+        raise ConfigError(f"task={task} scores detector planes apart, which model={model} "
+                          "does not label; use model=uresnet_* (or another task)")
+    masks = cfg.data.get("mask_bands", 1)
+    if scored and isinstance(planes, int) and masks != planes:
+        raise ConfigError(f"model={model} labels {planes} planes (model.planes) but the data "
+                          f"has {masks} label band(s) per scene (data.mask_bands); give one "
+                          f"label band per plane (data.mask_bands={planes}, data=cosmic)")
+
+
 def check_hub_weights(model: DictConfig) -> None:
     """Refuse a weights hub name this machine cannot fetch, before any work.
 
@@ -303,6 +327,7 @@ def _main(cfg: DictConfig) -> float | None:
         check_numbers(cfg)
         check_epochs(cfg)
         check_model_bands(cfg)  # before any work: nothing written, nothing built
+        check_planes(cfg, dict(hydra_cfg.runtime.choices))
         check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
         with long_lived():
             from seg_at_scale.cli import training  # Lightning and the network stack: now

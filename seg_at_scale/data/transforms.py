@@ -23,7 +23,10 @@ __all__ = ["Augment", "build_augment"]
 
 @dataclass
 class Augment:
-    """Callable ``(image [C, h, w] float32, labels [h, w]) -> same shapes (maybe rotated)``."""
+    """Callable ``(image [C, h, w] float32, labels [h, w] or [M, h, w]) -> same shapes``.
+
+    Labels of ``M`` planes (one label band per detector plane) move with the image alike.
+    """
 
     pipeline: A.Compose
 
@@ -43,11 +46,15 @@ class Augment:
         the scene) moves with the geometric transforms and is untouched by the others.
         """
         extra = {"masks": [np.ascontiguousarray(m, np.uint8) for m in masks]} if masks else {}
+        planes = labels.ndim == 3  # albumentations takes a mask's planes last, as the image's
         out = self.pipeline(image=np.ascontiguousarray(image.transpose(1, 2, 0)),
-                            mask=labels, **extra)
+                            mask=np.ascontiguousarray(labels.transpose(1, 2, 0)) if planes
+                            else labels, **extra)
         moved = tuple(np.asarray(m).astype(masks[i].dtype) for i, m in
                       enumerate(out["masks"])) if masks else ()
-        return (np.ascontiguousarray(out["image"].transpose(2, 0, 1)), out["mask"], *moved)
+        mask = np.asarray(out["mask"]).astype(labels.dtype, copy=False)  # cv2 may give int32
+        return (np.ascontiguousarray(out["image"].transpose(2, 0, 1)),
+                np.ascontiguousarray(mask.transpose(2, 0, 1)) if planes else mask, *moved)
 
 
 def build_augment(flips: bool = True, rotate90: bool = True, brightness: float = 0.1,

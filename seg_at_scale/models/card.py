@@ -86,6 +86,16 @@ class ModelCard:
             input=dict(data.get("input") or {}), metrics=card.get("metrics"),
             raw=dict(card))
 
+    @property
+    def planes(self) -> int:
+        """Label maps per pixel: more than 1 for a network of detector planes.
+
+        A model key ``planes`` (UResNet's) labels each plane apart: its logits hold
+        ``planes x num_classes`` channels.
+        """
+        planes = self.model.get("planes", 1)
+        return planes if isinstance(planes, int) and not isinstance(planes, bool) else 1
+
     def normalizer(self, source: str) -> Normalizer:
         """The input normalisation; a scale or std that is not > 0 is refused."""
         n = self.raw.get("data", {}).get("normalization", {})  # the values as written

@@ -282,6 +282,13 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Mod
                          if image.is_dir() else f"image='{image}' is not a file (a device or "
                          "a pipe); give the path of a raster file")
     card.normalizer(source)  # a std or scale that is not > 0
+    if card.planes > 1:  # one label raster would hold plane x class ids
+        raise InputError(
+            f"{source} labels {card.planes} detector planes apart ({card.num_classes} classes "
+            f"each, {card.planes * card.num_classes} logit channels), and seg-predict writes "
+            "one label per pixel of an image; predict its events in Python with "
+            f"predict_tiled, then plane_view(logits, {card.planes}).argmax(1) "
+            "(docs/models.md)")
     inputs = {"image": image, **model_files, **({"mask": mask} if mask is not None else {})}
     # the files GDAL reads the image from (a VRT mosaic's pieces): no output replaces them,
     # and a TIFF among them that is truncated is named now, not when a tile reaches it

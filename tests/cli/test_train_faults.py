@@ -203,6 +203,33 @@ def test_a_model_for_other_bands_than_the_data_is_refused_before_any_work(tmp_pa
     assert not (tmp_path / "data").exists()  # no scene written, no model built
 
 
+@pytest.mark.parametrize("groups,message", [
+    (["model=uresnet_tiny"],
+     "model=uresnet_tiny labels each detector plane (model.planes) apart, which "
+     "task=segmentation does not score; use task=cosmic with data of one label band per "
+     "plane (data=cosmic, or data.mask_bands=<planes>)"),
+    (["model=unet_tiny", "task=cosmic", "data=cosmic"],
+     "task=cosmic scores detector planes apart, which model=unet_tiny does not label; use "
+     "model=uresnet_* (or another task)"),
+    (["model=uresnet_tiny", "task=cosmic", "data=cosmic", "data.mask_bands=1"],
+     "model=uresnet_tiny labels 3 planes (model.planes) but the data has 1 label band(s) per "
+     "scene (data.mask_bands); give one label band per plane (data.mask_bands=3, "
+     "data=cosmic)"),
+])
+def test_a_network_of_planes_and_its_task_are_refused_apart_before_any_work(tmp_path, groups,
+                                                                            message):
+    """Before: ``model=uresnet_tiny`` on the default data trained its steps, then failed in
+    the first validation ("Detected more unique values in `preds` than expected"), leaving
+    a run folder without a checkpoint; a U-Net under ``task=cosmic`` had its logits cut into
+    planes."""
+    run = tmp_path / "run"
+    tiny = [o for o in NO_MODEL if not o.startswith("data.synthetic.splits")]
+    out = seg_train_here(tmp_path, f"hydra.run.dir={run}", *tiny, *groups)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == f"seg-train: error: {message}"
+    assert not (tmp_path / "data").exists() and not run.exists()
+
+
 def test_a_hub_name_offline_is_refused_without_waiting_on_the_resolver(tmp_path,
                                                                       monkeypatch):
     """Before: the offline decision waited on the hub's name lookup (unbounded: the

@@ -150,6 +150,32 @@ def test_random_tile_augmentation_does_not_depend_on_workers(tmp_path, scene_fil
     assert any(a != b for a, b in pairs) and len(set(ops)) >= 3
 
 
+def test_plane_labels_move_with_the_image_under_every_flip_and_rotation():
+    """Before: labels of M planes ``[M, h, w]`` (``data=cosmic``, ``mask_bands: 3``) with
+    ``tiling=random``'s augmentation failed in albumentations ("Height and Width of image,
+    mask or masks should be equal"). Each plane's labels must move as the image does."""
+    from seg_at_scale.data.transforms import build_augment
+
+    rng = np.random.default_rng(1)
+    image = rng.random((3, 40, 40), dtype=np.float32)
+    labels = rng.integers(0, 3, (3, 40, 40)).astype(np.int64)
+    inside = np.ones((40, 40), bool)
+    inside[:5] = False
+    seen = set()
+    for seed in range(24):
+        aug = build_augment(flips=True, rotate90=True, brightness=0, contrast=0, seed=0)
+        aug.reseed(seed)
+        x, y, moved = aug(image, labels, inside)
+        assert y.shape == labels.shape and y.dtype == labels.dtype
+        ops = [lambda a, r=r, f=f: np.rot90(a[..., ::-1] if f else a, r, (-2, -1))
+               for f in (False, True) for r in range(4)]
+        k = next(i for i, o in enumerate(ops) if np.array_equal(o(image), x))
+        seen.add(k)
+        np.testing.assert_array_equal(y, ops[k](labels))  # every plane, the image's move
+        np.testing.assert_array_equal(moved, ops[k](inside))
+    assert len(seen) >= 4
+
+
 def test_grouped_sampler_keeps_images_together():
     s = ImageGroupedSampler([[0, 1, 2], [3, 4], [5]], shuffle=True, seed=1)
     order = list(s)

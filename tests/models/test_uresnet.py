@@ -172,3 +172,43 @@ def test_bad_arguments_name_key_and_fix():
         tiny()(torch.zeros(1, 3, 30, 32))
     with pytest.raises(ValueError, match=r"expects planes \[B, 3, H, W\]"):
         tiny()(torch.zeros(1, 2, 32, 32))
+
+
+def test_the_documented_python_path_for_planes_equals_the_whole_event(tmp_path):
+    """docs/models.md's lines for predicting events (which seg-predict refuses): labels per
+    plane equal the untiled network's, with the run's normalisation, on tiles of 48."""
+    import re
+    import textwrap
+    from pathlib import Path
+
+    import numpy as np
+    from helpers.prediction import write_run
+
+    from seg_at_scale.io import write_raster
+
+    doc = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
+    block = next(textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", doc, re.S)
+                 if "plane_view(logits" in b)
+    torch.manual_seed(0)
+    net = UResNet(planes=3, num_classes=3, depth=3, initial_filters=4).eval()
+    node = {"_target_": "seg_at_scale.models.UResNet", "planes": 3, "num_classes": 3,
+            "depth": 3, "initial_filters": 4}
+    data = {"bands": 3, "num_classes": 3, "class_names": ["background", "cosmic", "neutrino"],
+            "ignore_index": 255, "nodata": None, "scale": 0.02, "mean": [0.5], "std": [2.0]}
+    run = write_run(tmp_path / "run", node, net, data)
+    event = np.random.default_rng(0).random((3, 75, 131)).astype(np.float32) * 300
+    image = write_raster(tmp_path / "event_image.tif", event)
+    tile = f"tile_size={2 * net.footprint().halo + 32}"
+    code = (block.replace("runs/cosmic/<date>", str(run))
+            .replace('"event_image.tif"', repr(str(image))).replace("tile_size=512", tile))
+    assert code.count(str(run)) == 1 and code.count(tile) == 1
+    scope: dict = {}
+    exec(compile(code, "docs/models.md", "exec"), scope)  # noqa: S102 - the doc's own lines
+    x = (torch.from_numpy(event) * 0.02 - 0.5) / 2.0
+    from seg_at_scale.tiling.predict import predict_full
+
+    with torch.inference_mode():  # the whole event at once (padded to the alignment)
+        whole = plane_view(predict_full(net, x[None]), 3).argmax(1)[0]
+    assert scope["labels"].shape == (3, 75, 131)
+    assert torch.equal(scope["labels"], whole)
+    assert len(whole.unique()) > 1
