@@ -184,10 +184,20 @@ def unknown_nested_key(overrides: Sequence[Override]) -> str | None:
         if o.package or key.startswith("hydra") or o.is_delete():
             continue
         if key in groups:
+            options = sorted(p.stem for p in (TRAIN_CONFIG_DIR / key).glob("*.yaml"))
+            numbers = [v for v in (getattr(o.value(), "list", None) or [o.value()])
+                       if isinstance(v, int | float)]  # Hydra: "... must be a string ..."
+            if numbers:
+                v = numbers[0]
+                text, what = (str(v).lower(), "a boolean") if isinstance(v, bool) else (
+                    str(v), "a number")
+                quote = (f"quote it ({key}=\"'{text}'\") or give the option's full name; "
+                         if text in options else "")
+                return (f"{o.input_line} reads {text} as {what}, and a group's option is a "
+                        f"name: {quote}the {key} group's options are {', '.join(options)}")
             if o.is_sweep_override():
                 return None
             chosen[key] = option = str(o.value())
-            options = sorted(p.stem for p in (TRAIN_CONFIG_DIR / key).glob("*.yaml"))
             if o.value() is not None and option not in options:
                 near = nearest(option, options)
                 hint = f" (did you mean {key}={near}?)" if near else ""

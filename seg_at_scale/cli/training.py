@@ -27,7 +27,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 
 from seg_at_scale.cli.common import class_names_of, format_iou
 from seg_at_scale.cli.data_setup import (
@@ -343,9 +343,11 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
                             str(slurm.get("requeue_signal", "SIGUSR1"))) or plain_environment()
     stop = SaveOnStop(run.path / "checkpoints", requeue_signal=next(
         (p.requeue_signal for p in plugins if getattr(p, "auto_requeue", False)), None))
+    loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [
         MemoryReport(memory.label), stop, RecordMeaning(run.path)]
-    loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
+    if not loggers:  # logger=none: Lightning refuses a learning-rate monitor with no logger
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # the trainer before the run's config: what Lightning refuses leaves no run behind, so
     # the corrected command may use the same folder (a saved config is a run to resume)
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=loggers or False,

@@ -218,6 +218,12 @@ def test_a_mistyped_top_level_key_is_named_before_hydra(tmp_path, override, hint
     ("precision=bf17", "precision=bf17 is not an option of the precision group (did you mean "
      "precision=bf16?); its options are 16, 16-mixed, 32, 32-true, bf16, bf16-mixed "
      "(seg_at_scale/conf/precision/)"),
+    # before: Hydra's "Config group override must be a string or a list. Got int", a trace
+    ("precision=16", "precision=16 reads 16 as a number, and a group's option is a name: "
+     "quote it (precision=\"'16'\") or give the option's full name; the precision group's "
+     "options are 16, 16-mixed, 32, 32-true, bf16, bf16-mixed"),
+    ("logger=true", "logger=true reads true as a boolean, and a group's option is a name: the "
+     "logger group's options are csv, none, wandb"),
 ])
 def test_a_mistyped_key_of_a_group_or_option_is_named_before_hydra(tmp_path, override,
                                                                     expected):

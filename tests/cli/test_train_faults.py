@@ -420,3 +420,19 @@ def test_epoch_limits_lightning_ends_on_are_accepted(trainer):
     from seg_at_scale.cli.train import check_epochs
 
     assert check_epochs(OmegaConf.create({"trainer": trainer})) is None
+
+
+def test_logger_none_trains_without_a_logger(tmp_path):
+    """Before: ``logger=none`` (a listed option) failed at the fit's start with Lightning's
+    "Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger", leaving
+    a run folder without a checkpoint that the next command was refused into."""
+    import json
+
+    run = tmp_path / "run"
+    tiny = [o for o in TINY if not o.startswith("logger=")]
+    out = seg_train_here(tmp_path, *tiny, "logger=none", f"hydra.run.dir={run}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0.0 <= summary["val/miou"] <= 1.0
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert not (run / "csv").exists() and not (run / "wandb").exists()
