@@ -16,6 +16,7 @@ GDAL's VRT format; rasterio (GDAL) reads it back in the tests.
 
 from __future__ import annotations
 
+import logging
 import os
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ from seg_at_scale.io.geotags import open_dataset
 
 __all__ = ["write_mosaics", "write_vrt"]
 
+log = logging.getLogger(__name__)
+
 
 def _window(src: Affine, dst: Affine, height: int, width: int
             ) -> tuple[float, float, float, float]:
@@ -40,7 +43,7 @@ def _window(src: Affine, dst: Affine, height: int, width: int
 
 def _describe(path: Path) -> dict[str, Any]:
     with open_dataset(path) as ds:
-        if ds.transform.b or ds.transform.d:
+        if _rotated(ds.transform):
             raise InputError(f"'{path}' is not north-up (a rotated geotransform); a mosaic "
                              "needs north-up rasters")
         colours = ds.colormap(1) if ds.count == 1 and ds.dtypes[0] == "uint8" else None
@@ -104,6 +107,10 @@ def _source(band: ET.Element, k: int, info: dict[str, Any], dst: Affine, folder:
         ET.SubElement(src, "NODATA").text = repr(float(info["nodata"]))
 
 
+def _rotated(transform: Affine) -> bool:
+    return bool(transform.b or transform.d)
+
+
 def _gdal_type(dtype: str) -> str:
     return {"uint8": "Byte", "uint16": "UInt16", "int16": "Int16", "uint32": "UInt32",
             "int32": "Int32", "float32": "Float32", "float64": "Float64"}[dtype]
@@ -114,10 +121,16 @@ def write_mosaics(paths: Sequence[Path], folder: Path, name: str = "mosaic") -> 
 
     Rasters that are not north-up maps (no georeferencing: an identity transform, rows
     going down in y) are left out: placed by pixel rows they would all lie at one spot.
+    So are rotated ones (logged): the mosaic is an extra, and the scene is predicted.
     """
     by_crs: dict[str, list[Path]] = {}
     keys: dict[str, str] = {}
     for p in paths:
+        with open_dataset(p) as ds:
+            if _rotated(ds.transform):  # a VRT places sources by offsets along the axes
+                log.warning("%s left out of the mosaic: its geotransform is rotated (a VRT "
+                            "mosaic places north-up rasters)", p)
+                continue
         info = _describe(p)
         if info["transform"].e >= 0:
             continue

@@ -42,3 +42,22 @@ def test_outputs_without_georeferencing_make_no_mosaic(tmp_path):
     paths = [_label(tmp_path / "s0.tif", None, None, 50, 40),
              _label(tmp_path / "s1.tif", None, None, 20, 30)]
     assert write_mosaics(paths, tmp_path) == [] and not list(tmp_path.glob("*.vrt"))
+
+
+def test_a_rotated_output_is_left_out_of_the_mosaic_and_named(tmp_path, caplog):
+    """Before: one scene with a rotated geotransform ended every archive run with exit 2
+    after all its work ("is not north-up"), with no summary.json or items.json."""
+    from affine import Affine
+
+    utm = CRS.from_epsg(32633)
+    paths = [_label(tmp_path / "s1.tif", utm, from_origin(500000, 4500000, 10, 10)),
+             _label(tmp_path / "s2.tif", utm, Affine(8.0, 3.0, 500100, 3.0, -8.0, 4500000)),
+             _label(tmp_path / "s3.tif", utm, from_origin(500080, 4500000, 10, 10))]
+    with caplog.at_level("WARNING", logger="seg_at_scale.io.vrt"):
+        (vrt,) = write_mosaics(paths, tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{paths[1]} left out of the mosaic: its geotransform is rotated (a VRT mosaic places "
+        "north-up rasters)"]
+    with rasterio.open(vrt) as ds:
+        assert sorted(Path(f).name for f in ds.files[1:]) == ["s1.tif", "s3.tif"]
+        assert ds.width == 16 and set(np.unique(ds.read(1))) == {1, 3}
