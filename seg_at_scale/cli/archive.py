@@ -27,7 +27,12 @@ from seg_at_scale.prediction.archive import (
     predict_archive,
 )
 from seg_at_scale.prediction.lock import output_lock
-from seg_at_scale.prediction.report import merge_vectors, score, write_report
+from seg_at_scale.prediction.report import (
+    check_report_files,
+    merge_vectors,
+    score,
+    write_report,
+)
 
 if TYPE_CHECKING:
     from seg_at_scale.cli.predict import PredictJob
@@ -53,6 +58,10 @@ def archive_work(job: PredictJob, card: ModelCard, source: str,
                             vector_merge=job.vector_merge, options=job.options)
     refused = check_archive(scenes, job.options, card=card, source=source, model_files=files,
                             cuda=cuda, on_error=job.on_error)
+    merged = next((s.vector.suffix for s in scenes if s.vector is not None), None)
+    check_report_files(output_dir, mosaics=job.output_format == "tif", stac=job.options.stac,
+                       merged=merged if job.vector_merge else None,
+                       overwrite=job.options.overwrite)
     if job.vector_merge:
         check_merge(scenes, refused)
     return ArchiveWork(scenes, refused)

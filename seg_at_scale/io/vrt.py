@@ -28,7 +28,9 @@ from affine import Affine
 from seg_at_scale.errors import InputError
 from seg_at_scale.io.geotags import open_dataset
 
-__all__ = ["write_mosaics", "write_vrt"]
+__all__ = ["write_mosaics", "write_vrt", "written_mosaic"]
+
+MOSAIC_MARK = "seg_at_scale archive mosaic"  # the VRT's dataset metadata ``written_by``
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ def write_vrt(paths: Sequence[Path], vrt: Path) -> Path:
         ET.SubElement(root, "SRS").text = infos[0]["crs"].to_wkt()
     ET.SubElement(root, "GeoTransform").text = ", ".join(repr(float(v))
                                                         for v in dst.to_gdal())
+    ET.SubElement(ET.SubElement(root, "Metadata"), "MDI", key="written_by").text = MOSAIC_MARK
     counts = {i["count"] for i in infos}
     if len(counts) != 1:
         odd = next(i for i in infos if i["count"] != infos[0]["count"])
@@ -105,6 +108,12 @@ def _source(band: ET.Element, k: int, info: dict[str, Any], dst: Affine, folder:
     ET.SubElement(src, "DstRect", xOff=repr(x), yOff=repr(y), xSize=repr(w), ySize=repr(h))
     if info["nodata"] is not None:
         ET.SubElement(src, "NODATA").text = repr(float(info["nodata"]))
+
+
+def written_mosaic(path: Path) -> bool:
+    """Whether the VRT at ``path`` is a mosaic :func:`write_vrt` wrote (its mark)."""
+    mark = ET.parse(path).getroot().find("Metadata/MDI[@key='written_by']")
+    return mark is not None and mark.text == MOSAIC_MARK
 
 
 def _rotated(transform: Affine) -> bool:

@@ -8,6 +8,9 @@ temporary file, then a rename), so a killed run never leaves half a summary:
   ranks), Mpix/s, class histogram, and mIoU / per-class IoU where ``masks=`` had truth;
 * ``mosaic.vrt`` (one per CRS) over the ``.tif`` outputs: the archive as one layer;
 * ``items.json``: a STAC ItemCollection of the scenes' Items (``stac=true``).
+
+A file under one of those names that no archive wrote (the user's) is refused before any
+tile (:func:`check_report_files`), unless ``overwrite=true``; a rerun replaces its own.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from seg_at_scale.errors import OutputExistsError
 from seg_at_scale.metrics import confusion_from_rasters, iou_from_confusion
 from seg_at_scale.prediction.archive import ArchiveScene, SceneRecord
 
-__all__ = ["score", "write_report", "SUMMARY_COLUMNS"]
+__all__ = ["score", "write_report", "check_report_files", "SUMMARY_COLUMNS"]
 
 SUMMARY_COLUMNS = ("stem", "status", "reason", "tiles", "tiles_computed", "tiles_resumed",
                    "seconds", "megapixels", "mpix_per_s", "miou", "class_pixels", "iou",
@@ -106,6 +110,60 @@ def merge_vectors(records: Sequence[SceneRecord], scenes: Sequence[ArchiveScene]
     return out
 
 
+def check_report_files(output_dir: Path, *, mosaics: bool, stac: bool,
+                       merged: str | None, overwrite: bool) -> None:
+    """Refuse a file the report would replace that no archive wrote, before any tile.
+
+    ``mosaics``: the outputs are ``.tif`` (``mosaic*.vrt``); ``merged``: the suffix of the
+    merged polygons (``vector_merge``), or None. Each kind of file is told by its content:
+    the summary's columns and keys, the scenes' Items, the mosaic's mark, the merged layer.
+    """
+    if overwrite or not output_dir.is_dir():
+        return
+    names = ["summary.csv", "summary.json", *(["items.json"] if stac else []),
+             *([f"vectors{merged}"] if merged else [])]
+    paths = [output_dir / n for n in names]
+    if mosaics:
+        paths += sorted(output_dir.glob("mosaic*.vrt"))
+    for path in paths:
+        if path.exists() and not _written_by_an_archive(path):
+            raise OutputExistsError(
+                f"output_dir '{output_dir}' holds {path.name}, which the archive's report "
+                "writes and no archive prediction wrote; pass overwrite=true to replace it, "
+                "or choose another output_dir")
+
+
+def _written_by_an_archive(path: Path) -> bool:
+    """Whether ``path`` is a report file as :func:`write_report` (or the merge) writes it."""
+    from seg_at_scale.prediction.provenance import WRITTEN_KEY
+
+    if not path.is_file():
+        return False
+    try:
+        if path.suffix == ".csv":
+            with path.open(newline="") as f:
+                return next(csv.reader(f), None) == list(SUMMARY_COLUMNS)
+        if path.name == "summary.json":
+            doc = json.loads(path.read_text())
+            return isinstance(doc, dict) and {"scenes", "summary", *_COUNTS} <= doc.keys()
+        if path.name == "items.json":
+            doc = json.loads(path.read_text())
+            return doc.get("type") == "FeatureCollection" and all(
+                WRITTEN_KEY in f.get("properties", {}) for f in doc.get("features", []))
+        if path.suffix == ".vrt":
+            from seg_at_scale.io.vrt import written_mosaic
+
+            return written_mosaic(path)
+        import pyogrio
+
+        return "scene" in pyogrio.read_info(path, layer="vectors")["fields"]
+    except Exception:  # noqa: BLE001 - unreadable as ours: the user's
+        return False
+
+
+_COUNTS = ("done", "reused", "skipped", "failed")
+
+
 def write_report(records: Sequence[SceneRecord], output_dir: Path, *,
                  stac: bool) -> dict[str, Any]:
     """Write the summary, the mosaics and the ItemCollection; what was written."""
@@ -117,8 +175,7 @@ def write_report(records: Sequence[SceneRecord], output_dir: Path, *,
         writer.writerow({**row, **{k: json.dumps(row[k])
                                    for k in ("class_pixels", "iou", "tiles_by_rank")}})
     _atomic(output_dir / "summary.csv", buf.getvalue())
-    counts = {k: sum(r.status == k for r in records)
-              for k in ("done", "reused", "skipped", "failed")}
+    counts = {k: sum(r.status == k for r in records) for k in _COUNTS}
     doc: dict[str, Any] = {"scenes": len(records), **counts, "summary": rows}
     finished = [Path(r.output) for r in records if r.status in ("done", "reused")]
     tifs = [p for p in finished if p.suffix.lower() in (".tif", ".tiff")]

@@ -321,3 +321,32 @@ def test_merged_polygons_of_two_crss_are_measured_in_one_and_without_a_crs_refus
         "layer and nothing was computed; predict them as two archives, or drop vector_merge "
         "(one polygon file per scene)")
     assert not out.exists() or not list(out.glob("*.tif"))
+
+
+@pytest.mark.parametrize("name", ["summary.csv", "summary.json", "items.json", "mosaic.vrt",
+                                  "vectors.gpkg"])
+def test_a_users_file_under_a_report_name_is_refused_before_any_tile(archive, tmp_path,
+                                                                     name):
+    """Before: an archive replaced the user's summary.csv, summary.json, items.json and
+    mosaic.vrt in output_dir without a word (vectors.gpkg with vector_merge=true)."""
+    tmp, run = archive
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_text("the user's own\n")
+    args = (f"run={run}", *OPTS, f"images={tmp / 'scenes'}", f"output_dir={out}",
+            "vector=gpkg", "vector_merge=true")
+    res = seg_predict_here(*args)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"seg-predict: error: output_dir '{out}' holds {name}, which the archive's report "
+        "writes and no archive prediction wrote; pass overwrite=true to replace it, or choose "
+        "another output_dir")
+    assert sorted(p.name for p in out.iterdir()) == [name]  # no tile, nothing else
+    assert (out / name).read_text() == "the user's own\n"
+    first = seg_predict_here(*args, "overwrite=true")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert (out / name).read_bytes() != b"the user's own\n"
+    again = seg_predict_here(*args)  # the archive's own report: a rerun replaces it
+    assert again.returncode == 0, again.stderr[-2000:]
+    report = json.loads((out / "summary.json").read_text())
+    assert report["reused"] == 4 and (out / "mosaic.vrt").is_file()
