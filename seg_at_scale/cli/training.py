@@ -63,6 +63,7 @@ from seg_at_scale.models.trained import (
     RUN_CONFIG,
     TrainedModel,
     card_of_config,
+    prediction_footprint,
     read_run_config,
     weights_meaning,
 )
@@ -148,6 +149,7 @@ def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_di
                  loggers: list[Any]) -> list[dict[str, Any]]:
     """Predict each test scene whole (streaming, tiled) and score it against its mask."""
     results = []
+    fp = prediction_footprint(task.model, cfg.tiling)  # exact, whatever the training halo
     trained = TrainedModel(task.model, ModelCard.of(card_of_config(cfg, fp)),
                            f"run '{out_dir}'", cfg)
     options = predict_options(cfg)
@@ -322,6 +324,8 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     resolve_auto_tile(cfg, model, fp, dm, memory, run)  # tiling.tile_size=auto
     check_grids(cfg, fp, report)
     computed.update(computed_values(dm, fp, cfg))
+    # what its predictions tile with (seg-predict's ranks read it before the network)
+    computed["predict_halo"] = prediction_footprint(model, cfg.tiling).halo
     computed["preflight_s"] = round(report.seconds, 3)
     return model, fp, memory, dm, computed
 

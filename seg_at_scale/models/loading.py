@@ -83,7 +83,7 @@ def peek_card(run: str | os.PathLike[str] | None, model: str | os.PathLike[str] 
     if not all(k in c for k in ("halo", "align", "padding", "out_residue")):
         raise InputError(f"'{Path(run) / RUN_CONFIG}' has no computed footprint (halo, align, "
                          "padding); predict with processes=1, or export the run with seg-export")
-    fp = Footprint(int(c["halo"]), int(c["align"]),
+    fp = Footprint(int(c.get("predict_halo", c["halo"])), int(c["align"]),
                    cast(Padding, str(c["padding"])),  # Footprint checks it
                    int(c["out_residue"]))
     return ModelCard.of(card_of_config(cfg, fp)), f"run '{run}'"

@@ -40,7 +40,8 @@ from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as measured_footprint
 
 __all__ = ["TrainedModel", "load_run", "footprint_with_halo", "pick_checkpoint",
-           "card_of_config", "tiling_footprint", "load_weights", "weights_mismatch",
+           "card_of_config", "tiling_footprint", "prediction_footprint", "load_weights",
+           "weights_mismatch",
            "read_run_config", "RUN_CONFIG", "CARD_FORMAT", "MEANING_KEY", "weights_meaning",
            "check_meaning"]
 
@@ -129,6 +130,20 @@ def tiling_footprint(model: nn.Module, tiling: Mapping[str, Any]) -> Footprint:
     log.warning("tiling.exact=false: tiles (halo %d, align %d) do NOT reproduce the "
                 "whole-image computation; predictions are approximate", fp.halo, fp.align)
     return fp
+
+
+def prediction_footprint(model: nn.Module, tiling: Mapping[str, Any]) -> Footprint:
+    """The footprint a trained model predicts with: the run's, never below the exact halo.
+
+    ``tiling.halo`` below the network's halo makes training tiles cheaper and inexact (the
+    run logs it); its predictions stay exact, as their result and COG declare, with the
+    network's halo. With ``tiling.exact=false``: the run's approximate footprint.
+    """
+    halo = tiling.get("halo", "auto")
+    if (tiling.get("exact", True) and isinstance(halo, int) and not isinstance(halo, bool)
+            and 0 <= halo < measured_footprint(model).halo):
+        tiling = {**tiling, "halo": "auto"}
+    return tiling_footprint(model, tiling)
 
 
 def _run_above(path: Path) -> str:
@@ -343,7 +358,7 @@ def load_run(run: str | os.PathLike[str], ckpt: str = "best", *,
     check_meaning(data.get(MEANING_KEY), cfg, f"{where}: checkpoint '{path}'")
     load_weights(model, model_state(data), f"{where}, checkpoint '{path}'")
     model.eval()
-    fp = tiling_footprint(model, cfg.get("tiling") or {})
+    fp = prediction_footprint(model, cfg.get("tiling") or {})
     card = card_of_run(cfg, fp, run, path, data)
     return TrainedModel(model, ModelCard.of(card), where, cfg, path)
 

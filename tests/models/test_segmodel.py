@@ -165,3 +165,43 @@ def test_the_python_path_of_the_readme_equals_the_command(exported, tmp_path):
     from seg_at_scale.data.normalize import Normalizer
 
     assert trained.normalizer != Normalizer()  # not predict_raster's default, x / 255
+
+
+def test_a_run_trained_with_a_smaller_halo_predicts_exactly_and_exports(tmp_path):
+    """Before: a run trained with ``tiling.halo=0`` (below the network's 22) predicted with
+    halo 0, tiles that disagreed with each other (q=1 and q=4 differed on 246 labels) under
+    ``"exact": true``; its seg-export was then refused at load as "edited"."""
+    import json
+
+    from helpers.prediction import write_run
+
+    from seg_at_scale.io import read_raster
+    from seg_at_scale.tiling.geometry import Footprint
+
+    net = make_model("same", levels=3, width=8)
+    exact = net.footprint()
+    assert exact.halo > 0
+    small = Footprint(0, exact.align, exact.padding, exact.out_residue)
+    from omegaconf import OmegaConf
+
+    run = make_run(tmp_path / "ref", net)  # the data and model nodes of the helper's run
+    cfg = OmegaConf.to_container(OmegaConf.load(run / "run_config.yaml"))
+    assert isinstance(cfg, dict)
+    run = write_run(tmp_path / "halo0", cfg["model"], net, cfg["data"], fp=small,
+                    tiling={"halo": 0}, high=230.0)
+    image = make_image(tmp_path / "scene.tif", 211, 173)
+    outs = {}
+    for q in (1, 4):
+        res = seg_predict(run, image, tmp_path / f"q{q}.tif", f"q={q}", "preview=false")
+        assert res["halo"] == exact.halo and res["exact"] is True
+        outs[q] = read_raster(tmp_path / f"q{q}.tif")
+    assert outs[1].tobytes() == outs[4].tobytes()
+    out = seg_export(run, tmp_path / "h.segmodel")
+    assert out.returncode == 0, out.stderr
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.predict", f"model={tmp_path / 'h.segmodel'}",
+           f"image={image}", f"output={tmp_path / 'm.tif'}", "progress=false", "q=4",
+           "preview=false"]
+    res = warm.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout[res.stdout.index("{"):])["halo"] == exact.halo
+    assert read_raster(tmp_path / "m.tif").tobytes() == outs[1].tobytes()
