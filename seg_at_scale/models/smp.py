@@ -102,7 +102,7 @@ class SMPModel(nn.Module):
         self.options = dict(options or {})
         self.align_corners = align_corners
         self.net = _create(arch, encoder, in_channels, num_classes, self.options)
-        make_exact(self.net, align_corners=align_corners)
+        resampled = make_exact(self.net, align_corners=align_corners)
         prefer_layouts(self.net)  # DeepLab's dilated depthwise convolutions: NCHW on CPU
         f64 = torch.float64  # the statistics as written (a float32 0.485 reads 0.48500001)
         self.register_buffer("input_mean", torch.full((in_channels,), math.nan, dtype=f64))
@@ -117,6 +117,14 @@ class SMPModel(nn.Module):
             self._load("model.encoder_weights", encoder_weights, self.net.encoder, band_map)
         if weights is not None:
             self._load("model.weights", weights, self.net, band_map)
+            if resampled:  # the file's network upsampled otherwise: other logits than its own
+                log.warning(
+                    "model.weights '%s': smp's %s upsamples with align_corners=True (%d "
+                    "places), which depends on the image size and no tiling reproduces; this "
+                    "network upsamples with align_corners=False, so it predicts other logits "
+                    "than the model the file holds (fine-tuning adapts them). To predict as "
+                    "that model: model.align_corners=true tiling.exact=false (approximate "
+                    "tiles)", weights, arch, resampled)
 
     # ----- weights ----------------------------------------------------------------------
 

@@ -93,13 +93,18 @@ class _FPNBlock(Conv3x3GNReLU):
         return x
 
 
-def make_exact(net: nn.Module, *, align_corners: bool = False) -> None:
+def make_exact(net: nn.Module, *, align_corners: bool = False) -> int:
     """Turn whole-image statistics into sites and, unless asked, fix the upsampling.
 
     Args:
         net: an smp model (changed in place; parameters and keys unchanged).
         align_corners: keep smp's size-dependent ``align_corners=True`` upsampling.
+
+    Returns:
+        How many of smp's ``align_corners=True`` upsamplings now run otherwise (0 when
+        ``align_corners`` keeps them, or the architecture has none).
     """
+    changed = 0
     for m in net.modules():
         if type(m) is nn.GroupNorm:
             m.__class__ = GroupNormSite
@@ -110,8 +115,11 @@ def make_exact(net: nn.Module, *, align_corners: bool = False) -> None:
         elif type(m) is Conv3x3GNReLU:
             m.__class__ = _FPNBlock
             cast(_FPNBlock, m).align_corners = align_corners
+            changed += int(bool(m.upsample) and not align_corners)
         elif isinstance(m, nn.Upsample) and m.mode == "bilinear" and m.align_corners:
             m.align_corners = align_corners
+            changed += int(not align_corners)
+    return changed
 
 
 def non_local_modules(net: nn.Module) -> list[tuple[str, str]]:

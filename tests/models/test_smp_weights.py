@@ -287,3 +287,38 @@ def test_a_checkpoint_rebuild_needs_no_weights_file(tmp_path):
     x = torch.randn(1, 4, 64, 64)
     assert torch.equal(again.eval()(x), trained(x))
     assert again.input_normalization()["mean"] == [0.1, 0.2, 0.3, None]
+
+
+def test_a_whole_model_trained_with_size_dependent_upsampling_is_told_how_it_differs(
+        tmp_path, caplog):
+    """Before: ``model.weights=<an FPN trained elsewhere>`` ran with align_corners=False
+    upsampling (the exact kind) and predicted other labels than the file's model (FPN:
+    about 1 in 8 pixels), without a word. The warning's fix gives the file's own logits."""
+    import segmentation_models_pytorch as smp
+
+    torch.manual_seed(0)
+    ref = smp.create_model("FPN", encoder_name="tu-test_resnet", encoder_weights=None,
+                           in_channels=4, classes=3).eval()
+    path = tmp_path / "fpn.pth"
+    torch.save(ref.state_dict(), path)
+    x = torch.randn(1, 4, 64, 96)
+    with caplog.at_level("WARNING", logger="seg_at_scale.models.smp"):
+        exact = SMPModel("FPN", "tu-test_resnet", 4, 3, weights=str(path)).eval()
+    (record,) = [r.getMessage() for r in caplog.records]
+    assert record == (
+        f"model.weights '{path}': smp's FPN upsamples with align_corners=True (7 places), "
+        "which depends on the image size and no tiling reproduces; this network upsamples "
+        "with align_corners=False, so it predicts other logits than the model the file holds "
+        "(fine-tuning adapts them). To predict as that model: model.align_corners=true "
+        "tiling.exact=false (approximate tiles)")
+    with torch.no_grad():
+        assert not torch.allclose(exact(x), ref(x), atol=1e-4)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="seg_at_scale.models.smp"):
+        same = SMPModel("FPN", "tu-test_resnet", 4, 3, weights=str(path),
+                        align_corners=True).eval()
+        torch.save(unet("tu-test_resnet", bands=4).net.state_dict(), tmp_path / "unet.pth")
+        unet("tu-test_resnet", bands=4, weights=str(tmp_path / "unet.pth"))  # no bilinear
+    assert caplog.records == []
+    with torch.no_grad():
+        assert torch.equal(same(x), ref(x))
