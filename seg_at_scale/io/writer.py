@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -32,6 +33,7 @@ __all__ = [
     "BIGTIFF_THRESHOLD",
     "check_output_path",
     "remove_stale_temporaries",
+    "discard",
     "listed_once",
     "temporary_path",
     "write_atomic",
@@ -103,11 +105,29 @@ def remove_stale_temporaries(path: Path) -> int:
     for tmp in found:
         _, _, tail = tmp.name[len(path.name) + 2:].partition(".")
         pid = tail.split("-", 1)[0].split(".", 1)[0]
-        if pid.isdigit() and tmp.is_file() and not _alive(int(pid)):
+        if pid.isdigit() and not _alive(int(pid)):
             with suppress(OSError):
-                tmp.unlink()
+                if tmp.is_dir() and not tmp.is_symlink():  # a store being discarded
+                    shutil.rmtree(tmp)
+                else:
+                    tmp.unlink()
                 gone += 1
     return gone
+
+
+def discard(folder: Path, beside: Path) -> None:
+    """Delete ``folder`` (a working store of the output ``beside``) with no half left.
+
+    It is first renamed to a temporary name of ``beside`` (:func:`temporary_path`): a
+    process killed while deleting leaves that name, which :func:`remove_stale_temporaries`
+    of ``beside`` removes, never a half-deleted store under the store's own name.
+    """
+    doomed = temporary_path(beside, "discarded")
+    try:
+        os.rename(folder, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 #: Folders listed once by :func:`listed_once`: their hidden names.

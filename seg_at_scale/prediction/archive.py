@@ -48,6 +48,7 @@ from seg_at_scale.prediction.layout_choice import with_layout
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.plan import (
     RasterPlan,
+    drop_working_store,
     model_digest,
     open_store,
     plan_raster,
@@ -511,6 +512,8 @@ def _open_stores(plans: list[RasterPlan], records: list[SceneRecord],
             records[i].status, records[i].reason = "failed", str(exc)
             continue
         if pixels is not None:
+            if rank == 0:
+                drop_working_store(p, options.keep_store)
             records[i].status, records[i].class_pixels = "reused", pixels
             records[i].tiles_resumed = records[i].tiles
     refused: dict[int, str] = {}

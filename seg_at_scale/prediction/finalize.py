@@ -8,7 +8,6 @@ model computes the rows below them.
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.io.cog import class_colors, write_cog
 from seg_at_scale.io.threads import by_rows
-from seg_at_scale.io.writer import remove_stale_temporaries
+from seg_at_scale.io.writer import discard, remove_stale_temporaries
 from seg_at_scale.prediction.checks import probabilities_path
 from seg_at_scale.prediction.provenance import (
     CLASS_PIXELS_TAG,
@@ -90,7 +89,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
     class_pixels = [int(v) for v in hist[:classes]]
     store.finish(class_pixels)
     if kind == "cog" and not keep_store:
-        shutil.rmtree(store.path, ignore_errors=True)
+        discard(store.path, out_path)
     return class_pixels
 
 

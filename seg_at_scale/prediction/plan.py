@@ -26,6 +26,7 @@ from seg_at_scale.errors import InputError, OutputExistsError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.io.geotags import open_dataset
 from seg_at_scale.io.raster import raster_files
+from seg_at_scale.io.writer import discard, remove_stale_temporaries
 from seg_at_scale.models.fold import fold_batchnorm
 from seg_at_scale.prediction.checks import rewritten_by_resume, store_path
 from seg_at_scale.prediction.finalize import cog_outputs
@@ -39,7 +40,7 @@ from seg_at_scale.tiling.engine import Batch, plan_batches
 from seg_at_scale.tiling.tile_sides import legal_side
 
 __all__ = ["RasterPlan", "plan_raster", "model_digest", "prediction_network", "reusable",
-           "open_store", "input_id", "readable_input_id", "with_tile"]
+           "drop_working_store", "open_store", "input_id", "readable_input_id", "with_tile"]
 
 
 def model_digest(model: nn.Module) -> str:
@@ -232,6 +233,20 @@ def reusable(plan: RasterPlan, overwrite: bool) -> list[int] | None:
                                 "(another model, input, tiling or options); pass "
                                 "overwrite=true to replace it, or choose another path")
     return state[1][:plan.num_classes]  # one count per class (older tags: per byte value)
+
+
+def drop_working_store(plan: RasterPlan, keep_store: bool) -> None:
+    """Rank 0, on reusing a finished ``.tif``: remove a working store a killed run left.
+
+    A run killed after its COG was renamed into place, before its store was deleted, leaves
+    the store (as large as the labels, hidden); one killed while deleting it leaves a
+    discarded one (:func:`~seg_at_scale.io.writer.discard`).
+    """
+    if plan.kind != "cog":
+        return
+    remove_stale_temporaries(plan.output)
+    if not keep_store and plan.working.is_dir():
+        discard(plan.working, plan.output)
 
 
 def open_store(plan: RasterPlan, options: PredictOptions) -> PredictionStore:

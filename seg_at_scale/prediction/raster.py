@@ -48,6 +48,7 @@ from seg_at_scale.prediction.lock import output_lock
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.outputs import output_kind
 from seg_at_scale.prediction.plan import (
+    drop_working_store,
     model_digest,
     open_store,
     plan_raster,
@@ -180,6 +181,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         with lock:
             reused = on_rank0(lambda: reusable(plan, o.overwrite))
             if reused is not None:  # this very prediction finished before: nothing to compute
+                on_rank0(lambda: drop_working_store(plan, o.keep_store))
                 stats.tiles_resumed, stats.class_pixels, stats.reused = len(grid), reused, True
                 stats.total_s = time.perf_counter() - t_start
                 return stats

@@ -384,3 +384,32 @@ def test_overwrite_takes_the_replaced_predictions_companions_with_it(run, tmp_pa
                          "overwrite=true", "preview=false", "stac=false"))
     assert sorted(p.name for p in out.parent.iterdir()) == ["m.tif", "m_preview.png"]
     assert (tmp_path / "o" / "m_preview.png").read_bytes() == b"the user's own picture"
+
+
+@pytest.mark.parametrize("archive", [False, True])
+def test_a_working_store_a_killed_run_left_beside_its_finished_output_is_removed(
+        run, tmp_path, archive):
+    """Before: a SIGKILL after the COG was renamed into place, before or while its working
+    store ``.NAME.tif.zarr`` was deleted, left the store (the labels' size, hidden) for
+    good: the rerun reused the output and never looked at it, and a half-deleted store
+    then refused ``overwrite=true`` as "not a seg_at_scale prediction store"."""
+    (tmp_path / "scenes").mkdir()
+    image = make_image(tmp_path / "scenes" / "s.tif", 211, 173)
+    out = tmp_path / "out" / "s.tif"
+    args = ((f"images={tmp_path / 'scenes'}", f"output_dir={out.parent}") if archive
+            else (f"image={image}", f"output={out}"))
+    _ok(seg_predict_here(f"run={run}", *OPTS, *args, "keep_store=true"))
+    assert (out.parent / ".s.tif.zarr").is_dir() and out.is_file()
+    # what a run killed inside discard() leaves: the store renamed, partly deleted
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    doomed = out.parent / f".s.tif.discarded.{dead}-0a1b2c3d.tmp"
+    (doomed / "labels" / "c" / "0").mkdir(parents=True)
+    (doomed / "labels" / "c" / "0" / "0").write_bytes(b"\0" * 1000)
+    labels = out.read_bytes()
+    again = _ok(seg_predict_here(f"run={run}", *OPTS, *args))
+    assert again["reused"] == 1 if archive else again["tiles_resumed"] == again["tiles"]
+    assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".")) == []
+    assert out.read_bytes() == labels
+    assert _ok(seg_predict_here(f"run={run}", *OPTS, *args, "overwrite=true"))
+    assert out.read_bytes() == labels
