@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import re
 
 __all__ = ["SegAtScaleError", "InputError", "ConfigError", "OutputExistsError", "TRUST_HINT",
            "disk_full"]
@@ -28,15 +29,21 @@ class OutputExistsError(SegAtScaleError, FileExistsError):
 
 
 _FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+#: numpy's ``tofile`` (tifffile writes large arrays with it) on a disk that fills mid-write:
+#: a short write with no errno
+_SHORT_WRITE = re.compile(r"^(\d+) requested and (\d+) written$")
 
 
 def disk_full(exc: BaseException) -> SegAtScaleError | None:
     """A disk-full error behind ``exc`` as one line (the work done so far is kept)."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in _FULL:
+        short = _SHORT_WRITE.match(str(seen)) if isinstance(seen, OSError) else None
+        if isinstance(seen, OSError) and (seen.errno in _FULL or short):
             where = f" writing '{seen.filename}'" if seen.filename else ""
-            return SegAtScaleError(f"no space left{where} ({seen.strerror}); free space or "
+            why = (f"{short[2]} of {short[1]} bytes written" if short and seen.errno is None
+                   else seen.strerror)
+            return SegAtScaleError(f"no space left{where} ({why}); free space or "
                                    "choose another output folder, then run the same command "
                                    "again: what was finished is kept")
         seen = seen.__cause__ or seen.__context__
