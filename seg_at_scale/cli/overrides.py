@@ -150,8 +150,8 @@ def precheck(prog: str, config_name: str | None, argv: Sequence[str] | None = No
                                        or override.is_delete() or override.package):
             first = key.replace("/", ".").split(".")[0]
             if first not in firsts:
-                near = nearest(first, sorted(firsts))
-                hint = f" (did you mean {near}{key[len(first):]}=?)" if near else ""
+                near = _nearest_path(key, first, sorted(firsts), args)
+                hint = f" (did you mean {near}=?)" if near else ""
                 _fail(prog, f"{key}= is not a {prog} key or group{hint}; the top-level keys "
                       f"and groups are {', '.join(sorted(firsts))}")
         if keys is None or key.startswith("hydra") or override.package:
@@ -164,6 +164,43 @@ def precheck(prog: str, config_name: str | None, argv: Sequence[str] | None = No
         unknown = unknown_nested_key(parsed)
         if unknown is not None:
             _fail(prog, unknown)
+
+
+def _nearest_path(key: str, first: str, firsts: list[str], args: Sequence[str]) -> str | None:
+    """The key ``key`` most likely means, if any.
+
+    A key of the composed config it ends (``lr`` or ``optimizer.lr``: ``task.optimizer.lr``),
+    else its first part's nearest top-level name where the rest exists below it (or for a
+    key of one part).
+    """
+    if "." in key or "/" not in key:
+        groups = {p.name for p in TRAIN_CONFIG_DIR.iterdir() if p.is_dir()}
+        cfg = compose_train([a for a in args if a.split("=", 1)[0] in groups])
+        if cfg is not None:
+            ending = [p for p in _paths(cfg) if p.endswith(f".{key}")]
+            if ending:
+                return min(ending, key=len)
+            near = nearest(first, firsts)
+            rest = key[len(first):].lstrip(".").split(".") if "." in key else []
+            if near and (not rest or _walk(cfg.get(near), rest)[1] == len(rest)):
+                return near + key[len(first):]
+            return None
+    near = nearest(first, firsts)
+    return near + key[len(first):] if near else None
+
+
+def _paths(node: Any, prefix: str = "") -> list[str]:
+    """Every dotted key path of a config (groups' keys below them)."""
+    if not isinstance(node, DictConfig):
+        return []
+    out = []
+    for k in node.keys():
+        path = f"{prefix}{k}"
+        out.append(path)
+        child = node._get_node(str(k))
+        if isinstance(child, DictConfig):
+            out += _paths(child, f"{path}.")
+    return out
 
 
 def unknown_nested_key(overrides: Sequence[Override]) -> str | None:
@@ -218,6 +255,10 @@ def unknown_nested_key(overrides: Sequence[Override]) -> str | None:
         if depth == len(path):
             continue
         where = ".".join(path[:depth])
+        if depth == 0:  # a top-level name only some group option sets
+            return (f"{o.key_or_group}= is not a key of the config these groups compose "
+                    f"({path[0]} is not in it); its top-level keys are "
+                    f"{', '.join(sorted(str(k) for k in cfg.keys()))}")
         if not isinstance(node, DictConfig):
             return (f"{o.key_or_group}= sets a key below {where}, which is a value, not a "
                     f"group of keys; set {where}= itself")

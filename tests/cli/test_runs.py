@@ -188,7 +188,11 @@ def test_a_run_or_sweep_folder_that_is_a_url_is_refused_before_it_is_made(tmp_pa
 @pytest.mark.parametrize(("override", "hint"), [
     ("modl=unet_tiny", " (did you mean model=?)"),
     ("trainr.max_epochs=1", " (did you mean trainer.max_epochs=?)"),
-    ("modl/x=y", " (did you mean model/x=?)"), ("lr=0.1", "")])
+    ("modl/x=y", " (did you mean model/x=?)"),
+    # before: lr= had no hint, and optimizer.lr= was told optimized_metric.lr= (a name alike)
+    ("lr=0.1", " (did you mean task.optimizer.lr=?)"),
+    ("optimizer.lr=0.01", " (did you mean task.optimizer.lr=?)"),
+    ("no_such.thing=1", "")])
 def test_a_mistyped_top_level_key_is_named_before_hydra(tmp_path, override, hint):
     """Before: Hydra answered ``modl=unet_tiny`` with "Could not override 'modl'. To append
     to your config use +modl=unet_tiny" and a trace."""
@@ -215,6 +219,9 @@ def test_a_mistyped_top_level_key_is_named_before_hydra(tmp_path, override, hint
      "it does not have yet is added with +logger.offline="),
     ("seed.x=1", "seed.x= sets a key below seed, which is a value, not a group of keys; set "
      "seed= itself"),
+    # before: "optimized_metric.lr= is not a key of ; its keys are ..."
+    ("optimized_metric.lr=0.01", "optimized_metric.lr= is not a key of the config these "
+     "groups compose (optimized_metric is not in it); its top-level keys are callbacks, "),
     ("precision=bf17", "precision=bf17 is not an option of the precision group (did you mean "
      "precision=bf16?); its options are 16, 16-mixed, 32, 32-true, bf16, bf16-mixed "
      "(seg_at_scale/conf/precision/)"),
