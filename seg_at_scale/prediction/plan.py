@@ -230,7 +230,9 @@ def reusable(plan: RasterPlan, overwrite: bool) -> list[int] | None:
         return None
     if state[0] != digest(plan.fingerprint) and state[0] != digest(_with_sha256_input(plan)):
         raise OutputExistsError(f"output '{plan.output}' was made by another prediction "
-                                "(another model, input, tiling or options); pass "
+                                "(another model, input, tiling or options; tile_size=auto "
+                                "sizes tiles for the processes and the device, so give the "
+                                "first run's tile_size= to rerun it elsewhere); pass "
                                 "overwrite=true to replace it, or choose another path")
     return state[1][:plan.num_classes]  # one count per class (older tags: per byte value)
 

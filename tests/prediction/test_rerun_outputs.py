@@ -413,3 +413,17 @@ def test_a_working_store_a_killed_run_left_beside_its_finished_output_is_removed
     assert out.read_bytes() == labels
     assert _ok(seg_predict_here(f"run={run}", *OPTS, *args, "overwrite=true"))
     assert out.read_bytes() == labels
+
+
+def test_a_finished_output_of_another_tile_size_names_the_tile_size(run, tmp_path):
+    """A rerun with another grid (tile_size=auto on another processes= or device) is
+    another prediction; the refusal now says how to reuse the finished output."""
+    image = make_image(tmp_path / "s.tif", 211, 173)
+    out = tmp_path / "s_pred.tif"
+    _ok(seg_predict_here(f"run={run}", "ckpt=last", f"image={image}", f"output={out}",
+                         "tile_size=96"))
+    _refused(seg_predict_here(f"run={run}", "ckpt=last", f"image={image}", f"output={out}",
+                              "tile_size=128"),
+             f"output '{out}' was made by another prediction (another model, input, tiling "
+             "or options; tile_size=auto sizes tiles for the processes and the device, so "
+             "give the first run's tile_size= to rerun it elsewhere)")
