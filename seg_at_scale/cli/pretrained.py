@@ -68,7 +68,7 @@ def use_weights_normalization(cfg: DictConfig, model: nn.Module, run: RunFolder,
         return
     for key, value in want.items():
         if value != _configured(cfg.data, key):
-            was = cfg.data[key]
+            was = _configured(cfg.data, key)  # a copy: fill replaces the node
             run.fill(cfg, f"data.{key}", functools.partial(_known, value))
             log.info("data.%s from the weights: %s (was %s)", key, value, was)
 

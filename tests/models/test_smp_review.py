@@ -191,6 +191,16 @@ def test_uncovered_bands_apply_all_or_nothing(caplog):
     assert (list(data.mean), list(data.std), data.scale) == ([5.0, 6.0], [0.2, 0.3], 1.0)
 
 
+def test_the_log_names_the_values_the_weights_replace(caplog):
+    """Before: "data.mean from the weights: [0.1, 0.2] (was [0.1, 0.2])": the old value was
+    read after it had been replaced."""
+    norm = {"mean": [0.1, 0.2], "std": [1.0, 2.0], "scale": None}
+    with caplog.at_level("INFO", logger="seg_at_scale.cli.pretrained"):
+        normalize(norm, scale=1.0, mean=[0.5, 0.5], std=[0.25, 0.25])
+    assert "data.mean from the weights: [0.1, 0.2] (was [0.5, 0.5])" in caplog.text
+    assert "data.std from the weights: [1.0, 2.0] (was [0.25, 0.25])" in caplog.text
+
+
 def test_the_policy_is_checked_also_without_recorded_normalisation():
     with pytest.raises(ConfigError, match="finetune.normalization='wieghts': use 'weights'"):
         normalize(None, "wieghts")
