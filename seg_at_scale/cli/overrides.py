@@ -194,10 +194,10 @@ def _paths(node: Any, prefix: str = "") -> list[str]:
     if not isinstance(node, DictConfig):
         return []
     out = []
-    for k in node.keys():
-        path = f"{prefix}{k}"
+    for name in (str(k) for k in node.keys()):
+        path = prefix + name
         out.append(path)
-        child = node._get_node(str(k))
+        child = node._get_node(name)
         if isinstance(child, DictConfig):
             out += _paths(child, f"{path}.")
     return out

@@ -43,7 +43,7 @@ from seg_at_scale.cli.pretrained import run_footprint, use_weights_normalization
 from seg_at_scale.cli.runs import RunFolder, global_rank, run_lock
 from seg_at_scale.config_check import check_types, known_keys, resolved
 from seg_at_scale.data.datamodule import TileDataModule
-from seg_at_scale.errors import ConfigError
+from seg_at_scale.errors import ConfigError, SegAtScaleError
 from seg_at_scale.io import RasterReader
 from seg_at_scale.memory import (
     MemoryConfig,
@@ -349,7 +349,7 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
         (p.requeue_signal for p in plugins if getattr(p, "auto_requeue", False)), None))
     loggers = [instantiate(c) for c in cfg.logger.values()] if cfg.logger else []
     callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [
-        MemoryReport(memory.label), stop, RecordMeaning(run.path)]
+        MemoryReport(memory.label), stop, RecordMeaning(run.path), FiniteLoss(cfg)]
     if not loggers:  # logger=none: Lightning refuses a learning-rate monitor with no logger
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     # the trainer before the run's config: what Lightning refuses leaves no run behind, so
@@ -385,6 +385,36 @@ class RecordMeaning(pl.Callback):
         if self.meaning is None:  # the config as saved (computed values in) and as loaded
             self.meaning = weights_meaning(read_run_config(self.run))
         checkpoint[MEANING_KEY] = self.meaning
+
+
+class FiniteLoss(pl.Callback):
+    """Stop a run whose loss is NaN or infinite, before it saves the weights it ruined.
+
+    Checked at each image's end (a grid image's last tile, or a batch of random tiles), on
+    every rank at once: a diverged run trained on, saved NaN weights as its best checkpoint
+    and predicted class 0 everywhere, exit 0. The checkpoints of the epochs before stay.
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.lr = OmegaConf.select(cfg, "task.optimizer.lr", default=None)
+        self.bad = False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss).all()):
+            self.bad = True
+        if isinstance(batch, dict) and "last" in batch and not bool(batch["last"].all()):
+            return  # not an image's end: the ranks agree there
+        bad = torch.tensor(float(self.bad), device=trainer.strategy.root_device)
+        if trainer.world_size > 1:
+            bad = trainer.strategy.reduce(bad, reduce_op="max")
+        if float(bad):
+            raise SegAtScaleError(
+                f"the training diverged: the loss is NaN or infinite at epoch "
+                f"{trainer.current_epoch}, step {trainer.global_step} (task.optimizer.lr="
+                f"{self.lr}); train a new run with a lower task.optimizer.lr (or "
+                "task.gradient_clip); the checkpoints of the epochs before are kept")
 
 
 def _no_advert(record: logging.LogRecord) -> bool:

@@ -36,6 +36,7 @@ from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.checkpoint import load_checkpoint, model_state
 from seg_at_scale.models.contract import ApproximateFootprint
 from seg_at_scale.models.registry import build_model, family_of, without_weight_files
+from seg_at_scale.models.weights import non_finite
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as measured_footprint
 
@@ -233,6 +234,12 @@ def load_weights(model: nn.Module, state: dict[str, Tensor], where: str) -> None
                          f"{mismatch}. The checkpoint is another run's (predict it with "
                          "run=<that run's folder>, or give one of this run's checkpoints), "
                          "or the config was edited (restore it)")
+    bad = non_finite(state)
+    if bad:  # a diverged run's: every pixel would be labelled 0
+        raise InputError(f"{where}: the weights hold NaN or infinite values in {bad[0]} of "
+                         f"the {bad[1]} float tensors (first {bad[2]}): the training diverged "
+                         "(a loss of nan); use a checkpoint from before it, or train again "
+                         "with a lower task.optimizer.lr")
     model.load_state_dict(state)
 
 

@@ -599,14 +599,21 @@ def _head(name: str) -> bool:
     return _top(name) in HEAD_NAMES
 
 
-def check_finite(key: str, path: Any, tensors: Mapping[str, Tensor]) -> None:
-    """Refuse weights holding NaN or infinite values (they train to a loss of nan)."""
+def non_finite(tensors: Mapping[str, Tensor]) -> tuple[int, int, str] | None:
+    """Tensors holding NaN or infinite values, float tensors, and the first (key: count)."""
     floats = {k: t for k, t in tensors.items() if t.is_floating_point()}
     bad = [(k, t) for k, t in floats.items() if not bool(torch.isfinite(t).all())]
+    if not bad:
+        return None
+    k, t = bad[0]
+    return len(bad), len(floats), f"{k}: {int((~torch.isfinite(t)).sum())} of {t.numel()} values"
+
+
+def check_finite(key: str, path: Any, tensors: Mapping[str, Tensor]) -> None:
+    """Refuse weights holding NaN or infinite values (they train to a loss of nan)."""
+    bad = non_finite(tensors)
     if bad:
-        k, t = bad[0]
-        n = int((~torch.isfinite(t)).sum())
-        raise InputError(f"{key}='{path}' holds NaN or infinite values in {len(bad)} of the "
-                         f"{len(floats)} float tensors it loads (first {k}: {n} of "
-                         f"{t.numel()} values); training from them gives a loss of nan; give "
-                         "an intact file (save or download it again)")
+        raise InputError(f"{key}='{path}' holds NaN or infinite values in {bad[0]} of the "
+                         f"{bad[1]} float tensors it loads (first {bad[2]}); training from "
+                         "them gives a loss of nan; give an intact file (save or download it "
+                         "again)")

@@ -111,6 +111,27 @@ def test_a_checkpoint_of_a_run_with_other_classes_or_normalisation_is_refused(
     assert load_run(run, "last").card.class_names[0] == "background"
 
 
+def test_a_checkpoint_of_nan_weights_is_refused_naming_the_divergence(finished_run, tmp_path):
+    """Before: a diverged run's NaN weights loaded, exported and predicted class 0 for every
+    pixel, exit 0."""
+    import torch
+
+    from seg_at_scale.errors import InputError
+
+    _, run = finished_run
+    data = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    key = next(k for k, v in data["state_dict"].items() if v.is_floating_point())
+    data["state_dict"][key] = torch.full_like(data["state_dict"][key], float("nan"))
+    torch.save(data, tmp_path / "nan.ckpt")
+    with pytest.raises(InputError, match=r"checkpoint '.*nan\.ckpt': the weights hold NaN or "
+                                         r"infinite values in 1 of the \d+ float tensors \(first "
+                                         + re.escape(key.removeprefix("model.")) + r": \d+ of \d+ "
+                                         r"values\): the "
+                                         r"training diverged \(a loss of nan\); use a "
+                                         r"checkpoint from before it"):
+        load_run(run, str(tmp_path / "nan.ckpt"))
+
+
 def write_uint16_scenes(root: Path) -> None:
     """Sentinel-like 4-band uint16 scenes (0..~6000) whose labels follow band 0."""
     rng = np.random.default_rng(0)

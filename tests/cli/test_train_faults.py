@@ -436,3 +436,23 @@ def test_logger_none_trains_without_a_logger(tmp_path):
     assert 0.0 <= summary["val/miou"] <= 1.0
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert not (run / "csv").exists() and not (run / "wandb").exists()
+
+
+def test_a_diverged_run_stops_at_its_nan_loss(tmp_path):
+    """Before: ``task.optimizer.lr=1e12`` trained to the end (exit 0, val/miou 0.06), saved
+    NaN weights as its best checkpoint, and seg-predict labelled every pixel 0."""
+    from seg_at_scale.models.trained import load_run
+
+    run = tmp_path / "run"
+    out = seg_train_here(tmp_path, *TINY, "trainer.max_epochs=3", "task.optimizer.lr=1e12",
+                         "task.gradient_clip=0", f"hydra.run.dir={run}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"seg-train: error: the training diverged: the loss is NaN or infinite "
+                        r"at epoch \d, step \d+ \(task\.optimizer\.lr=1000000000000\.0\); "
+                        r"train a new run with a lower task\.optimizer\.lr \(or "
+                        r"task\.gradient_clip\); the checkpoints of the epochs before are kept",
+                        line), line
+    assert not (run / "summary.json").exists()
+    for ckpt in (run / "checkpoints").glob("*.ckpt"):  # what is kept loads: finite weights
+        load_run(run, str(ckpt))
