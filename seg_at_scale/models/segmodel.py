@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -44,6 +45,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
@@ -339,10 +341,56 @@ def _check_card(card: Mapping[str, Any], where: str) -> None:
     _whole(where, "data.bands", data.get("bands"), 1, MAX_BANDS)
     k = _whole(where, "data.num_classes", data.get("num_classes"), 1, MAX_CLASSES)
     names = data.get("class_names")
-    if not isinstance(names, list) or len(names) != k:
+    if not isinstance(names, list) or len(names) != k or not all(
+            isinstance(n, str) for n in names):
         raise _edited(where, "data.class_names", names, f"not a list of data.num_classes={k} "
                       "names")
+    _check_data(data, where, k, int(data["bands"]))
     _check_sizes(_section(where, card, "model"), where, "model")
+
+
+def _check_data(data: Mapping[str, Any], where: str, k: int, bands: int) -> None:
+    """What the predictor reads of the card's data besides bands and classes, each checked.
+
+    The normalisation, ``ignore_index``, ``nodata``, the training imagery's ``input`` and the
+    preview's ``colours``: an edited one failed in a traceback, some after the COG.
+    """
+    _whole(where, "data.ignore_index", data.get("ignore_index"), 0, 255)
+    norm = data.get("normalization")
+    if not isinstance(norm, Mapping):
+        raise _edited(where, "data.normalization", norm, "not a mapping of keys")
+    if not _number(norm.get("scale")) or not norm["scale"] > 0:
+        raise _edited(where, "data.normalization.scale", norm.get("scale"), "not a number > 0")
+    for key in ("mean", "std"):
+        values = norm.get(key)
+        if not isinstance(values, list) or len(values) not in (1, bands) or not all(
+                _number(v) for v in values):
+            raise _edited(where, f"data.normalization.{key}", values, f"not a list of 1 or "
+                          f"data.bands={bands} numbers")
+    nodata = data.get("nodata")
+    if not (nodata is None or nodata == "nan" or _number(nodata)):
+        raise _edited(where, "data.nodata", nodata, "not a number, 'nan' or null")
+    seen = data.get("input")
+    if seen is not None:
+        dtype = seen.get("dtype") if isinstance(seen, Mapping) else None
+        try:
+            known = isinstance(dtype, str) and np.dtype(dtype).kind in "uif"
+        except TypeError:
+            known = False
+        if not known or not (seen.get("high") is None or _number(seen["high"])):
+            raise _edited(where, "data.input", seen, "not {dtype: a numpy sample type, high: "
+                          "a number}")
+    colours = data.get("colours")
+    if colours is not None and (not isinstance(colours, list) or len(colours) != k or not all(
+            isinstance(c, list) and len(c) in (3, 4) and all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in c)
+            for c in colours)):
+        raise _edited(where, "data.colours", colours, f"not data.num_classes={k} colours of "
+                      "3 or 4 values in 0..255")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check_sizes(node: Mapping[str, Any], where: str, prefix: str, depth: int = 0) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -139,6 +140,45 @@ def test_a_card_size_out_of_bounds_is_refused_before_building(models, tmp_path, 
     bad = edited(models["same"], tmp_path / "big.segmodel", lambda card: _set(card, key, value))
     with pytest.raises(InputError, match=rf"card.json has {key}={value}, not a whole number "
                                          rf"in {bound}"):
+        read_model(bad)
+
+
+def _drop(key: str) -> Callable[[dict[str, Any]], None]:
+    def edit(card: dict[str, Any]) -> None:
+        *path, last = key.split(".")
+        node = card
+        for k in path:
+            node = node[k]
+        del node[last]
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "key", "rule"), [
+    (_drop("data.normalization"), "data.normalization", "not a mapping of keys"),
+    (lambda c: _set(c, "data.normalization.mean", ["a"] * 4), "data.normalization.mean",
+     "not a list of 1 or data.bands=4 numbers"),
+    (lambda c: _set(c, "data.normalization.scale", 0), "data.normalization.scale",
+     "not a number > 0"),
+    (_drop("data.ignore_index"), "data.ignore_index", "not a whole number in 0..255"),
+    (lambda c: _set(c, "data.input", {"dtype": "float99", "high": 1.0}), "data.input",
+     "not {dtype: a numpy sample type, high: a number}"),
+    (lambda c: _set(c, "data.input", "abc"), "data.input",
+     "not {dtype: a numpy sample type, high: a number}"),
+    (lambda c: _set(c, "data.colours", [[1000, 2, 3]] * 5), "data.colours",
+     "not data.num_classes=5 colours of 3 or 4 values in 0..255"),
+    (lambda c: _set(c, "data.colours", [[1, 2, 3]]), "data.colours",
+     "not data.num_classes=5 colours of 3 or 4 values in 0..255"),
+    (lambda c: _set(c, "data.nodata", "abc"), "data.nodata", "not a number, 'nan' or null"),
+    (lambda c: _set(c, "data.class_names", [1, 2, 3, 4, 5]), "data.class_names",
+     "not a list of data.num_classes=5 names"),
+])
+def test_every_data_key_the_predictor_reads_is_checked_at_load(models, tmp_path, edit, key,
+                                                               rule):
+    """Before: these edits (re-summed) failed in tracebacks (KeyError, TypeError,
+    AssertionError), the colours after the COG and its preview were written."""
+    bad = edited(models["same"], tmp_path / "edited.segmodel", edit)
+    with pytest.raises(InputError, match=rf"card\.json has {re.escape(key)}=.*, "
+                                         rf"{re.escape(rule)}; the card was edited or damaged"):
         read_model(bad)
 
 
