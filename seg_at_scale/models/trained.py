@@ -234,7 +234,9 @@ def load_weights(model: nn.Module, state: dict[str, Tensor], where: str) -> None
                          f"{mismatch}. The checkpoint is another run's (predict it with "
                          "run=<that run's folder>, or give one of this run's checkpoints), "
                          "or the config was edited (restore it)")
-    bad = non_finite(state)
+    # the parameters only: a buffer may hold NaN by design (smp's unset input statistics)
+    params = {name for name, _ in model.named_parameters()}
+    bad = non_finite({k: v for k, v in state.items() if k in params})
     if bad:  # a diverged run's: every pixel would be labelled 0
         raise InputError(f"{where}: the weights hold NaN or infinite values in {bad[0]} of "
                          f"the {bad[1]} float tensors (first {bad[2]}): the training diverged "

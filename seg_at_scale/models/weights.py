@@ -93,8 +93,7 @@ def read_weights(path: str | os.PathLike[str], *, key: str) -> tuple[dict[str, T
     check_local(f"{key}='{path}'", str(path), error=InputError)
     p = Path(path)
     if not p.is_file():
-        raise InputError(f"{key}='{p}' does not exist; give the path of a weights file "
-                         f"({', '.join(WEIGHT_SUFFIXES)})")
+        raise _not_a_file(p, key)
     if p.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -123,12 +122,24 @@ def _unreadable(path: Path, key: str, exc: BaseException) -> InputError:
         head = f.read(16)
     if not head:
         reason = "it is empty"
+    elif head[:1] == b"\x80":  # a pickle's PROTO opcode: pickle.dump, not torch.save
+        return InputError(f"{key}='{path}' is a pickle not written by torch.save (pickle.dump),"
+                          " which torch cannot load as plain data; save the state dict with "
+                          "torch.save(state_dict, path) or safetensors.torch.save_file")
     elif isinstance(exc, KeyError | pickle.UnpicklingError):  # torch's text is no help here
         reason = f"neither a zip nor a pickle: it begins {head!r}"
     else:
         reason = (str(exc).strip().splitlines() or [""])[0][:120] or type(exc).__name__
     return InputError(f"{key}='{path}' is not a readable PyTorch file ({reason}); give a "
                       "state dict saved with torch.save or a .safetensors file")
+
+
+def _not_a_file(path: Path, key: str) -> InputError:
+    what = "is a folder" if path.is_dir() else "does not exist"
+    hub = (f" (a hub repository is written hf-hub:{path})" if str(path).count("/") == 1
+           and not path.is_dir() else "")
+    return InputError(f"{key}='{path}' {what}; give the path of a weights file "
+                      f"({', '.join(WEIGHT_SUFFIXES)}){hub}")
 
 
 def _tensors(obj: Any, path: Path, key: str) -> dict[str, Tensor]:
@@ -380,9 +391,14 @@ def _reachable(endpoint: str, timeout: float) -> bool:
 
 
 def is_hub_name(spec: str) -> bool:
-    """Whether a weights value names hub weights (``imagenet``, ``org/name``), not a file."""
+    """Whether a weights value names hub weights (``imagenet``, ``org/name``), not a file.
+
+    ``folder/name`` where ``folder`` is a folder here is a path (a missing file).
+    """
     p = Path(spec).expanduser()
-    return not (p.exists() or p.suffix in WEIGHT_SUFFIXES or spec.startswith(("/", ".", "~")))
+    local = "/" in spec and not spec.startswith("hf-hub:") and p.parent.is_dir()
+    return not (p.exists() or local or p.suffix in WEIGHT_SUFFIXES
+                or spec.startswith(("/", ".", "~")))
 
 
 def _cached(spec: str, encoder: str) -> Path | None:
@@ -406,8 +422,34 @@ def check_hub_name(spec: str, encoder: str, *, key: str) -> None:
         ConfigError: a hub name on a machine without internet whose weights are not in
             the local Hugging Face cache.
     """
+    if is_hub_name(spec) and _hub_repo(spec, encoder) is None:
+        raise _no_such_name(spec, encoder, key)
     if is_hub_name(spec) and _cached(spec, encoder) is None and is_offline():
         raise _offline(spec, encoder, key)
+
+
+def _no_such_name(spec: str, encoder: str, key: str) -> ConfigError:
+    """Neither a file nor a name of the encoder's weights (a typo of either)."""
+    names = weights_names(encoder)
+    listed = f" (its names: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''})" \
+        if names else ""
+    return ConfigError(f"{key}={spec!r} is no file here, and encoder {encoder!r} has no "
+                       f"weights of that name{listed}; give the path of a weights file "
+                       f"({', '.join(WEIGHT_SUFFIXES)}), one of its names, or a hub "
+                       "repository (hf-hub:org/name)")
+
+
+def weights_names(encoder: str) -> list[str]:
+    """The names of the pretrained weights ``encoder`` offers (timm's tags, smp's keys)."""
+    if encoder.startswith("tu-"):
+        import timm
+
+        base = encoder[3:].split(".")[0]
+        tags = {n.split(".", 1)[1] for n in timm.list_pretrained(f"{base}.*")}
+        return ["imagenet", *sorted(tags)] if tags else []
+    from segmentation_models_pytorch.encoders import encoders
+
+    return sorted(encoders.get(encoder, {}).get("pretrained_settings", {}))
 
 
 def _offline(spec: str, encoder: str, key: str) -> ConfigError:
@@ -435,18 +477,16 @@ def resolve_weights(spec: str, encoder: str, *, key: str) -> Path:
     if not is_hub_name(spec):
         check_local(f"{key}='{spec}'", spec, error=InputError)
         if not p.is_file():
-            raise InputError(f"{key}='{spec}' does not exist; give the path of a weights file "
-                             f"({', '.join(WEIGHT_SUFFIXES)})")
+            raise _not_a_file(p, key)
         return p
     cached = _cached(spec, encoder)
     if cached is not None:
         return cached
-    if is_offline():
-        raise _offline(spec, encoder, key)
     repo = _hub_repo(spec, encoder)
     if repo is None:
-        raise ConfigError(f"{key}={spec!r}: encoder {encoder!r} has no weights of that name; "
-                          "give a weights file path or a hub id (hf-hub:org/name)")
+        raise _no_such_name(spec, encoder, key)
+    if is_offline():
+        raise _offline(spec, encoder, key)
     from huggingface_hub import hf_hub_download
 
     try:

@@ -207,6 +207,44 @@ def test_files_that_would_run_code_or_do_not_exist_are_refused(tmp_path):
         read_weights("/vsicurl/https://x.org/e.pth", key="model.encoder_weights")
 
 
+def test_a_folder_a_plain_pickle_and_a_misspelt_name_are_told_for_what_they_are(
+        tmp_path, monkeypatch):
+    """Before: a folder "does not exist"; a pickle.dump state dict was "neither a zip nor a
+    pickle"; a misspelt name or file (``imagenett``, ``w.safetensor``, ``weights/resnet34``)
+    was a hub name to download with `hf download <repo> ...`, a command that cannot work."""
+    import pickle
+
+    from seg_at_scale.models.weights import check_hub_name
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "weights").mkdir()
+    with pytest.raises(InputError, match=r"model.encoder_weights='weights' is a folder; give "
+                                         r"the path of a weights file"):
+        read_weights("weights", key="model.encoder_weights")
+    with (tmp_path / "plain.pth").open("wb") as f:
+        pickle.dump(dict(timm.create_model("test_resnet").state_dict()), f)
+    with pytest.raises(InputError, match=r"plain\.pth' is a pickle not written by torch\.save "
+                                         r"\(pickle\.dump\), which torch cannot load as plain "
+                                         r"data; save the state dict with torch\.save"):
+        read_weights(tmp_path / "plain.pth", key="model.encoder_weights")
+    for spec in ("imagenett", "w.safetensor"):
+        with pytest.raises(ConfigError) as err:
+            check_hub_name(spec, "resnet34", key="model.encoder_weights")
+        assert str(err.value) == (
+            f"model.encoder_weights={spec!r} is no file here, and encoder 'resnet34' has no "
+            "weights of that name (its names: imagenet); give the path of a weights file "
+            "(.safetensors, .pth, .pt, .ckpt, .bin), one of its names, or a hub repository "
+            "(hf-hub:org/name)")
+    with pytest.raises(ConfigError, match=r"encoder 'tu-resnet18' has no weights of that name "
+                                          r"\(its names: imagenet, a1_in1k, "):
+        check_hub_name("imagenett", "tu-resnet18", key="model.encoder_weights")
+    with pytest.raises(InputError, match=r"model.weights='weights/resnet34' does not exist; give "
+                                         r"the path of a weights file \(.*\) \(a hub "
+                                         r"repository is written hf-hub:weights/resnet34\)"):
+        unet(weights="weights/resnet34")
+
+
 def test_hub_name_refused_offline_in_one_line(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError) as err:
