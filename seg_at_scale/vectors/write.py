@@ -46,7 +46,7 @@ from seg_at_scale.vectors.polygonize import MergeStats, Region, check_options, p
 from seg_at_scale.vectors.simplify import coverage_simplified
 from seg_at_scale.vectors.sources import Source, georeference, store_class_names
 
-__all__ = ["FORMATS", "VectorStats", "write_vectors", "vector_format", "to_map"]
+__all__ = ["FORMATS", "VectorStats", "write_vectors", "vector_format", "to_map", "layer_name"]
 
 #: Output extension -> (GDAL driver, what it is).
 FORMATS: dict[str, tuple[str, str]] = {
@@ -125,7 +125,8 @@ def write_vectors(labels: Source, output: str | os.PathLike[str], *,
 
     Args:
         labels: ``.zarr`` prediction store, label TIFF, or ``[H, W]`` uint8 array.
-        output: ``.gpkg``, ``.parquet`` (GeoParquet) or ``.fgb``; layer = file stem.
+        output: ``.gpkg``, ``.parquet`` (GeoParquet) or ``.fgb``; layer = file stem
+            (:func:`layer_name`).
         class_names: name of each class id (default: the store's, else ``class_<id>``).
         connectivity: 4 or 8 (8 joins regions touching at a corner: MultiPolygons).
         min_area: drop regions smaller than this, in CRS units (m² for UTM).
@@ -164,7 +165,7 @@ def write_vectors(labels: Source, output: str | os.PathLike[str], *,
     remove_stale_temporaries(out)
     tmp = temporary_path(out).with_suffix(out.suffix)
     try:
-        _write(batches, tmp, driver, out.stem, layout, crs)
+        _write(batches, tmp, driver, layer_name(out.stem, driver), layout, crs)
         os.replace(tmp, out)
     finally:
         _remove(tmp)
@@ -262,6 +263,22 @@ class _Layout:
             columns.append(pa.array([r.probability for r in regions], pa.float64()))
         columns.append(pa.array(shapely.to_wkb(geoms), pa.binary()))
         return pa.record_batch(columns, schema=self.schema)
+
+
+def layer_name(stem: str, driver: str) -> str:
+    """The layer of a vector file: its stem, or ``layer_<stem>`` where GeoPackage reserves it.
+
+    GDAL's GeoPackage driver refuses a layer named from ``-``, ``+``, ``#`` (any character
+    that is not a letter, digit or ``_``), or from ``gpkg`` or ``sqlite_`` (its own tables).
+
+    >>> layer_name("-dash", "GPKG"), layer_name("gpkg_x", "GPKG"), layer_name("scene", "GPKG")
+    ('layer_-dash', 'layer_gpkg_x', 'scene')
+    """
+    first = stem[:1]
+    if driver == "GPKG" and (not (first.isalnum() or first == "_")
+                             or stem.startswith("gpkg") or stem.lower().startswith("sqlite_")):
+        return f"layer_{stem}"
+    return stem
 
 
 def _write(batches: Iterator[pa.RecordBatch], path: Path, driver: str, layer: str,

@@ -66,6 +66,23 @@ def test_each_format_round_trips_geometry_and_crs(store, tmp_path, ext):
     assert not list(tmp_path.glob(".*"))  # no temporary left
 
 
+@pytest.mark.parametrize("name", ["-dash.gpkg", "gpkg_x.gpkg", "sqlite_y.gpkg", "+p.gpkg",
+                                  "-dash.fgb"])
+def test_names_geopackage_reserves_still_write_their_polygons(store, tmp_path, name):
+    """Before: a scene named ``-dash`` or ``gpkg_x`` with ``vector=gpkg`` ended in pyogrio's
+    "The layer name may not ..." traceback after the labels were written (an archive
+    stopped, on_error=skip or not)."""
+    import pyogrio
+
+    plain = tmp_path / f"plain{name[name.index('.'):]}"
+    write_vectors(store, plain, connectivity=8)
+    write_vectors(store, tmp_path / name, connectivity=8)
+    assert features(read(tmp_path / name)) == features(read(plain))
+    (layer,) = pyogrio.list_layers(tmp_path / name)[:, 0]
+    stem = name[:name.index(".")]
+    assert layer == (f"layer_{stem}" if name.endswith(".gpkg") else stem)
+
+
 def test_attributes_equal_numpy_on_each_region(store, tmp_path):
     out = tmp_path / "scene.gpkg"
     write_vectors(store, out, probabilities=store, strip_rows=16)
