@@ -1,9 +1,10 @@
 """What one training run did, in a small JSON a sweep report reads: ``<run>/trial.json``.
 
 :class:`TrialRecord` is a Lightning callback (in ``callbacks/default.yaml``, so every run
-writes it). It keeps the monitored metric after each validation, and at the end of fitting
-writes the history, the best value and its epoch, the torch threads the run used, the fit's
-wall time and its peak memory. ``best`` is the same number the checkpoint callback keeps
+writes it). It keeps the monitored metric after each validation (in each checkpoint too, so
+a resumed run's record covers the epochs before it), and at the end of fitting writes the
+history, the best value and its epoch, the torch threads the run used, the fits' wall time
+and its peak memory. ``best`` is the same number the checkpoint callback keeps
 (``val/miou``, mode ``max``): the objective a sweep optimises.
 
 Peak memory is the process's ``VmHWM`` (CPU; reset at fit start through
@@ -56,7 +57,20 @@ class TrialRecord(pl.Callback):
         self.monitor, self.mode = monitor, mode
         self.history: list[tuple[int, float]] = []
         self._t0 = time.perf_counter()
+        self._before_s = 0.0  # the fits before a resume
         self._peak_reset = False
+
+    def state_dict(self) -> dict[str, object]:
+        """Kept in each checkpoint: a resumed run's record covers the epochs before it."""
+        return {"history": [list(h) for h in self.history],
+                "fit_s": self._before_s + time.perf_counter() - self._t0}
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        history = state_dict.get("history")
+        if isinstance(history, list):
+            self.history = [(int(e), float(v)) for e, v in history]
+        fit_s = state_dict.get("fit_s")
+        self._before_s = float(fit_s) if isinstance(fit_s, int | float) else 0.0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t0 = time.perf_counter()
@@ -90,7 +104,7 @@ class TrialRecord(pl.Callback):
             "history": [list(h) for h in self.history],
             "epochs": int(trainer.current_epoch), "global_step": int(trainer.global_step),
             "threads": torch.get_num_threads(),
-            "fit_s": round(time.perf_counter() - self._t0, 2),
+            "fit_s": round(self._before_s + time.perf_counter() - self._t0, 2),
             "peak_mem_mib": round(peak_memory_mib(pl_module.device), 1),
             "peak_since_fit_start": self._peak_reset,
             "device": pl_module.device.type,

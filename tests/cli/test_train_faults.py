@@ -456,3 +456,28 @@ def test_a_diverged_run_stops_at_its_nan_loss(tmp_path):
     assert not (run / "summary.json").exists()
     for ckpt in (run / "checkpoints").glob("*.ckpt"):  # what is kept loads: finite weights
         load_run(run, str(ckpt))
+
+
+def test_a_resumed_or_rerun_runs_record_keeps_the_epochs_before(tmp_path):
+    """Before: a finished run rerun (a sweep's command again) rewrote trial.json with
+    ``best: null`` and no history, and a resumed run's record held only the epochs after the
+    resume: the sweep's objective was lost, or wrong when the best epoch came before."""
+    import json
+
+    run = tmp_path / "run"
+    args = [o for o in TINY if not o.startswith("predict_after_fit")]
+    args += ["predict_after_fit=false", f"hydra.run.dir={run}"]
+    assert seg_train_here(tmp_path, *args, "trainer.max_epochs=2").returncode == 0
+    first = json.loads((run / "trial.json").read_text())
+    assert [e for e, _ in first["history"]] == [0, 1] and first["best"] is not None
+    again = seg_train_here(tmp_path, *args, "trainer.max_epochs=2")  # nothing left to fit
+    assert again.returncode == 0, again.stderr[-2000:]
+    rerun = json.loads((run / "trial.json").read_text())
+    assert (rerun["history"], rerun["best"], rerun["best_epoch"]) == (
+        first["history"], first["best"], first["best_epoch"])
+    more = seg_train_here(tmp_path, *args, "trainer.max_epochs=3")  # resumed for one more
+    assert more.returncode == 0, more.stderr[-2000:]
+    third = json.loads((run / "trial.json").read_text())
+    assert third["history"][:2] == first["history"] and third["history"][2][0] == 2
+    assert third["best"] == max(v for _, v in third["history"])
+    assert third["fit_s"] > first["fit_s"]
