@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.layers import Merge, Skip
 from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.statistic_layers import GroupNormSite
 
 __all__ = ["UNet", "UNetSize", "UNET_SIZES"]
 
@@ -48,8 +49,8 @@ UNET_SIZES: dict[str, UNetSize] = {
 def _norm(kind: Norm, channels: int) -> nn.Module:
     if kind == "batch":
         return nn.BatchNorm2d(channels)
-    if kind == "group":
-        return nn.GroupNorm(min(8, channels), channels)
+    if kind == "group":  # a statistic site: prediction computes its whole-image statistics
+        return GroupNormSite(min(8, channels), channels)
     return nn.Identity()
 
 
@@ -101,8 +102,10 @@ class UNet(nn.Module):
         convs_per_level: 3 x 3 convolutions per level, n_c.
         base_width: channels at the first level; doubled at every level.
         padding: ``"valid"`` (2015 paper, output smaller than input) or ``"same"``.
-        norm: ``"none"`` (exact tiling), ``"batch"`` or ``"group"`` (not tile-exact in train
-            mode; see docs/design.md, "Where exactness does not hold").
+        norm: ``"none"`` (exact tiling), ``"batch"`` or ``"group"`` (a statistic site: tiled
+            prediction computes its whole-image statistics in extra passes; same padding).
+            In train mode neither is tile-exact (docs/design.md, "Where exactness does not
+            hold").
         upsample: ``"transpose"`` (2 x 2 transposed conv), ``"nearest"`` or ``"bilinear"``
             (interpolation then 1 x 1 conv; bilinear needs ``same`` padding).
 
@@ -267,6 +270,10 @@ def _check_args(levels: int, n_c: int, width: int, padding: str, norm: str, up: 
         raise ConfigError(f"model.norm={norm!r}: use 'none', 'batch' or 'group'")
     if up not in ("transpose", "nearest", "bilinear"):
         raise ConfigError(f"model.upsample={up!r}: use 'transpose', 'nearest' or 'bilinear'")
+    if norm == "group" and padding == "valid":
+        raise ConfigError("model.norm='group' with model.padding='valid': GroupNorm's "
+                          "whole-image statistics are tiled exactly for same padding only; use "
+                          "model.padding=same, or model.norm=none or batch")
     if up == "bilinear" and padding == "valid":
         raise ConfigError("model.upsample='bilinear' clamps at borders, which a valid-padding "
                           "U-Net cannot crop exactly; use upsample='transpose' or padding='same'")

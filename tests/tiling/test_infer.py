@@ -12,6 +12,7 @@ from seg_at_scale.models import UNet
 from seg_at_scale.models.gscnn import GSCNN
 from seg_at_scale.models.smp import SMPModel
 from seg_at_scale.tiling import infer, predict_full
+from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.infer import choose_method
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -58,16 +59,37 @@ def test_two_pass_pooling_is_chosen_for_gated_scnn_and_plain_tiles_refused():
         infer(net, x, q=2, method="tiled")
 
 
+def plain_group_norm() -> torch.nn.Module:
+    """A network with a GroupNorm the project has not made a statistic site."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.GroupNorm(2, 8),
+                               torch.nn.Conv2d(8, 3, 1)).eval()
+
+
 @pytest.mark.parametrize("make, match", [
-    (lambda: unet(norm="group"), r"GroupNorm\) computes over the whole input"),
+    (plain_group_norm, r"GroupNorm\) computes over the whole input"),
     (lambda: unet(norm="batch").train(), r"BatchNorm2d\) is in training mode.*model.eval"),
 ])
 def test_layers_that_see_the_tile_are_refused_tiled_but_run_untiled(make, match):
     net = make()
     x = torch.randn(1, 4, 61, 53)
+    fp = None if isinstance(net, UNet) else Footprint(1, 1, "same", 0)  # its convolutions'
     with pytest.raises(ConfigError, match=match):
-        infer(net, x, q=2)
-    assert infer(net, x).shape == (1, 3, 61, 53)
+        infer(net, x, q=2, fp=fp)
+    assert infer(net, x, fp=fp).shape == (1, 3, 61, 53)
+
+
+@pytest.mark.parametrize("q", [2, 3])
+def test_a_group_norm_unet_is_tiled_exactly_by_statistic_passes(q):
+    """Its GroupNorms are statistic sites: tiled, each sees the whole image's statistics."""
+    net = unet(norm="group", padding="same")
+    x = torch.randn(1, 4, 203, 171)
+    assert choose_method(net, tiled=True) == "passes"
+    ref = predict_full(net, x)
+    tiled = infer(net, x, q=q)
+    assert (tiled - ref).abs().max() < 1e-5 and torch.equal(tiled.argmax(1), ref.argmax(1))
+    with pytest.raises(ConfigError, match=r"model.norm='group' with model.padding='valid'"):
+        unet(norm="group", padding="valid")
 
 
 def test_bad_methods_and_options_are_refused_in_one_line():
@@ -83,9 +105,10 @@ def test_bad_methods_and_options_are_refused_in_one_line():
 
 
 def test_blended_is_only_run_when_named_and_is_not_exact():
-    net = unet(norm="group", padding="same")  # a network tiles cannot compute exactly
+    net = plain_group_norm()  # a network tiles cannot compute exactly
     x = torch.randn(1, 4, 96, 96)
-    ref = predict_full(net, x)
-    approx = infer(net, x, method="blended", tile_size=48, overlap=0.5)
+    fp = Footprint(1, 1, "same", 0)  # its convolutions'
+    ref = predict_full(net, x, fp)
+    approx = infer(net, x, method="blended", tile_size=48, overlap=0.5, fp=fp)
     assert approx.shape == ref.shape
     assert (approx - ref).abs().max() > 1e-4  # an approximation, as its name says
