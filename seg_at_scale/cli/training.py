@@ -57,7 +57,7 @@ from seg_at_scale.memory import (
 )
 from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.checkpoint import load_checkpoint
-from seg_at_scale.models.registry import build_model
+from seg_at_scale.models.registry import build_model, predicting
 from seg_at_scale.models.trained import (
     MEANING_KEY,
     RUN_CONFIG,
@@ -154,9 +154,10 @@ def predict_test(cfg: DictConfig, task: Any, dm: TileDataModule, fp: Any, out_di
                            f"run '{out_dir}'", cfg)
     options = predict_options(cfg)
     for scene in dm.scenes_of("test"):
-        res = predict_scene(trained, scene.image,
-                            out_dir / "predictions" / f"{scene.name}_pred.tif", options,
-                            mask=scene.mask)
+        with predicting(task.model, resolved(cfg.model)):  # Gated-SCNN: its classes' logits
+            res = predict_scene(trained, scene.image,
+                                out_dir / "predictions" / f"{scene.name}_pred.tif", options,
+                                mask=scene.mask)
         results.append(res)
         for lg in loggers:
             if hasattr(lg, "log_image") and "preview" in res:

@@ -29,7 +29,8 @@ import importlib
 import inspect
 import logging
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,8 @@ from seg_at_scale.errors import TRUST_HINT, ConfigError
 from seg_at_scale.models.contract import check_contract
 
 __all__ = ["Family", "register", "families", "family_of", "check_model_config",
-           "build_model", "without_weight_files"]
+           "build_model", "without_weight_files", "for_prediction",
+           "predicting"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,9 @@ class Family:
         aliases: other dotted paths of the same class (its defining module).
         weight_keys: keys that name pretrained weights files (and what only they give
             meaning, such as a band map): a checkpoint replaces every tensor they load.
+        predict_keys: ``(key, value)`` a trained network is rebuilt with to predict, where
+            training chose otherwise (Gated-SCNN's ``output="seg"``: the classes' logits
+            alone, not the boundary its pipelines carry along).
     """
 
     name: str
@@ -65,6 +70,7 @@ class Family:
     source: type[nn.Module] | str
     aliases: tuple[str, ...] = field(default=())
     weight_keys: tuple[str, ...] = field(default=())
+    predict_keys: tuple[tuple[str, Any], ...] = field(default=())
 
     @property
     def cls(self) -> type[nn.Module]:
@@ -185,6 +191,42 @@ def without_weight_files(node: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def for_prediction(node: Mapping[str, Any]) -> dict[str, Any]:
+    """The node a trained network is rebuilt from to predict.
+
+    No weights files (the checkpoint holds every tensor, :func:`without_weight_files`), and
+    its family's ``predict_keys``; the weights fit either way.
+    """
+    out = without_weight_files(node)
+    target = out.get("_target_")
+    fam = family_of(str(target)) if isinstance(target, str) else None
+    for key, value in fam.predict_keys if fam is not None else ():
+        if key in out:
+            out[key] = value
+    return out
+
+
+@contextmanager
+def predicting(model: nn.Module, node: Mapping[str, Any]) -> Iterator[nn.Module]:
+    """``model``, built from ``node``, predicting as :func:`for_prediction` rebuilds it.
+
+    For the while, each of its family's ``predict_keys`` that ``node`` sets otherwise is set
+    on the network (these keys are attributes its ``forward`` reads); restored after.
+    """
+    target = node.get("_target_")
+    fam = family_of(str(target)) if isinstance(target, str) else None
+    changed = {key: node[key] for key, value in (fam.predict_keys if fam else ())
+               if key in node and node[key] != value}
+    for key, value in (fam.predict_keys if fam else ()):
+        if key in changed:
+            setattr(model, key, value)
+    try:
+        yield model
+    finally:
+        for key, value in changed.items():
+            setattr(model, key, value)
+
+
 def _load_builtin() -> None:
     """Register the project's own families, by name.
 
@@ -198,7 +240,8 @@ def _load_builtin() -> None:
                     "seg_at_scale.models.uresnet:UResNet",
                     ("seg_at_scale.models.uresnet.UResNet",)))
     register(Family("gscnn", "seg_at_scale.models.GSCNN", "seg_at_scale.models.gscnn:GSCNN",
-                    ("seg_at_scale.models.gscnn.GSCNN",), ("backbone_weights", "band_map")))
+                    ("seg_at_scale.models.gscnn.GSCNN",), ("backbone_weights", "band_map"),
+                    (("output", "seg"),)))
     register(Family("smp", "seg_at_scale.models.SMPModel", "seg_at_scale.models.smp:SMPModel",
                     ("seg_at_scale.models.smp.SMPModel",),
                     ("encoder_weights", "weights", "band_map")))

@@ -56,7 +56,7 @@ from seg_at_scale.errors import InputError, SegAtScaleError
 from seg_at_scale.io.writer import check_output_path
 from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.contract import ApproximateFootprint
-from seg_at_scale.models.registry import build_model, without_weight_files
+from seg_at_scale.models.registry import build_model, for_prediction
 from seg_at_scale.models.trained import CARD_FORMAT, TrainedModel, load_weights, weights_mismatch
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as measured_footprint
@@ -487,7 +487,7 @@ def read_model(path: str | os.PathLike[str], *, trust: bool = False) -> TrainedM
     path = Path(path)
     card, files = _card_and_files(path)
     where = f"model '{path}'"
-    node = without_weight_files({k: v for k, v in card["model"].items() if k != "family"})
+    node = for_prediction({k: v for k, v in card["model"].items() if k != "family"})
     try:
         state = load_tensors(files[WEIGHTS])
     except (SafetensorError, ValueError) as exc:

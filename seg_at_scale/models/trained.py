@@ -35,7 +35,7 @@ from seg_at_scale.io.preview import default_palette
 from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.checkpoint import load_checkpoint, model_state
 from seg_at_scale.models.contract import ApproximateFootprint
-from seg_at_scale.models.registry import build_model, family_of, without_weight_files
+from seg_at_scale.models.registry import build_model, family_of, for_prediction
 from seg_at_scale.models.weights import non_finite
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as measured_footprint
@@ -361,7 +361,7 @@ def load_run(run: str | os.PathLike[str], ckpt: str = "best", *,
     where = f"run '{run}'"
     node = resolved(cfg.model)
     # every tensor comes from the checkpoint: the pretrained weights files need not exist
-    model = build_model(without_weight_files(node), where=where, trust=trust)
+    model = build_model(for_prediction(node), where=where, trust=trust)
     path = pick_checkpoint(run, ckpt)
     data = load_checkpoint(path, trust=trust)
     check_meaning(data.get(MEANING_KEY), cfg, f"{where}: checkpoint '{path}'")

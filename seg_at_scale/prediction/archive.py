@@ -453,7 +453,8 @@ def _queue(trained: TrainedModel, scenes: Sequence[ArchiveScene], options: Predi
                                  input_hash=hashes.get(i)))
         plans[-1].reader.close()  # reopened by the rank that reads it: one file open at once
     if plans:
-        model = prediction_network(model, options, plans[0].reader.bands, trained.footprint)
+        model = prediction_network(model, options, plans[0].reader.bands, trained.footprint,
+                                   trained.num_classes)
     records = [SceneRecord(s.stem, str(s.image), str(s.output), tiles=len(p.grid),
                            megapixels=p.grid.height * p.grid.width / 1e6)
                for s, p in zip(scenes, plans, strict=True)]

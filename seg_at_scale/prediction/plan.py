@@ -37,7 +37,7 @@ from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, make_grid
 from seg_at_scale.tiling.auto_tile import auto_side
 from seg_at_scale.tiling.engine import Batch, plan_batches
-from seg_at_scale.tiling.tile_sides import legal_side
+from seg_at_scale.tiling.tile_sides import legal_side, smallest_side
 
 __all__ = ["RasterPlan", "plan_raster", "model_digest", "prediction_network", "reusable",
            "drop_working_store", "open_store", "input_id", "readable_input_id", "with_tile"]
@@ -56,20 +56,41 @@ def model_digest(model: nn.Module) -> str:
 
 
 def prediction_network(model: nn.Module, options: PredictOptions, bands: int,
-                       fp: Footprint) -> nn.Module:
+                       fp: Footprint, num_classes: int | None = None) -> nn.Module:
     """The network a prediction runs: ``model``, its BatchNorms folded unless ``fold_bn=false``.
 
     The pairs are found on one small forward (:func:`~seg_at_scale.models.fold.fold_batchnorm`)
     of ``bands`` zero bands, a multiple of the footprint's alignment on a side; ``model``
-    itself is unchanged.
+    itself is unchanged. With ``num_classes``, a network that gives another number of
+    channels per pixel is refused first (one label of those classes is written per pixel).
     """
-    if not options.fold_bn:
-        return model
+    net = model
+    if options.fold_bn:
+        p = next(model.parameters())
+        side = fp.align * max(1, -(-64 // fp.align))
+        fmt = torch.channels_last if options.channels_last else torch.contiguous_format
+        x = torch.zeros(1, bands, side, side, device=p.device).contiguous(memory_format=fmt)
+        net = fold_batchnorm(model, x)[0]
+    if num_classes is not None:
+        check_classes(net, bands, fp, num_classes)  # the network that runs
+    return net
+
+
+def check_classes(model: nn.Module, bands: int, fp: Footprint, num_classes: int) -> None:
+    """Refuse a network whose output is not one channel per class (on one smallest window).
+
+    Argmax over other channels writes ids that are no class: a network of detector planes
+    gave plane-and-class ids, a Gated-SCNN packed with its boundary gave the id K.
+    """
     p = next(model.parameters())
-    side = fp.align * max(1, -(-64 // fp.align))
-    fmt = torch.channels_last if options.channels_last else torch.contiguous_format
-    x = torch.zeros(1, bands, side, side, device=p.device).contiguous(memory_format=fmt)
-    return fold_batchnorm(model, x)[0]
+    side = smallest_side(fp)
+    with torch.inference_mode():
+        channels = int(model(torch.zeros(1, bands, side, side, device=p.device)).shape[1])
+    if channels != num_classes:
+        raise InputError(f"the network gives {channels} channels per pixel for its "
+                         f"{num_classes} classes; a prediction writes one class id per pixel "
+                         "of one channel per class: rebuild the model as it predicts (a "
+                         "Gated-SCNN with model.output=seg) or predict it in Python")
 
 
 def with_tile(options: PredictOptions, model: nn.Module, fp: Footprint, bands: int,

@@ -169,7 +169,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
                        device=device, exact=exact,
                        input_hash=on_rank0(lambda: readable_input_id(Path(image))))
     with plan.reader:  # the input file closed however the prediction ends
-        model = prediction_network(model, o, plan.reader.bands, fp)  # BatchNorm folded
+        # one channel per class (or refused), its BatchNorm folded
+        model = prediction_network(model, o, plan.reader.bands, fp, plan.num_classes)
         stages = check_staged(model, o, world) if o.staged else None  # or refused, before work
         grid, batches = plan.grid, plan.batches
         if world > len(batches):

@@ -427,3 +427,21 @@ def test_training_under_a_memory_mode_checkpoints_and_equals_plain(granularity, 
     assert net.output == "seg"  # the packed output was for the call only
     for name, b in net.state_dict().items():  # train-mode BatchNorm: one update, not two
         assert torch.equal(b, plain.state_dict()[name]), name
+
+
+def test_a_packed_network_predicts_its_classes_alone_and_is_restored():
+    """After fit a Gated-SCNN trained packed (pipelines) predicts the test scenes with
+    ``output=seg`` for the while (seg-train's predict_after_fit), then trains on packed."""
+    from seg_at_scale.models.registry import for_prediction, predicting
+
+    net = GSCNN.from_preset("tiny", in_channels=4, num_classes=3, output="packed").eval()
+    node = {"_target_": "seg_at_scale.models.GSCNN", "output": "packed", "num_classes": 3}
+    x = torch.randn(1, 4, 64, 64)
+    with torch.no_grad():
+        packed = net(x)
+        with predicting(net, node) as same:
+            assert same is net and net(x).shape[1] == 3
+            assert torch.equal(net(x), packed[:, :3])
+        assert net(x).shape[1] == 4 and net.output == "packed"
+    assert for_prediction({**node, "backbone_weights": "w.pth"}) == {
+        **node, "output": "seg", "backbone_weights": None}

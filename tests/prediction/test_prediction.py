@@ -396,3 +396,43 @@ def test_a_group_norm_unet_run_predicts_the_same_labels_whatever_the_tiles(tmp_p
     with torch.no_grad():
         whole = predict_full(net, x).argmax(1)[0].numpy()
     assert np.array_equal(labels[3][0], whole)
+
+
+def test_a_gated_scnn_trained_packed_predicts_its_classes_alone(tmp_path):
+    """Before: a Gated-SCNN run with ``model.output=packed`` (which its pipelines need)
+    wrote the boundary channel's id K among the labels and crashed scoring them; a network
+    with another channel count than its classes given to the predictor is refused."""
+    from dataclasses import asdict
+
+    from helpers.prediction import write_run
+
+    from seg_at_scale.errors import InputError
+    from seg_at_scale.models.gscnn import GSCNN, GSCNN_SIZES
+
+    torch.manual_seed(0)
+    packed = GSCNN.from_preset("tiny", in_channels=4, num_classes=5, output="packed").eval()
+    seg = GSCNN.from_preset("tiny", in_channels=4, num_classes=5).eval()
+    seg.load_state_dict(packed.state_dict())
+    with torch.no_grad():  # the boundary channel large: packed, argmax would pick id 5
+        for m in packed.modules():
+            if isinstance(m, torch.nn.Conv2d) and m.out_channels == 1:
+                m.bias.fill_(50.0)
+    seg.load_state_dict(packed.state_dict())
+    node = {"_target_": "seg_at_scale.models.GSCNN", "in_channels": 4, "num_classes": 5,
+            **asdict(GSCNN_SIZES["tiny"]), "output": "packed"}
+    data = {"bands": 4, "num_classes": 5, "class_names": CLASSES, "ignore_index": 255,
+            "nodata": None, **NORM}
+    run = write_run(tmp_path / "run", node, packed, data, fp=seg.footprint(), high=230.0)
+    image = make_image(tmp_path / "scene.tif", 131, 97)
+    res = seg_predict(run, image, tmp_path / "m.tif", "q=2", "preview=false")
+    labels = read_raster(tmp_path / "m.tif")[0]
+    x = torch.from_numpy(NORMALIZER(read_raster(image)))[None]
+    with torch.no_grad():
+        assert packed(torch.zeros(1, 4, 64, 64)).shape[1] == 6
+        whole = predict_full(seg, x).argmax(1)[0].numpy()
+    assert labels.max() < 5 and np.array_equal(labels, whole)
+    assert sum(res["class_pixels"]) == labels.size
+    with pytest.raises(InputError, match=r"the network gives 6 channels per pixel for its 5 "
+                                         r"classes; a prediction writes one class id per pixel"):
+        predict_raster(packed, image, tmp_path / "p.tif", PredictOptions(progress=False),
+                       fp=seg.footprint(), class_names=CLASSES)
