@@ -274,6 +274,22 @@ def check_planes(cfg: DictConfig, choices: dict[str, str | None]) -> None:
                           f"label band per plane (data.mask_bands={planes}, data=cosmic)")
 
 
+def check_model_classes(cfg: DictConfig) -> None:
+    """The model predicts the data's classes: ``model.num_classes`` is ``data.num_classes``.
+
+    Another value failed in the first step (a target beyond the logits: "Target 3 is out of
+    bounds") or after the first epoch, in the metrics; refused here, naming both.
+    """
+    classes, given = cfg.data.get("num_classes"), cfg.model.get("num_classes")
+    if not (isinstance(classes, int) and isinstance(given, int)) or isinstance(
+            classes, bool) or isinstance(given, bool) or given == classes:
+        return
+    raise ConfigError(f"model.num_classes={given} but data.num_classes={classes}: the network "
+                      f"would give {given} logits per pixel for labels of {classes} classes; "
+                      f"set model.num_classes={classes} (or leave it out: it follows "
+                      "data.num_classes), or data.num_classes to the masks' classes")
+
+
 def check_hub_weights(model: DictConfig) -> None:
     """Refuse a weights hub name this machine cannot fetch, before any work.
 
@@ -328,6 +344,7 @@ def _main(cfg: DictConfig) -> float | None:
         check_epochs(cfg)
         check_model_bands(cfg)  # before any work: nothing written, nothing built
         check_planes(cfg, dict(hydra_cfg.runtime.choices))
+        check_model_classes(cfg)
         check_hub_weights(cfg.model)  # offline with a hub name: refused in seconds
         with long_lived():
             from seg_at_scale.cli import training  # Lightning and the network stack: now

@@ -230,6 +230,23 @@ def test_a_network_of_planes_and_its_task_are_refused_apart_before_any_work(tmp_
     assert not (tmp_path / "data").exists() and not run.exists()
 
 
+@pytest.mark.parametrize("classes", [3, 7])
+def test_a_model_for_other_classes_than_the_data_is_refused_before_any_work(tmp_path,
+                                                                         classes):
+    """Before: model.num_classes=3 on 5-class data failed in the first step ("Target 3 is
+    out of bounds"), 7 after the first epoch in the metrics, each leaving a run folder."""
+    run = tmp_path / "run"
+    out = seg_train_here(tmp_path, f"hydra.run.dir={run}", *TINY,
+                         f"model.num_classes={classes}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"seg-train: error: model.num_classes={classes} but data.num_classes=5: the network "
+        f"would give {classes} logits per pixel for labels of 5 classes; set "
+        "model.num_classes=5 (or leave it out: it follows data.num_classes), or "
+        "data.num_classes to the masks' classes")
+    assert not (tmp_path / "data").exists() and not run.exists()
+
+
 def test_a_hub_name_offline_is_refused_without_waiting_on_the_resolver(tmp_path,
                                                                       monkeypatch):
     """Before: the offline decision waited on the hub's name lookup (unbounded: the
