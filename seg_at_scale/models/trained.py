@@ -317,7 +317,7 @@ def card_of_config(cfg: DictConfig, fp: Footprint) -> dict[str, Any]:
 def card_of_run(cfg: DictConfig, fp: Footprint, run: Path, ckpt: Path,
                 ckpt_data: dict[str, Any]) -> dict[str, Any]:
     """The model card of a run (what ``seg-export`` writes beside the weights)."""
-    return {**card_of_config(cfg, fp), "metrics": _metrics(run, ckpt_data),
+    return {**card_of_config(cfg, fp), "metrics": _metrics(run, ckpt, ckpt_data),
             "training": {"run": str(run.resolve()), "checkpoint": ckpt.name,
                          "epoch": ckpt_data.get("epoch"),
                          "global_step": ckpt_data.get("global_step")}}
@@ -327,24 +327,35 @@ def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
-def _metrics(run: Path, ckpt_data: dict[str, Any]) -> dict[str, Any]:
-    """``val/miou`` (and the test scenes' mIoU) from the run's summary, where it has one."""
+def _metrics(run: Path, ckpt: Path, ckpt_data: dict[str, Any]) -> dict[str, Any]:
+    """The scores of this checkpoint's weights.
+
+    ``val/miou``: the monitor's value when it was saved; ``test/miou``: the test scenes',
+    where the run predicted them with it; ``checkpoint/best_score``: the run's best.
+    """
     out: dict[str, Any] = {}
     summary = run / "summary.json"
+    doc: dict[str, Any] = {}
     if summary.is_file():
         try:
             doc = json.loads(summary.read_text())
         except (OSError, ValueError):
             doc = {}
-        if doc.get("val/miou") is not None:
-            out["val/miou"] = doc["val/miou"]
-        tests = [t.get("miou") for t in doc.get("test") or [] if isinstance(t, dict)]
-        if tests:
-            out["test/miou"] = tests
-    for cb in (ckpt_data.get("callbacks") or {}).values():
-        score = cb.get("best_model_score") if isinstance(cb, dict) else None
-        if score is not None and "checkpoint/best_score" not in out:
-            out["checkpoint/best_score"] = round(float(score), 6)
+    scored = doc.get("checkpoint")  # the checkpoint the summary's scores are of
+    this = isinstance(scored, str) and Path(scored).name == ckpt.name
+    states = [cb for cb in (ckpt_data.get("callbacks") or {}).values()
+              if isinstance(cb, dict) and "best_model_score" in cb]
+    own = states[0].get("current_score") if states else None
+    if own is not None:
+        out["val/miou"] = round(float(own), 6)
+    elif this and doc.get("val/miou") is not None:
+        out["val/miou"] = doc["val/miou"]
+    tests = [t.get("miou") for t in doc.get("test") or [] if isinstance(t, dict)]
+    if this and tests:
+        out["test/miou"] = tests
+    best = states[0].get("best_model_score") if states else None
+    if best is not None:
+        out["checkpoint/best_score"] = round(float(best), 6)
     return out
 
 

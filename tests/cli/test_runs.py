@@ -3,6 +3,7 @@ the project's errors arrive as one line. Through the real ``seg-train`` command.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -130,6 +131,30 @@ def test_a_checkpoint_of_nan_weights_is_refused_naming_the_divergence(finished_r
                                          r"training diverged \(a loss of nan\); use a "
                                          r"checkpoint from before it"):
         load_run(run, str(tmp_path / "nan.ckpt"))
+
+
+def test_a_cards_scores_are_those_of_its_checkpoint(finished_run, tmp_path):
+    """Before: ``seg-export ckpt=last`` wrote the best checkpoint's val/miou (and the test
+    scenes' mIoU, predicted with the best) into the card of the last checkpoint."""
+    import torch
+
+    _, run = finished_run
+    other = tmp_path / "run"
+    shutil.copytree(run, other)
+    best = next(p for p in (other / "checkpoints").glob("epoch*.ckpt"))
+    data = torch.load(other / "checkpoints" / "last.ckpt", weights_only=True)
+    (state,) = [v for v in data["callbacks"].values() if "best_model_score" in v]
+    state["current_score"] = torch.tensor(0.0123)  # a later, worse epoch than the best
+    torch.save(data, other / "checkpoints" / "last.ckpt")
+    summary = json.loads((other / "summary.json").read_text())
+    summary.update({"checkpoint": str(run / "checkpoints" / best.name), "val/miou": 0.9,
+                    "test": [{"miou": 0.8}]})
+    (other / "summary.json").write_text(json.dumps(summary))
+    last = load_run(other, "last").card.metrics
+    assert last == {"val/miou": 0.0123, "checkpoint/best_score": round(float(
+        state["best_model_score"]), 6)}
+    kept = load_run(other, best.name).card.metrics
+    assert kept["test/miou"] == [0.8] and kept["val/miou"] == kept["checkpoint/best_score"]
 
 
 def write_uint16_scenes(root: Path) -> None:
