@@ -25,8 +25,10 @@ from seg_at_scale.prediction.checks import probabilities_path
 from seg_at_scale.prediction.provenance import (
     CLASS_PIXELS_TAG,
     FINGERPRINT_TAG,
+    PREDICTION_TAG,
     PROBABILITIES_OF_TAG,
     TILING_TAG,
+    canonical,
     digest,
 )
 from seg_at_scale.prediction.store import NODATA, PredictionStore
@@ -82,6 +84,7 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
                   nodata=NODATA, colormap=class_colors(classes), resampling="mode",
                   overwrite=True, tags=lambda: {
                       FINGERPRINT_TAG: done, TILING_TAG: tiling,
+                      PREDICTION_TAG: canonical(dict(fingerprint)),
                       CLASS_PIXELS_TAG: json.dumps([int(v) for v in hist[:classes]])})
     else:
         for _ in counted():

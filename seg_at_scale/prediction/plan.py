@@ -32,7 +32,14 @@ from seg_at_scale.prediction.checks import rewritten_by_resume, store_path
 from seg_at_scale.prediction.finalize import cog_outputs
 from seg_at_scale.prediction.options import PredictOptions, default_batch_size
 from seg_at_scale.prediction.outputs import output_kind
-from seg_at_scale.prediction.provenance import digest, file_blake3, file_sha256, finished
+from seg_at_scale.prediction.provenance import (
+    canonical,
+    digest,
+    file_blake3,
+    file_sha256,
+    finished,
+    recorded_fingerprint,
+)
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling import Footprint, TileGrid, make_grid
 from seg_at_scale.tiling.auto_tile import auto_side
@@ -251,10 +258,8 @@ def reusable(plan: RasterPlan, overwrite: bool) -> list[int] | None:
         return None
     if state[0] != digest(plan.fingerprint) and state[0] != digest(_with_sha256_input(plan)):
         raise OutputExistsError(f"output '{plan.output}' was made by another prediction "
-                                "(another model, input, tiling or options; tile_size=auto "
-                                "sizes tiles for the processes and the device, so give the "
-                                "first run's tile_size= to rerun it elsewhere); pass "
-                                "overwrite=true to replace it, or choose another path")
+                                f"({_what_differs(plan)}); pass overwrite=true to replace it, "
+                                "or choose another path")
     return state[1][:plan.num_classes]  # one count per class (older tags: per byte value)
 
 
@@ -270,6 +275,28 @@ def drop_working_store(plan: RasterPlan, keep_store: bool) -> None:
     remove_stale_temporaries(plan.output)
     if not keep_store and plan.working.is_dir():
         discard(plan.working, plan.output)
+
+
+#: what sets each part of a fingerprint, for a refusal's hint
+_SET_BY = {"grid": "tile_size / q (tile_size=auto sizes tiles for the processes and device)",
+           "batches": "batch_size (and tile_size)", "channels_last": "layout",
+           "autocast": "fast / autocast", "model": "the model's weights", "input": "the image",
+           "normalizer": "the model's normalisation", "tta": "tta",
+           "probabilities": "probabilities", "nodata": "nodata", "fold_bn": "fold_bn",
+           "staged": "staged", "exact": "the run's tiling.exact"}
+
+
+def _what_differs(plan: RasterPlan) -> str:
+    """Which fingerprint keys differ from the finished output's, and what sets them."""
+    old = recorded_fingerprint(plan.output)
+    if old is None:  # an output finished before the fingerprint was recorded
+        return "another model, input, tiling or options"
+    new = _with_sha256_input(plan) if str(old.get("input", "")).startswith("sha256:") \
+        else plan.fingerprint
+    keys = sorted(k for k in set(old) | set(new) if canonical({"v": old.get(k)})
+                  != canonical({"v": new.get(k)}))
+    said = [f"{k}: {_SET_BY[k]}" if k in _SET_BY else k for k in keys]
+    return "differs in " + "; ".join(said) if said else "another prediction"
 
 
 def open_store(plan: RasterPlan, options: PredictOptions) -> PredictionStore:

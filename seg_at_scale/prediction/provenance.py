@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 __all__ = ["digest", "finished", "FINGERPRINT_TAG", "CLASS_PIXELS_TAG", "TILING_TAG",
-           "PROBABILITIES_OF_TAG",
+           "PROBABILITIES_OF_TAG", "PREDICTION_TAG", "canonical", "recorded_fingerprint",
            "file_sha256", "file_blake3", "written_by", "mark_png", "mark_item", "vector_record",
            "WRITTEN_KEY"]
 
@@ -38,14 +38,43 @@ FINGERPRINT_TAG = "SEG_AT_SCALE_FINGERPRINT"
 PROBABILITIES_OF_TAG = "SEG_AT_SCALE_PROBABILITIES_OF"
 CLASS_PIXELS_TAG = "SEG_AT_SCALE_CLASS_PIXELS"
 TILING_TAG = "SEG_AT_SCALE_TILING"  # exact, or approximate (tiling.exact=false)
+#: the fingerprint itself (canonical JSON), that a refused rerun can name what differs
+PREDICTION_TAG = "SEG_AT_SCALE_PREDICTION"
 WRITTEN_KEY = "seg_at_scale:written"  # a companion's record: {"prediction", "sha256"}
 _PNG = b"\x89PNG\r\n\x1a\n"
 
 
+def canonical(fingerprint: dict[str, Any]) -> str:
+    """A fingerprint's canonical JSON (what :func:`digest` hashes)."""
+    return json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), default=str)
+
+
 def digest(fingerprint: dict[str, Any]) -> str:
     """SHA-256 of a fingerprint's canonical JSON."""
-    text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), default=str)
-    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+    return "sha256:" + hashlib.sha256(canonical(fingerprint).encode()).hexdigest()
+
+
+def recorded_fingerprint(output: Path) -> dict[str, Any] | None:
+    """The fingerprint a finished output records (a store's, a COG's tag), if it does."""
+    if output.suffix.lower() == ".zarr":
+        import zarr
+
+        try:
+            found = zarr.open_group(output, mode="r").attrs.get("fingerprint")
+        except (ValueError, KeyError, FileNotFoundError, OSError):
+            return None
+        return dict(cast(dict[str, Any], found)) if isinstance(found, dict) else None
+    from rasterio.errors import RasterioIOError
+
+    from seg_at_scale.io.geotags import open_dataset
+
+    try:
+        with open_dataset(output) as ds:
+            text = ds.tags().get(PREDICTION_TAG)
+        found = json.loads(text) if text else None
+    except (RasterioIOError, OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def finished(output: Path) -> tuple[str, list[int]] | None:

@@ -416,14 +416,18 @@ def test_a_working_store_a_killed_run_left_beside_its_finished_output_is_removed
 
 
 def test_a_finished_output_of_another_tile_size_names_the_tile_size(run, tmp_path):
-    """A rerun with another grid (tile_size=auto on another processes= or device) is
-    another prediction; the refusal now says how to reuse the finished output."""
+    """A rerun with another grid (tile_size=auto on another processes= or device) or layout
+    (layout=auto decides per thread count) is another prediction; the refusal names the
+    keys that differ and what sets them. Before: "another model, input, tiling or options"."""
     image = make_image(tmp_path / "s.tif", 211, 173)
     out = tmp_path / "s_pred.tif"
     _ok(seg_predict_here(f"run={run}", "ckpt=last", f"image={image}", f"output={out}",
-                         "tile_size=96"))
+                         "tile_size=96", "layout=contiguous"))
     _refused(seg_predict_here(f"run={run}", "ckpt=last", f"image={image}", f"output={out}",
-                              "tile_size=128"),
-             f"output '{out}' was made by another prediction (another model, input, tiling "
-             "or options; tile_size=auto sizes tiles for the processes and the device, so "
-             "give the first run's tile_size= to rerun it elsewhere)")
+                              "tile_size=128", "layout=contiguous"),
+             f"output '{out}' was made by another prediction (differs in batches: batch_size "
+             "(and tile_size); grid: tile_size / q (tile_size=auto sizes tiles for the "
+             "processes and device)); pass overwrite=true")
+    _refused(seg_predict_here(f"run={run}", "ckpt=last", f"image={image}", f"output={out}",
+                              "tile_size=96", "layout=channels_last"),
+             "(differs in channels_last: layout); pass overwrite=true")
