@@ -343,6 +343,8 @@ def test_a_users_file_under_a_report_name_is_refused_before_any_tile(archive, tm
         "another output_dir")
     assert sorted(p.name for p in out.iterdir()) == [name]  # no tile, nothing else
     assert (out / name).read_text() == "the user's own\n"
+    if name != "vectors.gpkg":  # replaced and rerun once: the binary one
+        return
     first = seg_predict_here(*args, "overwrite=true")
     assert first.returncode == 0, first.stderr[-2000:]
     assert (out / name).read_bytes() != b"the user's own\n"

@@ -387,7 +387,7 @@ def test_a_group_norm_unet_run_predicts_the_same_labels_whatever_the_tiles(tmp_p
     image = make_image(tmp_path / "scene.tif", 203, 171)
     labels = {}
     for q in (1, 3):
-        res = seg_predict(run, image, tmp_path / f"q{q}.tif", f"q={q}", "preview=false")
+        res = _here(run, image, tmp_path / f"q{q}.tif", f"q={q}", "preview=false")
         assert res["exact"] is True and res["tiles"] == q * q
         labels[q] = read_raster(tmp_path / f"q{q}.tif")
     assert np.array_equal(labels[1], labels[3])
@@ -424,7 +424,7 @@ def test_a_gated_scnn_trained_packed_predicts_its_classes_alone(tmp_path):
             "nodata": None, **NORM}
     run = write_run(tmp_path / "run", node, packed, data, fp=seg.footprint(), high=230.0)
     image = make_image(tmp_path / "scene.tif", 131, 97)
-    res = seg_predict(run, image, tmp_path / "m.tif", "q=2", "preview=false")
+    res = _here(run, image, tmp_path / "m.tif", "q=2", "preview=false")
     labels = read_raster(tmp_path / "m.tif")[0]
     x = torch.from_numpy(NORMALIZER(read_raster(image)))[None]
     with torch.no_grad():
@@ -436,3 +436,12 @@ def test_a_gated_scnn_trained_packed_predicts_its_classes_alone(tmp_path):
                                          r"classes; a prediction writes one class id per pixel"):
         predict_raster(packed, image, tmp_path / "p.tif", PredictOptions(progress=False),
                        fp=seg.footprint(), class_names=CLASSES)
+
+
+def _here(run: Path, image: Path, output: Path, *overrides: str) -> dict:
+    """``seg-predict`` in this process (no new Python's start-up): its result."""
+    from helpers.prediction import seg_predict_here
+
+    res = seg_predict_here(f"run={run}", f"image={image}", f"output={output}", *overrides)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout[res.stdout.index("{"):])
