@@ -21,9 +21,9 @@ from omegaconf import DictConfig
 
 from seg_at_scale.cli.common import reports_errors
 from seg_at_scale.config_check import check_local, check_types, known_keys, resolved
-from seg_at_scale.errors import ConfigError
+from seg_at_scale.errors import ConfigError, OutputExistsError
 from seg_at_scale.models.loading import model_files
-from seg_at_scale.models.segmodel import write_model
+from seg_at_scale.models.segmodel import CARD, SUFFIX, SUMS, write_model
 from seg_at_scale.models.trained import load_run
 from seg_at_scale.prediction.checks import check_outputs
 
@@ -43,13 +43,31 @@ def export(cfg: DictConfig) -> dict[str, object]:
     for key in ("run", "output"):
         check_local(f"{key}='{values[key]}'", str(values[key]), output=key == "output")
     run, output = Path(values["run"]), Path(values["output"])
-    check_outputs({"output": output}, model_files(run, None, values["ckpt"]),
-                  overwrite=bool(values["overwrite"]))
+    overwrite = bool(values["overwrite"])
+    if output.suffix != SUFFIX and output.is_dir():  # the folder form, exported before
+        _check_model_folder(output, overwrite)
+    else:
+        check_outputs({"output": output}, model_files(run, None, values["ckpt"]),
+                      overwrite=overwrite)
+        if output.suffix != SUFFIX and output.is_file():
+            raise ConfigError(f"output '{output}' is a file, and seg-export writes a folder "
+                              f"for a name without {SUFFIX}; name the output <name>{SUFFIX} "
+                              "for one file, or choose another path")
     trained = load_run(run, values["ckpt"], trust=bool(values["trust_run"]))
     path = write_model(trained, output, overwrite=bool(values["overwrite"]))
     return {"model": str(path), "from": trained.source, "checkpoint": str(trained.checkpoint),
             "family": trained.card.family,
             "footprint": trained.card.raw["footprint"], "metrics": trained.card.metrics}
+
+
+def _check_model_folder(output: Path, overwrite: bool) -> None:
+    """An existing folder output is replaced only if seg-export wrote it, with overwrite."""
+    if not all((output / part).is_file() for part in (CARD, SUMS)):
+        raise ConfigError(f"output '{output}' is a folder seg-export did not write; choose "
+                          "another path (a model folder is replaced only with overwrite=true)")
+    if not overwrite:
+        raise OutputExistsError(f"output '{output}' is a model seg-export wrote; pass "
+                                "overwrite=true to replace it (or choose another path)")
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="export")

@@ -148,6 +148,19 @@ def write_model(trained: TrainedModel, output: str | os.PathLike[str], *,
     return out
 
 
+def _run_instead(path: Path) -> str | None:
+    """What to give for a training run's folder or checkpoint given as ``model=``."""
+    for run in (path, *list(path.parents)[:2]):
+        if (run / "run_config.yaml").is_file():
+            if path.suffix == ".ckpt":
+                return f"it is a checkpoint of the run '{run}': give run={run} ckpt={path.name}"
+            return f"it is the training run '{run}': give run={run}"
+    if path.suffix == ".ckpt":
+        return ("it is a checkpoint: give run=<the folder of its training run> "
+                f"ckpt={path.name}, or export that run with seg-export")
+    return None
+
+
 def _not_a_model(path: Path, exc: BaseException) -> InputError:
     return InputError(f"model='{path}' is not a model file made by seg-export ({exc}); "
                       "give a .segmodel file or folder, or run=<training run folder>")
@@ -237,6 +250,9 @@ def _verified(path: Path, *, weights: bool) -> dict[str, bytes]:
     if not path.exists():
         raise InputError(f"model='{path}' does not exist; give a file or folder made by "
                          "seg-export")
+    swapped = _run_instead(path)
+    if swapped:
+        raise InputError(f"model='{path}' is not a model made by seg-export: {swapped}")
     with _opened(path) as (sizes, opener):
         missing = [p for p in (*PARTS, SUMS) if p not in sizes]
         if missing:

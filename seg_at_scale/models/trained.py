@@ -149,6 +149,8 @@ def prediction_footprint(model: nn.Module, tiling: Mapping[str, Any]) -> Footpri
 
 def _run_above(path: Path) -> str:
     """What to give instead of ``path`` for ``run=``: the run folder above it, if any."""
+    if path.suffix == ".segmodel" or (path / "card.json").is_file():
+        return f"it is a model seg-export wrote: give model={path}"
     for up in list(path.parents)[:2]:  # checkpoints/ and a checkpoint in it
         if (up / RUN_CONFIG).is_file():
             if path.suffix == ".ckpt":

@@ -205,3 +205,37 @@ def test_a_run_trained_with_a_smaller_halo_predicts_exactly_and_exports(tmp_path
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout[res.stdout.index("{"):])["halo"] == exact.halo
     assert read_raster(tmp_path / "m.tif").tobytes() == outs[1].tobytes()
+
+
+def test_a_folder_export_is_replaced_with_overwrite_and_swapped_keys_are_named(exported,
+                                                                            tmp_path):
+    """Before: a folder export could not be refreshed ("is a folder; a file is written
+    there"), a file of a folder's name failed on a temporary path, and model=<run folder or
+    checkpoint> / run=<model> read "lacks card.json", "holds 'archive/data.pkl'", "has no
+    run_config.yaml"."""
+    run, model, image = exported
+    folder = tmp_path / "unet_folder"
+    assert seg_export(run, folder, "ckpt=last").returncode == 0
+    again = seg_export(run, folder, "ckpt=last")
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].endswith(
+        f"output '{folder}' is a model seg-export wrote; pass overwrite=true to replace it (or "
+        "choose another path)")
+    assert seg_export(run, folder, "ckpt=last", "overwrite=true").returncode == 0
+    assert read_model(folder).card.raw == read_model(model).card.raw
+    (tmp_path / "other").mkdir()
+    (tmp_path / "notes").write_text("mine\n")
+    for path, said in ((tmp_path / "other", "is a folder seg-export did not write"),
+                       (tmp_path / "notes", "is a file, and seg-export writes a folder for a "
+                                            "name without .segmodel")):
+        out = seg_export(run, path, "ckpt=last", "overwrite=true")
+        assert out.returncode == 2 and said in out.stderr.strip().splitlines()[-1]
+    assert (tmp_path / "notes").read_text() == "mine\n"
+    with pytest.raises(InputError, match=rf"model='{run}' is not a model made by seg-export: "
+                                         rf"it is the training run '{run}': give run={run}$"):
+        read_model(run)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    with pytest.raises(InputError, match=rf"it is a checkpoint of the run '{run}': give "
+                                         rf"run={run} ckpt=last.ckpt$"):
+        read_model(ckpt)
+    with pytest.raises(InputError, match=rf"it is a model seg-export wrote: give model={model}"):
+        load_run(model)
