@@ -76,6 +76,9 @@ def _locked(output: Path, what: str | None, *, claims: bool) -> Iterator[Path]:
     named = what or f"output='{output}'"  # an archive's: output_dir '<folder>'
     try:
         folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"{named}: '{folder}' is a file, where a folder is written; choose "
+                          "another path") from None
     except OSError as exc:
         raise ConfigError(f"{named}: cannot create its folder ({exc}); choose a writable "
                           "location") from exc

@@ -528,3 +528,18 @@ def test_a_network_of_detector_planes_is_refused_before_it_writes_mixed_labels(t
                           "logit channels), and seg-predict writes one label per pixel")
     assert line.endswith("plane_view(logits, 3).argmax(1) (docs/models.md)")
     _nothing_written(tmp_path, "run", "event.tif")
+
+
+def test_an_output_dir_that_is_a_file_is_named_as_a_file(cli_case, tmp_path):
+    """Before: "cannot create its folder ([Errno 17] File exists ...); choose a writable
+    location" for a path that is a file, not an unwritable place."""
+    run, image = cli_case
+    (tmp_path / "scenes").mkdir()
+    (tmp_path / "scenes" / "a.tif").write_bytes(image.read_bytes())
+    (tmp_path / "afile").write_text("mine\n")
+    res = seg_predict_here(f"run={run}", f"images={tmp_path / 'scenes'}",
+                           f"output_dir={tmp_path / 'afile'}")
+    line = _one_line(res)
+    assert line.endswith(f"'{tmp_path / 'afile'}' is a file, where a folder is written; choose "
+                         "another path"), line
+    assert (tmp_path / "afile").read_text() == "mine\n"
