@@ -179,10 +179,14 @@ def write_report(records: Sequence[SceneRecord], output_dir: Path, *,
     doc: dict[str, Any] = {"scenes": len(records), **counts, "summary": rows}
     finished = [Path(r.output) for r in records if r.status in ("done", "reused")]
     tifs = [p for p in finished if p.suffix.lower() in (".tif", ".tiff")]
-    if tifs:
-        from seg_at_scale.io.vrt import write_mosaics
+    from seg_at_scale.io.vrt import write_mosaics, written_mosaic
 
-        doc["mosaics"] = [str(p) for p in write_mosaics(tifs, output_dir)]
+    mosaics = write_mosaics(tifs, output_dir) if tifs else []
+    if tifs:
+        doc["mosaics"] = [str(p) for p in mosaics]
+    for old in sorted(output_dir.glob("mosaic*.vrt")):  # another set of CRSs before
+        if old not in mosaics and _written_by_an_archive(old) and written_mosaic(old):
+            old.unlink()
     if stac and finished:
         import pystac
 

@@ -352,3 +352,20 @@ def test_a_users_file_under_a_report_name_is_refused_before_any_tile(archive, tm
     assert again.returncode == 0, again.stderr[-2000:]
     report = json.loads((out / "summary.json").read_text())
     assert report["reused"] == 4 and (out / "mosaic.vrt").is_file()
+
+
+def test_a_mosaic_of_an_earlier_set_of_crss_is_removed_and_a_users_kept(archive, tmp_path):
+    """Before: after an archive's scenes changed CRSs, mosaic.vrt (or mosaic_<epsg>.vrt) of
+    the earlier run stayed beside the new ones, describing scenes it no longer held."""
+    import shutil
+
+    tmp, run = archive
+    out = tmp_path / "out"
+    args = (f"images={tmp / 'scenes'}", f"output_dir={out}")
+    _archive(run, *args)
+    shutil.copy(out / "mosaic.vrt", out / "mosaic_4326.vrt")  # one the earlier run wrote
+    (out / "mosaic_mine.vrt").write_text("<VRTDataset/>")  # the user's: never removed
+    res = _archive(run, *args, "overwrite=true")
+    assert res["mosaics"] == [str(out / "mosaic.vrt")]
+    assert sorted(p.name for p in out.glob("mosaic*.vrt")) == ["mosaic.vrt", "mosaic_mine.vrt"]
+    assert (out / "mosaic_mine.vrt").read_text() == "<VRTDataset/>"
