@@ -11,6 +11,7 @@ files, :class:`ArrayRaster` for arrays), so the polygonizer never holds more tha
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -44,6 +45,8 @@ __all__ = [
     "row_bands",
     "store_class_names",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Label value that is never polygonized (the prediction store's fill value).
 NODATA = 255
@@ -239,6 +242,11 @@ def georeference(source: str | os.PathLike[str]) -> tuple[Affine, CRS | None]:
 
     try:
         with open_dataset(path) as ds:
+            points = ds.gcps[0]
+            if points and ds.transform.is_identity and ds.crs is None:
+                log.warning("'%s' is georeferenced by %d ground control points, which "
+                            "polygons do not follow: they are in pixel coordinates; warp the "
+                            "image first (gdalwarp) to have them in its CRS", path, len(points))
             return ds.transform, ds.crs
     except RasterioIOError as exc:
         raise InputError(f"cannot read the georeference of '{path}': {exc}") from exc

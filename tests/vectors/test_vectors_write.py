@@ -177,3 +177,26 @@ def test_bad_inputs_are_refused(store, tmp_path):
     with pytest.raises(InputError, match="f.tif' has 1 band.* of float32; a label raster is"):
         write_vectors(floats, tmp_path / "d.gpkg")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.tif"]
+
+
+def test_a_labels_raster_placed_by_control_points_is_said_to_give_pixel_polygons(tmp_path,
+                                                                                 caplog):
+    """Before: polygons of an output georeferenced by GCPs came in pixel coordinates, with no
+    CRS, without a word."""
+    import rasterio
+    from rasterio.control import GroundControlPoint
+
+    path = tmp_path / "gcps.tif"
+    with rasterio.open(path, "w", driver="GTiff", height=203, width=171, count=1,
+                       dtype="uint8") as ds:
+        ds.write(LABELS[None])
+        ds.gcps = ([GroundControlPoint(0, 0, 500000, 4500000),
+                    GroundControlPoint(0, 171, 501710, 4500000),
+                    GroundControlPoint(203, 0, 500000, 4497970)],
+                   rasterio.crs.CRS.from_epsg(32633))
+    with caplog.at_level("WARNING", logger="seg_at_scale.vectors.sources"):
+        write_vectors(path, tmp_path / "v.gpkg", connectivity=8)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"'{path}' is georeferenced by 3 ground control points, which polygons do not follow: "
+        "they are in pixel coordinates; warp the image first (gdalwarp) to have them in its CRS"]
+    assert read(tmp_path / "v.gpkg").crs is None
