@@ -504,13 +504,12 @@ def _open_stores(plans: list[RasterPlan], records: list[SceneRecord],
                  options: PredictOptions, on_error: str) -> list[PredictionStore | None]:
     """Finished scenes reused; every other scene's store opened by one rank, then shared."""
     rank, world = rank_world()
+    finished_otherwise: dict[int, str] = {}  # the same on every rank: they read one file
     for i, p in enumerate(plans):
         try:
             pixels = reusable(p, options.overwrite)  # every rank reads the same finished file
         except OutputExistsError as exc:
-            if on_error == "stop":
-                raise
-            records[i].status, records[i].reason = "failed", str(exc)
+            finished_otherwise[i] = str(exc)
             continue
         if pixels is not None:
             if rank == 0:
@@ -519,7 +518,7 @@ def _open_stores(plans: list[RasterPlan], records: list[SceneRecord],
             records[i].tiles_resumed = records[i].tiles
     refused: dict[int, str] = {}
     for i, p in enumerate(plans):
-        if records[i].status == "pending" and i % world == rank:
+        if records[i].status == "pending" and i % world == rank and i not in finished_otherwise:
             try:  # a leftover store of another prediction, an output of another run
                 store = open_store(p, options)
             except SegAtScaleError as exc:
@@ -527,10 +526,17 @@ def _open_stores(plans: list[RasterPlan], records: list[SceneRecord],
                 continue
             (p.working / CLAIM).unlink(missing_ok=True)  # a killed finaliser's claim
             del store
-    refused = _everyone(refused)  # every rank agrees (and waits for every store)
+    refused = {**_everyone(refused), **finished_otherwise}  # every rank agrees (and waits)
+    if refused and on_error == "stop":  # every such scene named, nothing computed
+        listed = "; ".join(f"{records[i].stem}: {refused[i]}"
+                           for i in sorted(refused)[:MAX_LISTED])
+        more = f"; ... and {len(refused) - MAX_LISTED} more" if len(refused) > MAX_LISTED \
+            else ""
+        raise OutputExistsError(
+            refused[min(refused)] if len(refused) == 1 else
+            f"{len(refused)} of {len(plans)} scenes have an output or store of another "
+            f"prediction, so nothing was computed: {listed}{more}")
     for i, reason in sorted(refused.items()):
-        if on_error == "stop":
-            raise OutputExistsError(reason)
         records[i].status, records[i].reason = "failed", reason
     return [PredictionStore.attach(p.working) if records[i].status == "pending" else None
             for i, p in enumerate(plans)]

@@ -369,3 +369,21 @@ def test_a_mosaic_of_an_earlier_set_of_crss_is_removed_and_a_users_kept(archive,
     assert res["mosaics"] == [str(out / "mosaic.vrt")]
     assert sorted(p.name for p in out.glob("mosaic*.vrt")) == ["mosaic.vrt", "mosaic_mine.vrt"]
     assert (out / "mosaic_mine.vrt").read_text() == "<VRTDataset/>"
+
+
+def test_every_scene_finished_by_another_prediction_is_named_in_one_refusal(archive,
+                                                                           tmp_path):
+    """Before: ``on_error=stop`` named the first such scene only (its docs: every bad scene
+    in one message), so each fix met the next refusal."""
+    tmp, run = archive
+    out = tmp_path / "out"
+    _archive(run, f"images={tmp / 'scenes'}", f"output_dir={out}")
+    res = seg_predict_here(f"run={run}", *OPTS, f"images={tmp / 'scenes'}",
+                           f"output_dir={out}", "tile_size=128")
+    assert res.returncode == 2, res.stderr[-2000:]
+    line = res.stderr.strip().splitlines()[-1]
+    # s3 (64 x 60) is one tile at either size: the same prediction, reused
+    assert line.startswith("seg-predict: error: 3 of 4 scenes have an output or store of "
+                           "another prediction, so nothing was computed: s0: output "), line
+    assert all(f"{stem}: output '{out / stem}.tif' was made by another prediction (differs "
+               "in batches" in line for stem in ("s0", "s1", "s2")), line
