@@ -63,6 +63,20 @@ def write_run(folder: Path, node: dict[str, Any], net: torch.nn.Module, data: di
     return folder
 
 
+def make_planes_run(folder: Path, depth: int = 2, mean: float = 0.0,
+                    std: float = 1.0) -> tuple[Path, torch.nn.Module]:
+    """A run folder of a random UResNet (3 detector planes x 3 classes) and its network."""
+    from seg_at_scale.models import UResNet
+
+    torch.manual_seed(0)
+    net = UResNet(planes=3, num_classes=3, depth=depth, initial_filters=4).eval()
+    node = {"_target_": "seg_at_scale.models.UResNet", "planes": 3, "num_classes": 3,
+            "depth": depth, "initial_filters": 4}
+    data = {"bands": 3, "num_classes": 3, "class_names": ["background", "cosmic", "neutrino"],
+            "ignore_index": 255, "nodata": None, "scale": 0.02, "mean": [mean], "std": [std]}
+    return write_run(folder, node, net, data), net
+
+
 def make_image(path: Path, height: int = 517, width: int = 743, seed: int = 1) -> Path:
     """A 4-band uint8 GeoTIFF with structure (smooth fields + noise), not a round size."""
     rng = np.random.default_rng(seed)

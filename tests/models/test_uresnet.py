@@ -182,20 +182,14 @@ def test_the_documented_python_path_for_planes_equals_the_whole_event(tmp_path):
     from pathlib import Path
 
     import numpy as np
-    from helpers.prediction import write_run
+    from helpers.prediction import make_planes_run
 
     from seg_at_scale.io import write_raster
 
     doc = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
     block = next(textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", doc, re.S)
                  if "plane_view(logits" in b)
-    torch.manual_seed(0)
-    net = UResNet(planes=3, num_classes=3, depth=3, initial_filters=4).eval()
-    node = {"_target_": "seg_at_scale.models.UResNet", "planes": 3, "num_classes": 3,
-            "depth": 3, "initial_filters": 4}
-    data = {"bands": 3, "num_classes": 3, "class_names": ["background", "cosmic", "neutrino"],
-            "ignore_index": 255, "nodata": None, "scale": 0.02, "mean": [0.5], "std": [2.0]}
-    run = write_run(tmp_path / "run", node, net, data)
+    run, net = make_planes_run(tmp_path / "run", depth=3, mean=0.5, std=2.0)
     event = np.random.default_rng(0).random((3, 75, 131)).astype(np.float32) * 300
     image = write_raster(tmp_path / "event_image.tif", event)
     tile = f"tile_size={2 * net.footprint().halo + 32}"

@@ -509,18 +509,9 @@ def test_an_archive_output_folder_that_cannot_be_written_is_named_as_output_dir(
 def test_a_network_of_detector_planes_is_refused_before_it_writes_mixed_labels(tmp_path):
     """Before: a UResNet run (3 planes x 3 classes) wrote plane-and-class ids 0..8 into a
     3-class label COG and exited 0 (``class_pixels`` counted 3 of its 9 ids)."""
-    import torch
-    from helpers.prediction import write_run
+    from helpers.prediction import make_planes_run
 
-    from seg_at_scale.models import UResNet
-
-    torch.manual_seed(0)
-    net = UResNet(planes=3, num_classes=3, depth=2, initial_filters=4).eval()
-    node = {"_target_": "seg_at_scale.models.UResNet", "planes": 3, "num_classes": 3,
-            "depth": 2, "initial_filters": 4}
-    data = {"bands": 3, "num_classes": 3, "class_names": ["background", "cosmic", "neutrino"],
-            "ignore_index": 255, "nodata": None, "scale": 0.02, "mean": [0.0], "std": [1.0]}
-    run = write_run(tmp_path / "run", node, net, data)
+    run, _ = make_planes_run(tmp_path / "run")
     image = write_raster(tmp_path / "event.tif",
                          np.random.default_rng(0).random((3, 75, 131)).astype(np.float32))
     res = seg_predict(run, image, tmp_path / "labels.tif", "check_dtype=false", check=False)
