@@ -285,7 +285,7 @@ def test_existing_preview_and_unwritable_folder_are_refused_before_work(cli_case
     blocker.write_text("a file, not a folder")
     res = seg_predict(run, image, blocker / "mask.tif", "preview=false",
                       f"hydra.run.dir={tmp_path / 'h'}", check=False)
-    assert res.returncode != 0 and "cannot create its folder" in res.stderr
+    assert res.returncode == 2 and "file.txt' is a file, where a folder is written" in res.stderr
 
 
 def test_slurm_prediction_launcher_takes_processes_and_nodes():
