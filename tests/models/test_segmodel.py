@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 from helpers import warm
-from helpers.prediction import env, make_image, make_model, make_run, seg_predict
+from helpers.prediction import (
+    env,
+    make_image,
+    make_model,
+    make_run,
+    seg_predict,
+    seg_predict_here,
+)
 
 from seg_at_scale.errors import InputError, OutputExistsError
 from seg_at_scale.models.segmodel import read_model, write_model
@@ -21,6 +28,15 @@ def seg_export(run: Path, output: Path, *overrides: str) -> subprocess.Completed
     cmd = [sys.executable, "-m", "seg_at_scale.cli.export", f"run={run}", f"output={output}",
            *overrides]
     return warm.run(cmd, capture_output=True, text=True, env=env(), timeout=120)
+
+
+def seg_export_here(run: Path, output: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``seg-export`` in this process (its entry point, output and exit status)."""
+    from helpers.cli import run_here
+
+    from seg_at_scale.cli.export import main
+
+    return run_here(main, ["seg-export", f"run={run}", f"output={output}", *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +187,6 @@ def test_a_run_trained_with_a_smaller_halo_predicts_exactly_and_exports(tmp_path
     """Before: a run trained with ``tiling.halo=0`` (below the network's 22) predicted with
     halo 0, tiles that disagreed with each other (q=1 and q=4 differed on 246 labels) under
     ``"exact": true``; its seg-export was then refused at load as "edited"."""
-    import json
 
     from helpers.prediction import write_run
 
@@ -192,18 +207,17 @@ def test_a_run_trained_with_a_smaller_halo_predicts_exactly_and_exports(tmp_path
     image = make_image(tmp_path / "scene.tif", 211, 173)
     outs = {}
     for q in (1, 4):
-        res = seg_predict(run, image, tmp_path / f"q{q}.tif", f"q={q}", "preview=false")
+        res = _ok(seg_predict_here(f"run={run}", f"image={image}",
+                                   f"output={tmp_path / f'q{q}.tif'}", f"q={q}",
+                                   "preview=false"))
         assert res["halo"] == exact.halo and res["exact"] is True
         outs[q] = read_raster(tmp_path / f"q{q}.tif")
     assert outs[1].tobytes() == outs[4].tobytes()
-    out = seg_export(run, tmp_path / "h.segmodel")
+    out = seg_export_here(run, tmp_path / "h.segmodel")
     assert out.returncode == 0, out.stderr
-    cmd = [sys.executable, "-m", "seg_at_scale.cli.predict", f"model={tmp_path / 'h.segmodel'}",
-           f"image={image}", f"output={tmp_path / 'm.tif'}", "progress=false", "q=4",
-           "preview=false"]
-    res = warm.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert json.loads(res.stdout[res.stdout.index("{"):])["halo"] == exact.halo
+    res = _ok(seg_predict_here(f"model={tmp_path / 'h.segmodel'}", f"image={image}",
+                               f"output={tmp_path / 'm.tif'}", "q=4", "preview=false"))
+    assert res["halo"] == exact.halo
     assert read_raster(tmp_path / "m.tif").tobytes() == outs[1].tobytes()
 
 
@@ -215,19 +229,19 @@ def test_a_folder_export_is_replaced_with_overwrite_and_swapped_keys_are_named(e
     run_config.yaml"."""
     run, model, image = exported
     folder = tmp_path / "unet_folder"
-    assert seg_export(run, folder, "ckpt=last").returncode == 0
-    again = seg_export(run, folder, "ckpt=last")
+    assert seg_export_here(run, folder, "ckpt=last").returncode == 0
+    again = seg_export_here(run, folder, "ckpt=last")
     assert again.returncode == 2 and again.stderr.strip().splitlines()[-1].endswith(
         f"output '{folder}' is a model seg-export wrote; pass overwrite=true to replace it (or "
         "choose another path)")
-    assert seg_export(run, folder, "ckpt=last", "overwrite=true").returncode == 0
+    assert seg_export_here(run, folder, "ckpt=last", "overwrite=true").returncode == 0
     assert read_model(folder).card.raw == read_model(model).card.raw
     (tmp_path / "other").mkdir()
     (tmp_path / "notes").write_text("mine\n")
     for path, said in ((tmp_path / "other", "is a folder seg-export did not write"),
                        (tmp_path / "notes", "is a file, and seg-export writes a folder for a "
                                             "name without .segmodel")):
-        out = seg_export(run, path, "ckpt=last", "overwrite=true")
+        out = seg_export_here(run, path, "ckpt=last", "overwrite=true")
         assert out.returncode == 2 and said in out.stderr.strip().splitlines()[-1]
     assert (tmp_path / "notes").read_text() == "mine\n"
     with pytest.raises(InputError, match=rf"model='{run}' is not a model made by seg-export: "
@@ -239,3 +253,8 @@ def test_a_folder_export_is_replaced_with_overwrite_and_swapped_keys_are_named(e
         read_model(ckpt)
     with pytest.raises(InputError, match=rf"it is a model seg-export wrote: give model={model}"):
         load_run(model)
+
+
+def _ok(res: subprocess.CompletedProcess) -> dict:
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout[res.stdout.index("{"):])
