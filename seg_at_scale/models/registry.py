@@ -215,16 +215,15 @@ def predicting(model: nn.Module, node: Mapping[str, Any]) -> Iterator[nn.Module]
     """
     target = node.get("_target_")
     fam = family_of(str(target)) if isinstance(target, str) else None
-    changed = {key: node[key] for key, value in (fam.predict_keys if fam else ())
-               if key in node and node[key] != value}
-    for key, value in (fam.predict_keys if fam else ()):
-        if key in changed:
-            setattr(model, key, value)
+    wanted = {key: value for key, value in (fam.predict_keys if fam else ())
+              if key in node and node[key] != value}
+    for key, value in wanted.items():
+        setattr(model, key, value)
     try:
         yield model
     finally:
-        for key, value in changed.items():
-            setattr(model, key, value)
+        for key in wanted:
+            setattr(model, key, node[key])
 
 
 def _load_builtin() -> None:
