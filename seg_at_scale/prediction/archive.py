@@ -41,7 +41,7 @@ from seg_at_scale.io.writer import listed_once
 from seg_at_scale.models.card import ModelCard
 from seg_at_scale.models.trained import TrainedModel
 from seg_at_scale.parallel.launch import barrier, rank_world
-from seg_at_scale.prediction.checks import check_scene
+from seg_at_scale.prediction.checks import check_scene, claim_path
 from seg_at_scale.prediction.compile_choice import checked_network
 from seg_at_scale.prediction.finalize import finalize
 from seg_at_scale.prediction.layout_choice import with_layout
@@ -80,7 +80,6 @@ __all__ = ["ArchiveScene", "find_images", "archive_scenes", "check_archive", "ch
 
 RASTER_SUFFIXES = (".tif", ".tiff")
 VECTOR_FORMATS = ("gpkg", "parquet", "fgb")
-CLAIM = "seg_finalize.claim"  # inside a scene's store: the rank finalising it
 MAX_LISTED = 5
 
 
@@ -524,7 +523,7 @@ def _open_stores(plans: list[RasterPlan], records: list[SceneRecord],
             except SegAtScaleError as exc:
                 refused[i] = str(exc)
                 continue
-            (p.working / CLAIM).unlink(missing_ok=True)  # a killed finaliser's claim
+            claim_path(p.output).unlink(missing_ok=True)  # a killed finaliser's claim
             del store
     refused = {**_everyone(refused), **finished_otherwise}  # every rank agrees (and waits)
     if refused and on_error == "stop":  # every such scene named, nothing computed
@@ -681,9 +680,14 @@ def _disk_full(exc: BaseException) -> bool:
 
 
 def _claim(plan: RasterPlan) -> bool:
-    """Whether this rank is the one to finalise the scene (an exclusive file decides)."""
+    """Whether this rank is the one to finalise the scene (an exclusive file decides).
+
+    The claim stays until every rank has finished the archive (:func:`_gather`): a rank
+    that found the scene complete a moment before another finalised it finds the claim
+    still there, not a store already published or discarded.
+    """
     try:
-        os.close(os.open(plan.working / CLAIM, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(claim_path(plan.output), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return False
     return True
@@ -692,11 +696,10 @@ def _claim(plan: RasterPlan) -> bool:
 def _finish(trained: TrainedModel, scene: ArchiveScene, plan: RasterPlan,
             store: PredictionStore, options: PredictOptions, record: SceneRecord,
             stats: PredictionStats) -> None:
-    """Finalise a completed scene: the COG (or the store marked complete), its companions."""
+    """Finalise a completed scene: the COG (or the store published), its companions."""
     record.class_pixels = finalize(store, plan.output, plan.kind, plan.reader, plan.names,
                                    options.probabilities, options.overwrite,
                                    options.keep_store)
-    (plan.working / CLAIM).unlink(missing_ok=True)
     record.finalized_by = rank_world()[0]
     companions(trained, scene.image, plan.output, options, scene.vector, stats)
     record.status = "done"
@@ -726,6 +729,8 @@ def _gather(records: list[SceneRecord], plans: list[RasterPlan],
             out.class_pixels, out.finalized_by = src.class_pixels, src.finalized_by
         merged.append(out)
     if rank == 0:
+        for plan in plans:  # every rank is past its scenes' claims
+            claim_path(plan.output).unlink(missing_ok=True)
         for i, rec in enumerate(merged):
             _complete(trained, scenes[i], plans[i], stores[i], options, rec, on_error)
     for plan in plans:

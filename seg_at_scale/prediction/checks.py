@@ -42,7 +42,7 @@ from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.tile_sides import smallest_side
 
 __all__ = ["SceneCheck", "check_scene", "check_outputs", "same_path", "scene_outputs",
-           "preview_path", "probabilities_path", "store_path", "check_dtype",
+           "preview_path", "probabilities_path", "store_path", "claim_path", "check_dtype",
            "check_nodata_fits", "DTYPE_HIGH_RATIO", "rewritten_by_resume", "not_ours",
            "companion_is_ours"]
 
@@ -74,19 +74,27 @@ def probabilities_path(output: Path) -> Path:
 
 
 def store_path(output: Path) -> Path:
-    """The working Zarr store: the output itself, or a hidden store beside a ``.tif``."""
-    return output if output.suffix.lower() == ".zarr" else \
-        output.with_name(f".{output.name}.zarr")
+    """The working Zarr store, hidden beside the output until it is complete.
+
+    ``scene.tif`` -> ``.scene.tif.zarr``, from which the COG is written; ``scene.zarr`` ->
+    ``.scene.zarr``, renamed to ``scene.zarr`` once complete (:func:`~.finalize.finalize`):
+    nothing under the output's name is ever a store that a killed run left unfinished.
+    """
+    return output.with_name(f".{output.name}" if output.suffix.lower() == ".zarr"
+                            else f".{output.name}.zarr")
+
+
+def claim_path(output: Path) -> Path:
+    """The file whose creation elects the one rank that finalises an archive's scene."""
+    return output.with_name(f".{output.name}.claim")
 
 
 def scene_outputs(output: Path, options: PredictOptions,
                   vector: Path | None = None) -> dict[str, Path]:
     """Every path a prediction of one scene writes, by the key users know it by."""
-    outs = {"output": output}
-    if output.suffix.lower() != ".zarr":
-        outs["working store"] = store_path(output)
-        if options.probabilities:
-            outs["probabilities"] = probabilities_path(output)
+    outs = {"output": output, "working store": store_path(output)}
+    if output.suffix.lower() != ".zarr" and options.probabilities:
+        outs["probabilities"] = probabilities_path(output)
     if options.preview:
         outs["preview"] = preview_path(output)
     if vector is not None:
@@ -200,8 +208,6 @@ def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
             if key in ("output", "probabilities") or written_by(key, path) == done[0]:
                 continue  # made with the output (never rewritten on reuse), or ours
             raise OutputExistsError(not_ours(key, path, outputs["output"]))
-        if key == "output" and path.suffix.lower() == ".zarr":
-            continue  # an interrupted store: resumed, or refused by its fingerprint
         if rewritten_by_resume(key, outputs["output"]):
             continue
         raise OutputExistsError(f"{key} '{path}' already exists; pass overwrite=true "

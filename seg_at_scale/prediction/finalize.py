@@ -1,4 +1,4 @@
-"""Rank 0's last step: the class histogram, then the COG(s) or the store marked complete.
+"""Rank 0's last step: the class histogram, then the COG(s), or the store published.
 
 It runs after the last tile, or beside the tiles (:class:`RowsOnDisk`): each row band of
 the store is read once its chunks are on disk, so the COG's bands are written while the
@@ -8,6 +8,7 @@ model computes the rows below them.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ from seg_at_scale.prediction.provenance import (
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling.geometry import Tile, Window
 
-__all__ = ["finalize", "cog_outputs", "RowsOnDisk"]
+__all__ = ["finalize", "cog_outputs", "publish", "RowsOnDisk"]
 
 
 def cog_outputs(out_path: Path, probabilities: str | None) -> list[Path]:
@@ -45,14 +46,14 @@ def cog_outputs(out_path: Path, probabilities: str | None) -> list[Path]:
 def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterReader,
              names: list[str], probabilities: str | None, overwrite: bool,
              keep_store: bool, ready: RowsOnDisk | None = None) -> list[int]:
-    """Rank 0: class histogram, then the COG(s) or the store marked complete.
+    """Rank 0: class histogram, then the COG(s), or the store marked complete and published.
 
     ``ready``: read each row band once it is on disk (finalising beside the tile writer)
     instead of refusing a store with tiles missing.
     """
-    if kind == "cog":  # a killed run's, which wrote its COG beside its tiles
-        for path in cog_outputs(out_path, probabilities):
-            remove_stale_temporaries(path)
+    # a killed run's: the COG it wrote beside its tiles, an output it was replacing
+    for path in cog_outputs(out_path, probabilities if kind == "cog" else None):
+        remove_stale_temporaries(path)
     missing = [] if ready is not None else [t.index for t in _all_tiles(store)
                                             if not store.done(t)]
     if missing:
@@ -91,9 +92,24 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
             pass
     class_pixels = [int(v) for v in hist[:classes]]
     store.finish(class_pixels)
-    if kind == "cog" and not keep_store:
+    if kind == "zarr":
+        publish(store.path, out_path)
+    elif not keep_store:
         discard(store.path, out_path)
     return class_pixels
+
+
+def publish(store: Path, output: Path) -> None:
+    """Rename a complete working store to the ``.zarr`` output's name.
+
+    What is at that name (a finished prediction that ``overwrite=true`` replaces) is
+    discarded first (:func:`~seg_at_scale.io.writer.discard`). A run killed in between
+    leaves the complete store under its hidden name, and the rerun, which resumes it with
+    no tile to compute, publishes it.
+    """
+    if output.exists():
+        discard(output, output)
+    os.rename(store, output)
 
 
 def _label_counts(band: np.ndarray) -> np.ndarray:

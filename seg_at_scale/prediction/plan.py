@@ -28,7 +28,7 @@ from seg_at_scale.io.geotags import open_dataset
 from seg_at_scale.io.raster import raster_files
 from seg_at_scale.io.writer import discard, remove_stale_temporaries
 from seg_at_scale.models.fold import fold_batchnorm
-from seg_at_scale.prediction.checks import rewritten_by_resume, store_path
+from seg_at_scale.prediction.checks import claim_path, rewritten_by_resume, store_path
 from seg_at_scale.prediction.finalize import cog_outputs
 from seg_at_scale.prediction.options import PredictOptions, default_batch_size
 from seg_at_scale.prediction.outputs import output_kind
@@ -264,12 +264,14 @@ def reusable(plan: RasterPlan, overwrite: bool) -> list[int] | None:
 
 
 def drop_working_store(plan: RasterPlan, keep_store: bool) -> None:
-    """Rank 0, on reusing a finished ``.tif``: remove a working store a killed run left.
+    """Rank 0, on reusing a finished output: remove what a killed run left beside it.
 
-    A run killed after its COG was renamed into place, before its store was deleted, leaves
-    the store (as large as the labels, hidden); one killed while deleting it leaves a
-    discarded one (:func:`~seg_at_scale.io.writer.discard`).
+    An archive's finalising rank killed before the archive's end leaves its claim
+    (:func:`~.checks.claim_path`). A run killed after its COG was renamed into place,
+    before its store was deleted, leaves the store (as large as the labels, hidden); one
+    killed while deleting it leaves a discarded one (:func:`~seg_at_scale.io.writer.discard`).
     """
+    claim_path(plan.output).unlink(missing_ok=True)
     if plan.kind != "cog":
         return
     remove_stale_temporaries(plan.output)
@@ -302,18 +304,12 @@ def _what_differs(plan: RasterPlan) -> str:
 def open_store(plan: RasterPlan, options: PredictOptions) -> PredictionStore:
     """Refuse to replace another output, then resume or create the plan's store."""
     overwrite, resume = options.overwrite, options.resume
-    if plan.kind == "cog":
-        for key, p in zip(("output", "probabilities"),
-                          cog_outputs(plan.output, options.probabilities), strict=False):
-            if p.exists() and not overwrite and not rewritten_by_resume(key, plan.output):
-                raise OutputExistsError(f"output '{p}' already exists; pass overwrite=true "
-                                        "to replace it (or choose another path)")
-    elif plan.working.exists() and not overwrite:
-        if PredictionStore.attach(plan.working, key="output").complete:
-            raise OutputExistsError(f"output '{plan.working}' is a finished prediction; "
-                                    "pass overwrite=true to replace it")
-    elif plan.working.exists():
-        resume = False  # overwrite=true on a finished store: start afresh
+    probabilities = options.probabilities if plan.kind == "cog" else None  # a .zarr holds them
+    for key, p in zip(("output", "probabilities"), cog_outputs(plan.output, probabilities),
+                      strict=False):  # what is there stays until the new output replaces it
+        if p.exists() and not overwrite and not rewritten_by_resume(key, plan.output):
+            raise OutputExistsError(f"output '{p}' already exists; pass overwrite=true "
+                                    "to replace it (or choose another path)")
     attrs = {"class_names": plan.names, "nodata": NODATA, "source": str(plan.image),
              **_georeference(plan.image)}
     fingerprint = plan.fingerprint

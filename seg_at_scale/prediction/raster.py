@@ -9,9 +9,10 @@ blending, and batches are fixed by the grid alone, so the output is byte-identic
 any number of processes and after any interruption: a killed run rerun with the same
 arguments recomputes only the batches whose chunks are missing.
 
-Output by extension: ``.zarr`` is the store itself (readable by xarray); ``.tif`` /
-``.tiff`` is a Cloud-Optimized GeoTIFF finalised from a hidden working store beside it
-(removed when the COG is complete).
+Output by extension: the tiles go to a hidden working store beside the output
+(:func:`~.checks.store_path`). A ``.zarr`` output is that store, renamed to the output's
+name once complete (readable by xarray); a ``.tif`` / ``.tiff`` output is a Cloud-Optimized
+GeoTIFF finalised from it (the store removed when the COG is complete).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from helpers import warm
 from helpers.prediction import env, make_model, make_run, seg_predict_here
 
 from seg_at_scale.io import example_geotags, write_raster
+from seg_at_scale.prediction.checks import store_path
 
 OPTS = ("ckpt=last", "tile_size=96", "preview=false", "stac=false")
 
@@ -165,9 +166,9 @@ def test_a_nodata_nan_store_resumes(run, tmp_path):
     first = seg_predict_here(*args)
     assert first.returncode == 0, first.stderr
     labels = zarr.open_group(out, mode="r")["labels"][:]
-    group = zarr.open_group(out, mode="r+")
-    group.attrs["complete"] = False  # as if killed before one tile was written
-    next(p for p in (out / "labels" / "c").rglob("*") if p.is_file()).unlink()
+    working = out.rename(store_path(out))  # as if killed before one tile was written
+    zarr.open_group(working, mode="r+").attrs["complete"] = False
+    next(p for p in (working / "labels" / "c").rglob("*") if p.is_file()).unlink()
     again = seg_predict_here(*args)
     assert again.returncode == 0, again.stderr
     res = json.loads(again.stdout[again.stdout.index("{"):])

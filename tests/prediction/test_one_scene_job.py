@@ -32,6 +32,7 @@ CASES = {
     "staged": {"staged": "true"},
     "fresh": {"resume": "false"},
     "processes": {"processes": 2},
+    "zarr_processes": {"zarr": True, "processes": 2, "probabilities": "uint8"},
 }
 
 
@@ -101,6 +102,9 @@ def test_one_scene_through_image_and_images_gives_the_same_result(scene, name):
         assert not (many / f"{STEM}.{ext}").exists()
         return
     assert _outputs(one, zarr_out, vector) == _outputs(many, zarr_out, vector)
+    for folder in (one, many):  # no working store, no finalising rank's claim, left behind
+        assert [p.name for p in folder.iterdir() if p.name.startswith(f".{STEM}.")
+                and not p.name.endswith((".lock", ".gpkg.json"))] == []  # (polygons' record)
 
 
 def test_staged_with_a_network_that_has_no_stages_is_refused_both_ways(scene):

@@ -168,6 +168,38 @@ def test_killed_prediction_resumes_to_the_uninterrupted_output(cli_case, cli_ref
     assert leftovers(out.parent, out.name) == []
 
 
+def test_a_killed_zarr_overwrite_keeps_the_old_output_and_resumes(cli_case, cli_reference,
+                                                                   tmp_path):
+    """Before: a ``.zarr`` output was its own working store, so a killed run left an
+    unfinished store (``complete: false``) under the output's name, and ``overwrite=true``
+    deleted the finished output it replaced before its first tile. Now the tiles go to
+    ``.mask.zarr``, renamed to ``mask.zarr`` when complete."""
+    from seg_at_scale.prediction.provenance import finished
+
+    run, image = cli_case
+    out = tmp_path / "mask.zarr"
+    _here(run, image, out, "tile_size=160")
+    old = finished(out)
+    assert old is not None
+    proc = warm.popen(predict_cmd(run, image, out, "tile_size=64", "overwrite=true"), env=env(),
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    store = tmp_path / ".mask.zarr"
+    deadline = time.time() + 120
+    while chunks_written(store) < 6 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(60)
+    done = chunks_written(store)
+    assert proc.returncode != 0 and done >= 6
+    assert finished(out) == old  # the replaced output, whole, until the new one is complete
+    res = _here(run, image, out, "tile_size=64", "overwrite=true")
+    assert res["tiles_resumed"] >= done - 1  # a chunk being renamed at the kill may count
+    np.testing.assert_array_equal(zarr.open_group(out, mode="r")["labels"][:],
+                                  read_raster(cli_reference)[0])
+    assert finished(out) != old and not store.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".mask.zarr")] == []
+
+
 def test_second_writer_is_refused_and_first_completes(cli_case, tmp_path):
     run, image = cli_case
     out = tmp_path / "mask.tif"

@@ -31,6 +31,7 @@ from helpers.prediction import (
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import OutputExistsError
 from seg_at_scale.io import example_geotags, read_raster, write_raster
+from seg_at_scale.prediction.checks import store_path
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.raster import predict_raster
 
@@ -218,17 +219,27 @@ def test_a_finished_output_of_replaced_pixels_is_not_reused(net, tmp_path):
     np.testing.assert_array_equal(_predict(net, image, out, overwrite=True), fresh)
 
 
+def _as_killed_mid_way(out: Path) -> int:
+    """Make a finished ``.zarr`` what a run killed after a third of its tiles leaves.
+
+    Its working store, under the hidden name, without those tiles; returns the tiles kept.
+    """
+    import zarr
+
+    working = store_path(out)
+    out.rename(working)
+    zarr.open_group(working, mode="r+").attrs["complete"] = False
+    chunks = sorted(p for p in (working / "labels" / "c").rglob("*") if p.is_file())
+    for p in chunks[: len(chunks) // 3]:
+        p.unlink()
+    return len(chunks) - len(chunks) // 3
+
+
 def test_a_store_of_replaced_pixels_is_not_resumed(net, tmp_path):
     """Before: a killed run's store resumed, the old image's tiles kept (mixed labels)."""
     image, out = _same_size_image(tmp_path / "scene.tif", 1), tmp_path / "a.zarr"
     _predict(net, image, out)
-    import zarr
-
-    group = zarr.open_group(out, mode="r+")  # what a run killed mid-way leaves
-    group.attrs["complete"] = False
-    chunks = sorted(p for p in (out / "labels" / "c").rglob("*") if p.is_file())
-    for p in chunks[: len(chunks) // 3]:
-        p.unlink()
+    _as_killed_mid_way(out)
     _replace_keeping_mtime(image, 2)
     fresh = _predict(net, image, tmp_path / "fresh.zarr")
     with pytest.raises(OutputExistsError, match=r"differs in: input"):
@@ -338,13 +349,9 @@ def test_a_store_begun_when_sha256_named_inputs_resumes_to_the_same_labels(
         with monkeypatch.context() as m:
             _as_before_blake3(m)
             _predict(net, image, out)
-        group = zarr.open_group(out, mode="r+")  # what a run killed mid-way leaves
-        group.attrs["complete"] = False
-        assert group.attrs["fingerprint"]["input"].startswith("sha256:")
-        chunks = sorted(p for p in (out / "labels" / "c").rglob("*") if p.is_file())
-        for p in chunks[: len(chunks) // 3]:
-            p.unlink()
-        return len(chunks) - len(chunks) // 3
+        assert zarr.open_group(out, mode="r").attrs["fingerprint"]["input"].startswith(
+            "sha256:")
+        return _as_killed_mid_way(out)
 
     out = tmp_path / "a.zarr"
     kept = killed_store(out)
