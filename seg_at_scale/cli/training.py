@@ -447,7 +447,7 @@ def _train(cfg: DictConfig, folder: Path) -> float | None:
         trainer, task, loggers = fit(cfg, run, model, fp, memory, dm, computed, ckpt)
     if not trainer.is_global_zero:  # rank 0 predicts the test scenes alone and reports
         return None
-    metric = trainer.callback_metrics.get("val/miou")
+    metric = trainer.callback_metrics.get("val/miou")  # none validated: the last, TrialRecord
     last = float(metric) if metric is not None else None
     saver = trainer.checkpoint_callback  # ModelCheckpoint (conf/callbacks), or None
     best = saver.best_model_path if isinstance(saver, ModelCheckpoint) else ""

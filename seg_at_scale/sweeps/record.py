@@ -95,6 +95,10 @@ class TrialRecord(pl.Callback):
         return pick(self.history, key=lambda h: h[1])
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.history and self.monitor not in trainer.callback_metrics:
+            # a rerun with no epoch left to fit validated nothing: the last validation's
+            # value, restored with the record, is what the run's summary reports
+            trainer.callback_metrics[self.monitor] = torch.tensor(self.history[-1][1])
         if not trainer.is_global_zero:
             return
         best = self.best()

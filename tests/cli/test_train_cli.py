@@ -187,3 +187,9 @@ def test_the_summary_names_the_kept_checkpoints_score_and_the_last_epochs(tmp_pa
     assert summary["val/miou"] == pytest.approx(max(history), abs=1e-6)
     assert summary["val/miou_last"] == pytest.approx(history[-1], abs=1e-6)
     assert f"miou{max(history):.4f}" in summary["checkpoint"]
+    # the same command again has no epoch left to fit: the same figures (val/miou_last was
+    # null: no validation ran), from the run's record
+    again = train(tmp_path, "run", "predict_after_fit=false", "trainer.max_epochs=4",
+                  "task.optimizer.lr=0.2")
+    assert (again["val/miou"], again["val/miou_last"]) == (summary["val/miou"],
+                                                            summary["val/miou_last"])
