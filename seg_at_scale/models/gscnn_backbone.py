@@ -68,7 +68,7 @@ class TimmBackbone(nn.Module):
         if weights is not None:
             self.report = load_weights(self.body, weights, key="model.backbone_weights",
                                        encoder=f"tu-{name}", in_channels=in_channels,
-                                       band_map=band_map).report
+                                       band_map=band_map, named=f"backbone {name}").report
         elif band_map is not None:
             raise ConfigError(f"model.band_map={list(band_map)} maps pretrained channels, but "
                               "no weights are given; set model.backbone_weights")

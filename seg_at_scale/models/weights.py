@@ -73,6 +73,8 @@ _TARGET_PREFIXES = ("", "model.")  # smp wraps a timm encoder as encoder.model
 # A file's unused tensors outside these (a top-level name) are refused: another network.
 HEAD_NAMES = frozenset({"fc", "_fc", "head", "heads", "classifier", "last_linear", "logits",
                         "conv_head", "bn2", "fc_norm", "pre_logits", "head_drop"})
+#: the module of a whole segmentation network that gives one channel per class (smp's)
+CLASS_HEADS = frozenset({"segmentation_head"})
 HUB_TIMEOUT_S = 2.0  # how long the hub may take to answer before the machine counts offline
 _HUB_PROBE: dict[str, bool] = {}  # the probe's answer, per endpoint: asked once per process
 # what torch.load raises on a file that is not one (text: KeyError, a bad zip, ...), as
@@ -540,11 +542,13 @@ class Loaded:
 
 
 def load_weights(module: nn.Module, spec: str, *, key: str, encoder: str, in_channels: int,
-                 band_map: Sequence[int | None] | None) -> Loaded:
+                 band_map: Sequence[int | None] | None, named: str | None = None) -> Loaded:
     """Load a weights file (or hub name) into ``module``: matched, checked, reported.
 
     The module's first convolution taking ``in_channels`` is adapted by ``band_map``
-    (:func:`adapt_first_conv`); every other tensor must fit.
+    (:func:`adapt_first_conv`); every other tensor must fit. ``encoder`` names the
+    pretrained network (a hub name's source); ``named`` is what the refusals call the
+    module (``encoder resnet18`` unless given: ``backbone resnet50``).
 
     Raises:
         InputError: a file that does not fit (the first missing or mismatched key named,
@@ -557,7 +561,7 @@ def load_weights(module: nn.Module, spec: str, *, key: str, encoder: str, in_cha
     target = module.state_dict()
     first = first_conv_key(module, in_channels)
     match = match_weights(tensors, target, first_conv=first)
-    check_fit(key, path, match, target, tensors, encoder)
+    check_fit(key, path, match, target, tensors, named or f"encoder {encoder}")
     file_channels = tensors[match.keys[first]].shape[1] if first in match.keys else None
     check_band_map(band_map, in_channels, file_channels)
     state = {k: tensors[f] for k, f in match.keys.items()}
@@ -579,7 +583,7 @@ def first_conv_key(module: nn.Module, in_channels: int) -> str:
 
 
 def check_fit(key: str, path: Any, match: WeightsMatch, target: Mapping[str, Tensor],
-              tensors: Mapping[str, Tensor], encoder: str) -> None:
+              tensors: Mapping[str, Tensor], named: str) -> None:
     """Refuse a file that does not fit the module, naming the first keys and shapes.
 
     Tensors the module has no place for are refused too, but for the pretraining task's
@@ -587,21 +591,29 @@ def check_fit(key: str, path: Any, match: WeightsMatch, target: Mapping[str, Ten
     only resnet34's 96 extra tensors tell its file from resnet18's.
     """
     if match.ambiguous:
-        raise InputError(f"{key}='{path}' holds several networks that fit encoder {encoder} "
+        raise InputError(f"{key}='{path}' holds several networks that fit {named} "
                          f"equally, under prefixes {[match.prefix, *match.ambiguous]}; save "
                          "the one you mean alone (its state dict, prefix stripped)")
+    of = named.split(" ", 1)[-1]  # the network the file should hold
     params = [k for k in match.missing if not k.endswith("num_batches_tracked")]
+    if match.mismatched and all(_top(k) in CLASS_HEADS for k, _, _ in match.mismatched):
+        k, have, want = match.mismatched[0]  # a whole network's, trained for other classes
+        raise InputError(f"{key}='{path}' holds a network of {have[0]} classes, and the model "
+                         f"has {want[0]} ({k} is {list(have)} in the file, {list(want)} in "
+                         f"the model): set data.num_classes={have[0]} to predict the file's "
+                         f"classes, or give the file as model.encoder_weights to train a new "
+                         f"head of {want[0]} classes on its encoder")
     if match.mismatched:
         k, have, want = match.mismatched[0]
-        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: {k} is "
+        raise InputError(f"{key}='{path}' does not fit {named}: {k} is "
                          f"{list(have)} in the file but {list(want)} in the model "
-                         f"({len(match.mismatched)} such); give weights of {encoder}")
+                         f"({len(match.mismatched)} such); give weights of {of}")
     if params:
         shown = ", ".join(f"{k} {list(v.shape)}" for k, v in list(tensors.items())[:3])
-        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: "
+        raise InputError(f"{key}='{path}' does not fit {named}: "
                          f"{len(params)} of {len(target)} tensors missing (first "
                          f"{params[0]} {list(target[params[0]].shape)}); the file's "
-                         f"first keys are {shown}; give weights of {encoder} (timm, "
+                         f"first keys are {shown}; give weights of {of} (timm, "
                          "torchvision or torchgeo layout)")
     extra = [k for k in match.unexpected if not _head(k[len(match.prefix):])]
     if extra:
@@ -609,11 +621,11 @@ def check_fit(key: str, path: Any, match: WeightsMatch, target: Mapping[str, Ten
                        if _head(k[len(match.prefix):])})
         besides = f" (besides its classifier head {', '.join(h + '.*' for h in head)})" \
             if head else ""
-        raise InputError(f"{key}='{path}' does not fit encoder {encoder}: {len(extra)} of its "
+        raise InputError(f"{key}='{path}' does not fit {named}: {len(extra)} of its "
                          f"tensors{besides} have no place in it (e.g. "
                          f"{', '.join(_examples(extra))}): "
                          f"the weights of another or a larger network; give weights of "
-                         f"{encoder}")
+                         f"{of}")
 
 
 def _examples(keys: Sequence[str], n: int = 3) -> list[str]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seg_at_scale.errors import ConfigError
+from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.models import GSCNN
 from seg_at_scale.models.gscnn import unpack
 from seg_at_scale.models.layers import check_layers, run_layers
@@ -366,6 +366,13 @@ def test_timm_backbone_loads_its_weights_and_feeds_the_streams(tmp_path):
         net.pipeline_layers()
     with pytest.raises(ConfigError, match="need model.backbone"):
         GSCNN(4, 3, backbone_weights="x.pth")
+    import timm  # another network's file: named by the user's name, not smp's tu-test_resnet
+
+    torch.save(timm.create_model("resnet18").state_dict(), tmp_path / "r18.pth")
+    with pytest.raises(InputError, match=r"model.backbone_weights='.*r18.pth' does not fit "
+                       r"backbone test_resnet: .*; give weights of test_resnet"):
+        GSCNN.from_preset("tiny", in_channels=4, num_classes=3, backbone="test_resnet",
+                          backbone_weights=str(tmp_path / "r18.pth"))
 
 
 def test_timm_backbone_two_pass_tiling_and_gradient_are_exact(tmp_path):

@@ -140,6 +140,24 @@ def test_a_file_of_another_encoder_is_refused_naming_keys(tmp_path):
         unet("resnet18", encoder_weights=str(tmp_path / "test.pth"))
 
 
+def test_a_whole_network_of_other_classes_is_refused_naming_both_counts_and_both_fixes(
+        tmp_path):
+    """Before: named as weights that do not fit encoder resnet18 ("give weights of
+    resnet18"), though its encoder fits; the file's encoder is then used as it says."""
+    five = SMPModel("Unet", "resnet18", in_channels=3, num_classes=5, options=DEC)
+    torch.save(random_state(five.net, 4), tmp_path / "unet5.pth")
+    with pytest.raises(InputError) as err:
+        unet("resnet18", weights=str(tmp_path / "unet5.pth"))
+    assert str(err.value) == (
+        f"model.weights='{tmp_path / 'unet5.pth'}' holds a network of 5 classes, and the "
+        "model has 3 (segmentation_head.0.weight is [5, 8, 3, 3] in the file, [3, 8, 3, 3] "
+        "in the model): set data.num_classes=5 to predict the file's classes, or give the "
+        "file as model.encoder_weights to train a new head of 3 classes on its encoder")
+    three = unet("resnet18", encoder_weights=str(tmp_path / "unet5.pth"))
+    for k, v in three.net.encoder.state_dict().items():
+        torch.testing.assert_close(v, five.net.encoder.state_dict()[k], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
 def test_weights_of_a_larger_network_are_refused_naming_the_unused_tensors(tmp_path, suffix):
     """Every key of resnet18 is in resnet34 at its shape: resnet34's file loaded into
