@@ -29,6 +29,31 @@ class Normalizer:
     mean: Sequence[float] = (0.0,)
     std: Sequence[float] = (1.0,)
 
+    def __post_init__(self) -> None:
+        """Refuse values that give no input: a std that is not > 0, a NaN or infinite value.
+
+        A zero std divided every sample of its band to infinity, and the network predicted
+        one class everywhere with a numpy warning at most.
+        """
+        for key, values in (("scale", [self.scale]), ("mean", self.mean), ("std", self.std)):
+            for band, v in enumerate(values):
+                where = "" if key == "scale" else f" for band {band}"
+                if key == "std" and not v > 0:
+                    raise InputError(f"normalization std has {v}{where}: a standard deviation "
+                                     "divides the band, so it must be > 0; give the band's "
+                                     "spread (e.g. 0.25)")
+                if not np.isfinite(v) or (key == "scale" and v == 0):
+                    raise InputError(f"normalization {key} has {v}{where}: give a finite, "
+                                     "non-zero value" if key == "scale" else
+                                     f"normalization {key} has {v}{where}: give a finite value")
+
+    def check_bands(self, bands: int) -> None:
+        """Refuse means or stds that are neither one value nor one per band of ``bands``."""
+        if len(self.mean) not in (1, bands) or len(self.std) not in (1, bands):
+            raise InputError(f"normalization has {len(self.mean)} means / {len(self.std)} "
+                             f"stds for {bands} bands; give one value per band (data.mean / "
+                             "data.std)")
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return self.standardize(self.rescale(x), in_place=True)
 
@@ -49,12 +74,9 @@ class Normalizer:
         ``in_place`` reuses ``x`` (one array instead of three: the same arithmetic, so the
         same bits).
         """
-        c = x.shape[0]
+        self.check_bands(x.shape[0])
         mean = np.asarray(self.mean, np.float32).reshape(-1, 1, 1)
         std = np.asarray(self.std, np.float32).reshape(-1, 1, 1)
-        if mean.shape[0] not in (1, c) or std.shape[0] not in (1, c):
-            raise InputError(f"normalization has {mean.shape[0]} means / {std.shape[0]} stds "
-                             f"for {c} bands; give one value per band (data.mean / data.std)")
         if not in_place:
             return (x - mean) / std
         x -= mean
@@ -69,10 +91,9 @@ class Normalizer:
         one.
         """
         c = x.shape[-3]
+        self.check_bands(c)
         scale, mean, std = _constants(float(self.scale), tuple(map(float, self.mean)),
                                       tuple(map(float, self.std)), x.dtype, x.device)
-        if mean.shape[0] not in (1, c) or std.shape[0] not in (1, c):
-            self.standardize(np.zeros((c, 1, 1), np.float32))  # the same message
         x.mul_(scale)
         if c > 1 and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
             # channels-last puts the bands innermost: broadcast [C, 1, 1] along them is

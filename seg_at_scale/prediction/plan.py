@@ -47,7 +47,8 @@ from seg_at_scale.tiling.engine import Batch, plan_batches
 from seg_at_scale.tiling.tile_sides import legal_side, smallest_side
 
 __all__ = ["RasterPlan", "plan_raster", "model_digest", "prediction_network", "reusable",
-           "drop_working_store", "open_store", "input_id", "readable_input_id", "with_tile"]
+           "drop_working_store", "open_store", "input_id", "readable_input_id", "with_tile",
+           "output_channels"]
 
 
 def model_digest(model: nn.Module) -> str:
@@ -89,15 +90,31 @@ def check_classes(model: nn.Module, bands: int, fp: Footprint, num_classes: int)
     Argmax over other channels writes ids that are no class: a network of detector planes
     gave plane-and-class ids, a Gated-SCNN packed with its boundary gave the id K.
     """
-    p = next(model.parameters())
-    side = smallest_side(fp)
-    with torch.inference_mode():
-        channels = int(model(torch.zeros(1, bands, side, side, device=p.device)).shape[1])
+    channels = output_channels(model, bands, fp)
     if channels != num_classes:
         raise InputError(f"the network gives {channels} channels per pixel for its "
                          f"{num_classes} classes; a prediction writes one class id per pixel "
                          "of one channel per class: rebuild the model as it predicts (a "
                          "Gated-SCNN with model.output=seg) or predict it in Python")
+
+
+def output_channels(model: nn.Module, bands: int, fp: Footprint) -> int:
+    """The channels the network gives per pixel, from one forward on its smallest window.
+
+    Raises:
+        InputError: the network cannot run on ``bands`` bands (torch's words named).
+    """
+    p = next(model.parameters())
+    side = smallest_side(fp)
+    with torch.inference_mode():
+        try:
+            return int(model(torch.zeros(1, bands, side, side, device=p.device)).shape[1])
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:  # torch's words for a first layer of other bands
+            raise InputError(f"the network cannot run on the image's {bands} bands ("
+                             f"{str(exc).splitlines()[0]}); give an image of the bands it "
+                             "was trained on") from None
 
 
 def with_tile(options: PredictOptions, model: nn.Module, fp: Footprint, bands: int,
@@ -182,6 +199,7 @@ def plan_raster(image: Path, output: Path, options: PredictOptions, *, fp: Footp
         tile = None  # q wins
     reader = RasterReader(image, nodata=options.nodata)
     try:
+        normalizer.check_bands(reader.bands)  # before the store: nothing written
         grid = make_grid(reader.height, reader.width, fp, q=options.q, tile_size=tile,
                          uniform=True)
     except BaseException:

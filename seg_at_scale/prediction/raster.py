@@ -52,6 +52,7 @@ from seg_at_scale.prediction.plan import (
     drop_working_store,
     model_digest,
     open_store,
+    output_channels,
     plan_raster,
     prediction_network,
     readable_input_id,
@@ -71,6 +72,7 @@ from seg_at_scale.tiling.engine import (
     run_parts,
 )
 from seg_at_scale.tiling.geometry import fill_of
+from seg_at_scale.tiling.predict import refuse_training_norms
 from seg_at_scale.tiling.statistic_passes import (
     check_no_tta,
     fixed_statistics,
@@ -154,6 +156,7 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         :class:`PredictionStats` of this process (class histogram on rank 0).
     """
     o = options or PredictOptions()
+    refuse_training_norms(model, "predict_raster")
     check_no_tta(model, o.tta)
     t_start = time.perf_counter()
     out_path, image = Path(output), Path(image)
@@ -488,6 +491,7 @@ def scene_tile(options: PredictOptions, model: nn.Module, fp: Footprint,
         return options
     with RasterReader(image, nodata=options.nodata) as head:
         bands, height, width = head.bands, head.height, head.width
+    output_channels(model, bands, fp)  # runs on these bands, or refused before measuring
     return on_rank0(lambda: with_tile(options, model, fp, bands, height, width, world))
 
 

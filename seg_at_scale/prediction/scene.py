@@ -55,9 +55,11 @@ __all__ = ["predict_scene", "companions", "vector_record"]
 log = logging.getLogger(__name__)
 
 
-def predict_scene(trained: TrainedModel, image: Path, output: Path, options: PredictOptions,
-                  *, mask: Path | None = None, model_files: Mapping[str, Path] | None = None,
-                  checked: bool = False, vector: Path | None = None) -> dict[str, Any]:
+def predict_scene(trained: TrainedModel, image: str | os.PathLike[str],
+                  output: str | os.PathLike[str], options: PredictOptions | None = None,
+                  *, mask: str | os.PathLike[str] | None = None,
+                  model_files: Mapping[str, Path] | None = None, checked: bool = False,
+                  vector: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Predict one image file whole; optionally score it against ``mask``; draw a preview.
 
     Every check runs before the model does (:func:`~seg_at_scale.prediction.checks.check_scene`)
@@ -69,7 +71,7 @@ def predict_scene(trained: TrainedModel, image: Path, output: Path, options: Pre
         trained: the model (its ``model`` already on the device to run on).
         image: input raster.
         output: ``.tif`` (COG) or ``.zarr``.
-        options: the prediction's options.
+        options: the prediction's options (default :class:`PredictOptions`).
         mask: ground truth to score against (per-class IoU, mIoU, pixel accuracy).
         model_files: the model's files (no output may be one of them).
         checked: the scene's checks already ran.
@@ -78,11 +80,18 @@ def predict_scene(trained: TrainedModel, image: Path, output: Path, options: Pre
     Returns:
         The result as plain data (what ``seg-predict`` prints).
     """
+    if options is not None and not isinstance(options, PredictOptions):
+        raise TypeError(f"predict_scene: options is a {type(options).__name__}; give a "
+                        "PredictOptions (PredictOptions(**values) from a dict) or None")
+    image, output = Path(image), Path(output)
+    options = options or PredictOptions()
     model = trained.model.eval()
     lock = scene_lock(output) if rank_world()[0] == 0 else contextlib.nullcontext()
     with lock:
-        return _predict_scene(trained, model, image, output, options, mask=mask,
-                              model_files=model_files, checked=checked, vector=vector)
+        return _predict_scene(trained, model, image, output, options,
+                              mask=None if mask is None else Path(mask),
+                              model_files=model_files, checked=checked,
+                              vector=None if vector is None else Path(vector))
 
 
 def _predict_scene(trained: TrainedModel, model: torch.nn.Module, image: Path, output: Path,

@@ -26,6 +26,7 @@ in image coordinates and may therefore start at negative values.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -213,6 +214,14 @@ def split_axis(length: int, fp: Footprint, *, parts: int | None = None,
     """
     if length < 1:
         raise TilingError(f"{name} length must be positive, got {length}")
+    for key, value in (("q", parts), ("tile_size", tile)):
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, numbers.Integral)):
+            raise TilingError(f"{key}={value!r}: give a whole number of "
+                              + ("tiles per side" if key == "q" else "pixels")
+                              + " (or a (rows, cols) pair of them)")
+    if parts is not None and parts < 1:
+        raise TilingError(f"q={parts}: give at least 1 tile per side (q=1 is one tile)")
     a, ctx = fp.align, fp.context
     out_len = fp.output_length(length)
     blocks = out_len // a  # whole aligned blocks; a valid tail (< align) joins the last tile

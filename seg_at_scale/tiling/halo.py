@@ -33,10 +33,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from seg_at_scale.errors import ConfigError
 from seg_at_scale.protocols import Capability
 from seg_at_scale.tiling.geometry import Footprint
 
-__all__ = ["Footprinted", "Aligned", "HeldForProbe", "alignment", "halo_width",
+__all__ = ["Footprinted", "Aligned", "HeldForProbe", "alignment", "exact_alignment",
+           "measured_alignment", "SHIFTS", "halo_width",
            "empirical_halo", "footprint", "WholeImageDependency", "structural_copy",
            "GLOBAL_SIZE"]
 
@@ -75,6 +77,62 @@ def alignment(model: nn.Module) -> int:
     return int(model.downsampling_factor) if isinstance(model, Aligned) else 1
 
 
+def exact_alignment(model: nn.Module) -> int:
+    """The alignment exact tiles start on: stated (``downsampling_factor``), else measured.
+
+    A network that states none is probed (:func:`measured_alignment`): one that pools or
+    strides without saying so was tiled on a grid its pooling does not follow (logits off
+    by up to 1 at q=3 for one max-pool).
+    """
+    return alignment(model) if isinstance(model, Aligned) else measured_alignment(model)
+
+
+#: the input shifts tried, smallest first: every pooling grid of common networks (2^k, 3 * 2^k)
+SHIFTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@torch.no_grad()
+def measured_alignment(model: nn.Module) -> int:
+    """The smallest shift of the input (:data:`SHIFTS`) that shifts the output as much.
+
+    Tiles whose origins are multiples of it see every pooling window as the whole image
+    does. Measured on the probe's float64 copy (:func:`structural_copy`) on one random
+    image and the same image shifted along both axes, compared away from the borders (past
+    the receptive field of any one pixel, :func:`_measure`).
+
+    Raises:
+        ConfigError: no shift up to 64 pixels moves the output with the input (upsampling
+            with ``align_corners=True``, layers that see pixel positions): no tiling of the
+            network is exact.
+    """
+    # past the reach of any one pixel, which a block of 64 bounds (its halo, plus the 63
+    # pixels a pixel lies past the block's start), probed on strips wide enough for any grid
+    # tried (one pixel's strip would pool to nothing)
+    reach = _measure(model, SHIFTS[-1])[0] + SHIFTS[-1]
+    net = structural_copy(model)
+    channels = int(getattr(model, "in_channels", 0)) or _first_conv_channels(net)
+    n = _probe_size(model, -(-(2 * reach + 3 * SHIFTS[-1]) // SHIFTS[-1]) * SHIFTS[-1])
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(1, channels, n + SHIFTS[-1], n + SHIFTS[-1], dtype=torch.float64,
+                   generator=g)
+    y = net(x[..., :n, :n])
+    shrink = (n - y.shape[-1]) // 2
+    margin = 0 if shrink else reach  # same padding: the borders' reach left out
+    scale = float(y.abs().max()) or 1.0
+    for s in SHIFTS:  # along both axes at once: one forward per shift
+        shifted = net(x[..., s : s + n, s : s + n])
+        a, b = margin + s, y.shape[-1] - margin
+        if b - a < 1:
+            break
+        if (shifted[..., a - s : b - s, a - s : b - s] - y[..., a:b, a:b]).abs().max() \
+                <= 1e-9 * scale:
+            return s
+    raise ConfigError(f"{type(model).__name__}'s output does not move with its input by any "
+                     f"shift up to {SHIFTS[-1]} pixels (upsampling with align_corners=True, "
+                     "or layers that see pixel positions): no tiling of it is exact; "
+                     "predict it untiled, or tile it approximately (method='blended')")
+
+
 def footprint(model: nn.Module, *, align: int | None = None) -> Footprint:
     """The model's :class:`Footprint`, analytic when the model provides one.
 
@@ -83,11 +141,12 @@ def footprint(model: nn.Module, *, align: int | None = None) -> Footprint:
 
     Args:
         model: any 2-D segmentation network ``[B, C, H, W] -> [B, K, H', W']``.
-        align: downsampling factor; defaults to ``model.downsampling_factor`` or 1.
+        align: downsampling factor; defaults to ``model.downsampling_factor``, else
+            measured (:func:`exact_alignment`).
     """
     if isinstance(model, Footprinted):
         return model.footprint()
-    a = align or alignment(model)
+    a = align or exact_alignment(model)
     halo, shrink, out_size = _measure(model, a)
     if shrink == 0:
         return Footprint(halo, a, "same", 0)
@@ -117,7 +176,7 @@ def empirical_halo(model: nn.Module, *, align: int | None = None) -> int:
 
     For ``valid`` padding, output pixel ``i`` is centred on input pixel ``i + shrink``.
     """
-    a = align or alignment(model)
+    a = align or exact_alignment(model)
     return _measure(model, a)[0]
 
 
@@ -170,7 +229,7 @@ def _probe_size(model: nn.Module, size: int) -> int:
 GLOBAL_SIZE = 2048  # a receptive field spanning inputs this long is taken as whole-image
 
 
-class WholeImageDependency(ValueError):
+class WholeImageDependency(ConfigError):
     """The probe found output pixels that depend on the whole input."""
 
 
@@ -242,9 +301,11 @@ def _measure(model: nn.Module, align: int, max_size: int = 4096) -> tuple[int, i
             halo = left if shrink > 0 else max(left, right)
             if whole and whole_before and size >= GLOBAL_SIZE:
                 raise WholeImageDependency(
-                    f"output pixels depend on the whole input at {before} and {size} "
-                    "pixels (a whole-image statistic: global pooling, squeeze-excitation, "
-                    "attention, or a norm over the image)")
+                    f"{type(model).__name__}'s output pixels depend on the whole input at "
+                    f"{before} and {size} pixels (a whole-image statistic: global pooling, "
+                    "squeeze-excitation, attention, or a norm over the image), so no tiling "
+                    "of it is exact; predict it untiled, or tile it approximately "
+                    "(method='blended')")
             if not touched or size >= max_size:
                 return halo, shrink, out
             whole_before = whole

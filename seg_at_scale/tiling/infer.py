@@ -33,8 +33,15 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.tiling.auto_tile import auto_side
 from seg_at_scale.tiling.blend import predict_blended
 from seg_at_scale.tiling.geometry import Footprint
+from seg_at_scale.tiling.halo import WholeImageDependency
 from seg_at_scale.tiling.halo import footprint as model_footprint
-from seg_at_scale.tiling.predict import predict_full, predict_full_tta, predict_tiled
+from seg_at_scale.tiling.predict import (
+    check_image,
+    predict_full,
+    predict_full_tta,
+    predict_tiled,
+    refuse_training_norms,
+)
 from seg_at_scale.tiling.statistic_layers import StatisticSite
 from seg_at_scale.tiling.statistic_passes import has_statistics, predict_tiled_exact
 from seg_at_scale.tiling.statistics import ImagePooled, predict_tiled_two_pass, uses_image_pool
@@ -53,26 +60,55 @@ def refuse_inexact_layers(model: nn.Module) -> None:
     """Refuse a network that would see each tile's statistics instead of the image's.
 
     Train-mode BatchNorm, and GroupNorm / InstanceNorm / adaptive pooling that the project
-    has not made statistic sites, compute over the tile they are given: tiled,
+    has not made statistic sites (:func:`whole_input_layer`), compute over the tile they are
+    given: tiled,
     they differ from the whole-image forward. (Statistic sites are subclasses of these layers
     that the passes fix; they are allowed.)
 
     Raises:
         ConfigError: naming the first such layer and the fix.
     """
+    refuse_training_norms(model, "infer")
+    found = whole_input_layer(model)
+    if found is not None:
+        name, m = found
+        raise ConfigError(
+            f"infer: {name or 'the model'} ({type(m).__name__}) computes over the whole "
+            "input it sees, so tiles would not equal the whole image; predict it untiled "
+            "(no q / tile_size), or method='blended' for an approximation")
+
+
+#: the footprint of a network that computes over its whole input: the image as it is, unpadded
+AS_IS = Footprint(halo=0, align=1, padding="same", out_residue=0)
+
+
+def _untiled_footprint(model: nn.Module) -> Footprint:
+    """The footprint the untiled forward extends the image by.
+
+    :data:`AS_IS` for a network that computes over its whole input (it has none), else the
+    network's.
+    """
+    if whole_input_layer(model) is not None:
+        return AS_IS  # known from its layers: no probe
+    try:
+        return model_footprint(model)
+    except WholeImageDependency:  # found by the probe (a functional mean, attention)
+        return AS_IS
+
+
+def whole_input_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first layer computing over the whole input it sees that no statistic pass fixes.
+
+    GroupNorm, InstanceNorm and adaptive pooling that are not the project's statistic
+    sites (or parts of one); None when there is none.
+    """
     sites = [n for n, m in model.named_modules() if isinstance(m, StatisticSite)]
     for name, m in model.named_modules():
         if any(name == s or name.startswith(s + ".") for s in sites):
             continue  # a site and its parts: the passes fix its statistic
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
-            raise ConfigError(
-                f"infer: {name or 'the model'} ({type(m).__name__}) is in training mode, so it "
-                "normalises with each tile's statistics: call model.eval() first")
         if isinstance(m, _WHOLE_INPUT):
-            raise ConfigError(
-                f"infer: {name or 'the model'} ({type(m).__name__}) computes over the whole "
-                "input it sees, so tiles would not equal the whole image; predict it untiled "
-                "(no q / tile_size), or method='blended' for an approximation")
+            return name, m
+    return None
 
 
 def choose_method(model: nn.Module, *, tiled: bool) -> str:
@@ -122,6 +158,8 @@ def infer(model: nn.Module, image: Tensor, *, method: Method = "auto",
     """
     if method not in METHODS:
         raise ConfigError(f"infer: method={method!r} is not one of {', '.join(METHODS)}")
+    refuse_training_norms(model, "infer")  # also untiled: its running statistics would move
+    check_image(model, image, "infer", autocast)
     x = image if image.dim() == 4 else image[None]
     if tile_size == "auto":
         tile_size = None if q is not None else _auto_side(model, x, fp, autocast, channels_last)
@@ -162,6 +200,9 @@ def _run(chosen: str, model: nn.Module, x: Tensor, *, q: int | tuple[int, int] |
         raise ConfigError(f"infer: tta={tta!r} with method={chosen!r}: each view would need "
                           "its own whole-image statistics; predict without tta")
     if chosen == "untiled":  # the reference, whatever its layers
+        fp = fp or _untiled_footprint(model)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         if tta is not None:
             return predict_full_tta(model, x, tta, fp).to(out_dtype)
         with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):

@@ -38,6 +38,8 @@ __all__ = [
     "predict_full",
     "predict_tiled",
     "refuse_tile_statistics",
+    "refuse_training_norms",
+    "check_image",
     "tiled_backward",
     "run_tile",
 ]
@@ -89,6 +91,8 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
     Returns:
         Logits (or TTA probabilities) ``[B, K, H, W]`` (``[K, H, W]`` for an unbatched input).
     """
+    refuse_training_norms(model, "predict_tiled")
+    check_image(model, image, "predict_tiled", autocast)
     squeeze = image.dim() == 3
     image = image.unsqueeze(0) if squeeze else image
     fp = fp or model_footprint(model)
@@ -105,6 +109,48 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
             "cpu", out_dtype)
     assert out is not None
     return out.squeeze(0) if squeeze else out
+
+
+def check_image(model: nn.Module, image: Tensor, who: str,
+                autocast: torch.dtype | None = None) -> None:
+    """Refuse an input the network cannot take, before any tile, in one line.
+
+    ``[B, C, H, W]`` or ``[C, H, W]``, floating point (normalised) of the network's dtype
+    unless under ``autocast``, with the channels it takes (``in_channels``); torch's own
+    words came from inside a tile's forward.
+    """
+    if image.dim() not in (3, 4):
+        raise ConfigError(f"{who}: the image is {list(image.shape)}; give [B, C, H, W] or "
+                          "[C, H, W]")
+    if not image.is_floating_point():
+        raise ConfigError(f"{who}: the image is {image.dtype}; give it normalised, as floats "
+                          "(e.g. Normalizer, then torch.from_numpy)")
+    weight = next(model.parameters(), None)
+    if autocast is None and weight is not None and weight.is_floating_point() \
+            and image.dtype != weight.dtype:
+        raise ConfigError(f"{who}: the image is {image.dtype} and the network {weight.dtype}; "
+                          f"give the image as {weight.dtype} (or run under autocast=...)")
+    wanted = getattr(model, "in_channels", None)  # the model contract's (a user's: torch's)
+    if isinstance(wanted, int) and wanted != image.shape[-3]:
+        raise ConfigError(f"{who}: the image has {image.shape[-3]} channels and the network "
+                          f"takes {wanted}; give an image of its bands")
+
+
+def refuse_training_norms(model: nn.Module, who: str) -> None:
+    """Refuse a prediction by a network whose BatchNorm is in training mode.
+
+    It normalises with the statistics of what each forward sees (a tile's, not the
+    image's: 2.4 off in the logits) and moves its running statistics as it predicts.
+
+    Raises:
+        ConfigError: naming the first such layer, and ``model.eval()``.
+    """
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            raise ConfigError(
+                f"{who}: {name or 'the model'} ({type(m).__name__}) is in training mode, so "
+                "it normalises with the statistics of each tile it sees and changes its "
+                "running statistics: call model.eval() first")
 
 
 def refuse_tile_statistics(model: nn.Module) -> None:
@@ -133,6 +179,7 @@ def iter_tile_outputs(model: nn.Module, image: Tensor, grid: TileGrid, *,
                       tta: str | None = None, channels_last: bool = False
                       ) -> Iterator[tuple[Tile, Tensor]]:
     """Yield ``(tile, core output [B, K, h, w])`` for every tile of ``grid`` (no gradient)."""
+    refuse_training_norms(model, "iter_tile_outputs")
     source = TensorWindows(image, grid.footprint)
     for res in run_batches(model, source, plan_batches(grid.tiles, 1), height=grid.height,
                            width=grid.width, fp=grid.footprint, device=torch.device(device),

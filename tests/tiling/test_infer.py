@@ -11,7 +11,7 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import UNet
 from seg_at_scale.models.gscnn import GSCNN
 from seg_at_scale.models.smp import SMPModel
-from seg_at_scale.tiling import infer, predict_full
+from seg_at_scale.tiling import footprint, infer, predict_full, predict_tiled
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.infer import choose_method
 
@@ -66,17 +66,102 @@ def plain_group_norm() -> torch.nn.Module:
                                torch.nn.Conv2d(8, 3, 1)).eval()
 
 
-@pytest.mark.parametrize("make, match", [
-    (plain_group_norm, r"GroupNorm\) computes over the whole input"),
-    (lambda: unet(norm="batch").train(), r"BatchNorm2d\) is in training mode.*model.eval"),
+@pytest.mark.parametrize("make", [
+    plain_group_norm,
+    lambda: torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.InstanceNorm2d(8),
+                                torch.nn.Conv2d(8, 3, 1)).eval(),
 ])
-def test_layers_that_see_the_tile_are_refused_tiled_but_run_untiled(make, match):
+def test_layers_that_see_the_whole_input_are_refused_tiled_and_run_untiled_as_they_are(make):
+    """Before: untiled, the footprint probe of a network that has none failed with a
+    WholeImageDependency traceback, though the refusal said "predict it untiled"."""
     net = make()
     x = torch.randn(1, 4, 61, 53)
-    fp = None if isinstance(net, UNet) else Footprint(1, 1, "same", 0)  # its convolutions'
-    with pytest.raises(ConfigError, match=match):
-        infer(net, x, q=2, fp=fp)
-    assert infer(net, x, fp=fp).shape == (1, 3, 61, 53)
+    with pytest.raises(ConfigError, match=r"Norm2?d?\) computes over the whole input.*untiled"):
+        infer(net, x, q=2)
+    assert torch.equal(infer(net, x), net(x))
+
+
+def test_a_training_batch_norm_is_refused_by_every_entry_and_left_unchanged(tmp_path):
+    """Before: only infer's tiled methods refused it; predict_tiled, predict_raster and
+    untiled infer ran with each tile's statistics (logits 2.4 off) and moved the running
+    statistics."""
+    from seg_at_scale.io import write_raster
+    from seg_at_scale.prediction import predict_raster
+
+    net = unet(norm="batch").train()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x = torch.randn(1, 4, 61, 53)
+    image = write_raster(tmp_path / "x.tif", (torch.rand(4, 61, 53) * 255).byte().numpy())
+    calls = [("infer", lambda: infer(net, x)), ("infer", lambda: infer(net, x, q=2)),
+             ("predict_tiled", lambda: predict_tiled(net, x, q=2)),
+             ("predict_raster", lambda: predict_raster(net, image, tmp_path / "o.tif"))]
+    for who, call in calls:
+        with pytest.raises(ConfigError, match=rf"^{who}: down\.0\.1 \(BatchNorm2d\) is in "
+                           r"training mode.*call model.eval\(\) first$"):
+            call()
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.tif"]  # nothing written
+
+
+def test_a_network_that_pools_without_saying_so_is_tiled_on_its_measured_grid():
+    """Before: a network without ``downsampling_factor`` was tiled with alignment 1, so
+    tiles cut its max-pool windows elsewhere than the image does (logits 1.08 off)."""
+
+    class Pooled(torch.nn.Module):
+        def __init__(self, stride_conv: bool) -> None:
+            super().__init__()
+            self.a = torch.nn.Conv2d(4, 8, 3, padding=1, stride=2 if stride_conv else 1)
+            self.pool = torch.nn.MaxPool2d(2)
+            self.b = torch.nn.Conv2d(8, 3, 3, padding=1)
+            self.up = 4 if stride_conv else 2
+
+        def forward(self, x):
+            y = self.b(self.pool(torch.relu(self.a(x))))
+            return torch.nn.functional.interpolate(y, scale_factor=self.up, mode="bilinear")
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, 61, 47)
+    for stride_conv, align in ((False, 2), (True, 4)):
+        net = Pooled(stride_conv).eval()
+        assert footprint(net).align == align
+        ref = infer(net, x)
+        for q in (2, 3, (3, 2)):
+            assert torch.equal(infer(net, x, q=q), ref)
+
+
+def test_a_network_that_no_shift_moves_is_refused_tiled():
+    class Corners(torch.nn.Module):  # align_corners=True: its grid depends on the image size
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Conv2d(4, 3, 3, padding=1, stride=2)
+
+        def forward(self, x):
+            return torch.nn.functional.interpolate(self.a(x), size=x.shape[-2:],
+                                                   mode="bilinear", align_corners=True)
+
+    net = Corners().eval()
+    with pytest.raises(ConfigError, match=r"^Corners's output does not move with its input by "
+                       r"any shift up to 64 pixels .*no tiling of it is exact"):
+        infer(net, torch.randn(1, 4, 61, 47), q=2)
+
+
+@pytest.mark.parametrize("image, kw, said", [
+    (torch.randn(1, 4, 61, 53).to(torch.uint8), {}, r"the image is torch.uint8; give it "
+     r"normalised"),
+    (torch.randn(1, 4, 61, 53).half(), {}, r"the image is torch.float16 and the network "
+     r"torch.float32"),
+    (torch.randn(1, 3, 61, 53), {}, r"the image has 3 channels and the network takes 4"),
+    (torch.randn(1, 1, 4, 61, 53), {}, r"the image is \[1, 1, 4, 61, 53\]; give \[B, C, H, W\]"),
+    (torch.randn(1, 4, 61, 53), {"q": 0}, r"q=0: give at least 1 tile per side"),
+    (torch.randn(1, 4, 61, 53), {"q": 2.5}, r"q=2.5: give a whole number of tiles per side"),
+    (torch.randn(1, 4, 61, 53), {"tile_size": "512"}, r"tile_size='512': give a whole number "
+     r"of pixels"),
+])
+def test_what_the_network_cannot_take_is_refused_in_one_line(image, kw, said):
+    """Before: torch's words from inside a tile's forward, or "use a smaller q" for q=0."""
+    with pytest.raises(ConfigError, match=said):
+        infer(unet(), image, q=kw.get("q", 2) if "tile_size" not in kw else None, **{
+            k: v for k, v in kw.items() if k != "q"})
 
 
 @pytest.mark.parametrize("q", [2, 3])
