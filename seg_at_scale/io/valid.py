@@ -20,8 +20,8 @@ def read_valid(reader: RasterReader, window: Window, fill: Fill, *, pixels: bool
     not finite (NaN, +-Inf: whatever the nodata tag says, such a sample would poison every
     output whose receptive field holds it), or where GDAL's internal mask band marks it
     (COGs, JPEG-compressed files); the mask is None when there is none. Its samples are
-    zeroed before normalising, like the fill outside the image. ``pixels``: as
-    :meth:`RasterReader.read`.
+    zeroed before normalising (the network sees a raw 0's ``-mean / std`` there, in
+    training and prediction alike). ``pixels``: as :meth:`RasterReader.read`.
     """
     raw = reader.read(window, fill=fill, pixels=pixels)
     keep = reader.read_mask(window, fill=fill)  # GDAL's internal mask: False = no data
@@ -37,7 +37,7 @@ def read_valid(reader: RasterReader, window: Window, fill: Fill, *, pixels: bool
     if bad is not None and bad.any():
         masked = bad if masked is None else masked | bad
     if masked is not None:
-        # like the fill outside the image: zero, then normalised (a copy: the reader's
+        # zero in raw units, then normalised (a copy: the reader's
         # window may be a read-only map; in the window's own memory order)
         raw = raw.copy(order="K")
         raw[:, masked] = 0

@@ -145,7 +145,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
         image: input raster path.
         output: ``.tif`` (COG) or ``.zarr``; see the module docstring.
         options: tiles, precision, TTA, probabilities, resume, ... (:class:`PredictOptions`;
-            the default is the exact fp32 path with 1024-pixel windows).
+            the default is the exact fp32 path with ``tile_size=auto``: the largest tile
+            the device holds, or the whole image as one).
         fp: footprint; computed from the model when omitted.
         normalizer: raw samples to model input; defaults to ``x / 255``.
         class_names: written into the store's attributes and the COG band descriptions.

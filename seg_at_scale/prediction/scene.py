@@ -44,6 +44,7 @@ from seg_at_scale.prediction.provenance import (
     finished,
     mark_item,
     mark_png,
+    recorded_fingerprint,
     vector_record,
     written_by,
 )
@@ -188,8 +189,9 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
         have = _assets(item)
         if rewritten or have is None or set(have) != assets:
             _may_write("stac", item, output, options)
+            weights = (recorded_fingerprint(output) or {}).get("model")
             model = {"source": trained.source, "family": trained.card.family,
-                     "fingerprint": done}
+                     "weights": f"sha256:{weights}" if weights else None, "prediction": done}
             doc = stac_item(output, source_image=image, class_names=trained.class_names,
                             colours=trained.card.colours, model=model,
                             probabilities=tif_probs, vectors=vector)

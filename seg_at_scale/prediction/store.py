@@ -13,7 +13,8 @@ values (model weights, input file, tiling, precision, TTA): a store made by anot
 is refused, never resumed into.
 
 >>> import xarray  # doctest: +SKIP
->>> xarray.open_zarr("scene_mask.zarr")["labels"]  # doctest: +SKIP
+>>> xarray.open_zarr("scene_mask.zarr", consolidated=False,
+...                 mask_and_scale=False)["labels"]  # uint8, 255 = no data  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ from helpers.vectors import PIXELS, assert_same_regions, reference
 
 from seg_at_scale.io import read_raster
 from seg_at_scale.io.geotags import open_dataset
+from seg_at_scale.models.trained import load_run
+from seg_at_scale.prediction.plan import model_digest
 
 
 def _predict(run: Path, image: Path, out: Path, *extra: str) -> dict:
@@ -53,7 +55,9 @@ def test_polygons_and_stac_item_beside_the_output_and_a_rerun_skips_what_is_done
     assert item.properties["proj:code"] == f"EPSG:{crs.to_epsg()}"
     names = [c["name"] for c in asset.extra_fields["classification:classes"]]
     assert names == ["background", "vegetation", "water", "road", "building", "no_data"]
-    assert item.properties["seg_at_scale:model"]["fingerprint"].startswith("sha256:")
+    made_by = item.properties["seg_at_scale:model"]  # before: the prediction's digest alone
+    assert made_by["prediction"] == item.properties["seg_at_scale:written"]["prediction"]
+    assert made_by["weights"] == "sha256:" + model_digest(load_run(run).model)
 
     before = {p.name: p.read_bytes() for p in out.parent.iterdir()}
     gpkg.unlink()  # what a run killed while writing the polygons leaves (they appear whole)
