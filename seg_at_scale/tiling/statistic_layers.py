@@ -98,6 +98,13 @@ class GroupNormSite(nn.GroupNorm, StatisticSite):
     def forward(self, x: Tensor) -> Tensor:
         stat = self.observe(x)
         if stat is None:
+            if x.device.type == "cpu" and x.dim() == 4 and not x.is_contiguous() and \
+                    x.is_contiguous(memory_format=torch.channels_last):
+                # torch's channels-last kernel on the CPU is 25x further from the statistic
+                # the passes use (3.5e-5 in the logits, labels flipped between q=1 and q=2)
+                y = F.group_norm(x.contiguous(), self.num_groups, self.weight, self.bias,
+                                 self.eps)
+                return y.contiguous(memory_format=torch.channels_last)
             return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         b, c = x.shape[:2]
         dtype = torch.promote_types(x.dtype, torch.float32)
