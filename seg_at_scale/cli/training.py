@@ -180,6 +180,31 @@ def check_trainer(cfg: DictConfig) -> None:
     known_keys("trainer", plain, params)
     check_types("trainer", plain, typing.get_type_hints(pl.Trainer.__init__))
     check_devices(str(plain.get("accelerator", "auto")), plain.get("devices", "auto"))
+    check_processes(plain, values.get("strategy"))
+
+
+def check_processes(plain: dict[str, Any], strategy: Any) -> None:
+    """Refuse several processes without the project's sample parallelism (``trainer=ddp``).
+
+    The DataModule gives each rank its share of every image's tiles; Lightning's own DDP
+    (``trainer.devices=2`` on the default trainer) split those shares again through its
+    sampler, trained on 1/N of the data, validated on part of the tiles and exited 0.
+    """
+    target = strategy.get("_target_", "") if isinstance(strategy, dict) else ""
+    if str(target).endswith("SampleParallelStrategy"):
+        return
+    devices, nodes = plain.get("devices", "auto"), plain.get("num_nodes", 1)
+    gpus = torch.cuda.device_count() if str(plain.get("accelerator", "auto")) in (
+        "auto", "gpu", "cuda") and torch.cuda.is_available() else 1
+    count = (len(devices) if isinstance(devices, list) else
+             gpus if devices in ("auto", -1, "-1") else
+             int(devices) if str(devices).isdigit() else 1)
+    if count > 1 or (isinstance(nodes, int) and nodes > 1):
+        raise ConfigError(f"trainer.devices={devices} (trainer.num_nodes={nodes}) runs "
+                          f"{count * (nodes if isinstance(nodes, int) else 1)} processes, "
+                          "which train by sample parallelism: add trainer=ddp (each process "
+                          "takes its share of every image's tiles and the gradients are "
+                          "summed per image)")
 
 
 def build_trainer(group: DictConfig, **kwargs: Any) -> pl.Trainer:

@@ -10,6 +10,7 @@ Metrics are named ``{stage}/{name}`` (``val/miou``, ``val/iou_road``).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -105,8 +106,11 @@ class SegmentationTask(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.gradient_clip, self.channels_last = gradient_clip, channels_last
+        # a class with no pixel in target or prediction is NaN, left out of val/miou (as
+        # the test scenes' scoring leaves it out), not an IoU of 0
         self.val_iou = MulticlassJaccardIndex(num_classes, average="none",
-                                              ignore_index=ignore_index)
+                                              ignore_index=ignore_index,
+                                              zero_division=math.nan)
         self.save_hyperparameters(ignore=["model", "loss", "optimizer", "scheduler"])
 
     @property
@@ -141,6 +145,9 @@ class SegmentationTask(pl.LightningModule):
         return self
 
     def on_train_epoch_start(self) -> None:
+        # Lightning's fit never calls train(): the frozen layers are put in eval mode here
+        # (validation restores each module's mode as it found it)
+        freeze_batch_norm(self.model, self.freeze_bn)
         if self.freeze_encoder_epochs:
             set_encoder_trainable(self.model,
                                   self.current_epoch >= self.freeze_encoder_epochs)

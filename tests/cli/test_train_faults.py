@@ -365,6 +365,20 @@ def test_more_gpus_than_the_machine_has_are_refused_naming_the_count(monkeypatch
             check_devices("gpu", devices)
 
 
+def test_several_processes_without_sample_parallelism_are_refused_before_any_work(tmp_path):
+    """Before: ``trainer.devices=2`` on the default trainer ran Lightning's DDP, whose sampler
+    split each rank's share of the tiles again: 1/2 of the data trained, part of the
+    validation tiles scored, exit 0."""
+    run = tmp_path / "run"
+    out = seg_train_here(tmp_path, f"hydra.run.dir={run}", *TINY, "trainer.devices=2")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "seg-train: error: trainer.devices=2 (trainer.num_nodes=1) runs 2 processes, which "
+        "train by sample parallelism: add trainer=ddp (each process takes its share of every "
+        "image's tiles and the gradients are summed per image)")
+    assert not run.exists()
+
+
 def test_what_lightning_refuses_in_the_trainer_group_is_one_line_and_no_run(tmp_path):
     """An unknown strategy name came as Hydra's wrapping of Lightning's ValueError; then the
     refusal came after the run's config was saved, and the corrected command in the same

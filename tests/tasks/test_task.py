@@ -1,3 +1,4 @@
+import pytest
 import pytorch_lightning as pl
 import torch
 from helpers.data import tiff_module
@@ -66,3 +67,48 @@ def test_the_learning_rate_schedule_ends_with_the_batches_lightning_runs(tmp_pat
     trainer.fit(task, datamodule=dm)
     assert trainer.global_step == 6 == task._optimizer_steps()
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.0  # (1 - 6 / 6) ** 0.9
+
+
+def test_frozen_batch_norm_stays_frozen_through_fit(tmp_path, scene_files):
+    """Before: ``finetune.freeze_bn=all`` froze only in ``task.train()``, which Lightning's
+    fit never calls: every BatchNorm trained, its statistics moved (grid steps with each
+    tile's statistics)."""
+    for k in range(2):
+        scene_files(tmp_path / "train", name=f"s{k}", shape=(3, 83, 97), seed=k)
+    scene_files(tmp_path / "val", name="v", shape=(3, 83, 97), seed=9)
+    torch.manual_seed(0)
+    net = UNet(3, 5, levels=2, base_width=4, padding="same", norm="batch")
+    before = {k: v.clone() for k, v in net.state_dict().items() if "running" in k}
+    dm = tiff_module(tmp_path, net.footprint(), 5, tiling="grid", q=2)
+    modes = []
+
+    class Modes(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            modes.append({m.training for m in module.modules()
+                          if isinstance(m, torch.nn.BatchNorm2d)})
+
+    task = SegmentationTask(net, 5, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                            gradient_reduction="sum", freeze_bn="all")
+    trainer = pl.Trainer(max_epochs=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, callbacks=[Modes()],
+                         num_sanity_val_steps=0, accelerator="cpu")
+    trainer.fit(task, datamodule=dm)
+    assert len(modes) == 16 and all(m == {False} for m in modes)  # both epochs, after val
+    after = net.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_a_class_absent_from_validation_is_left_out_of_val_miou(monkeypatch):
+    """Before: torchmetrics gave a class with no pixel in target or prediction IoU 0, so
+    val/miou was 0.665 where the test scene's mIoU (absent classes left out) was 0.998."""
+    import math
+
+    task = SegmentationTask(UNet(3, 3, levels=2, base_width=4), 3, gradient_reduction="sum")
+    logged = {}
+    monkeypatch.setattr(task, "log", lambda name, value, **kw: logged.__setitem__(
+        name, float(value)))
+    # class 0: 2 of 3 pixels (IoU 2/3); class 1: 1 hit, 1 false (1/2); class 2: nowhere
+    task.val_iou.update(torch.tensor([[0, 1, 1, 0]]), torch.tensor([[0, 1, 0, 0]]))
+    task.on_validation_epoch_end()
+    assert logged["val/miou"] == pytest.approx((2 / 3 + 1 / 2) / 2, rel=1e-6)
+    assert math.isnan(logged["val/iou_class_2"])
