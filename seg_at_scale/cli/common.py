@@ -21,7 +21,8 @@ from seg_at_scale.errors import ConfigError, SegAtScaleError, disk_full
 
 __all__ = ["disk_full", "format_iou", "save_run_config", "reports_errors", "class_names_of",
            "USER_ERROR_EXIT", "long_lived",
-           "LocalRunFolder", "tidy_refused_run"]  # and RUN_CONFIG, read on first use (__getattr__)
+           "LocalRunFolder", "tidy_refused_run",
+           "run_began"]  # and RUN_CONFIG, read on first use (__getattr__)
 
 log = logging.getLogger(__name__)
 
@@ -206,10 +207,13 @@ class LocalRunFolder(Callback):
             hydra_config.cfg = before
             OmegaConf.set_readonly(config.hydra, flag)
         _MADE.clear()
+        _NEW_LOG.clear()
         if folder is not None:
             path = Path(folder).absolute()
             _MADE.extend(f for f in (path, *path.parents) if not f.exists())
-            _MADE.append(path / f"{config.hydra.job.name}.log")  # Hydra's log of the job
+            log = path / f"{config.hydra.job.name}.log"  # Hydra's log of the job
+            if not log.exists():
+                _NEW_LOG.append(log)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _MADE.clear()  # a sweep's trials keep their folders (a run before it in this process)
@@ -227,30 +231,39 @@ class LocalRunFolder(Callback):
         return str(folder)
 
 
-#: the folders Hydra makes for this run, deepest first, then its log file (LocalRunFolder)
+#: the folders Hydra makes for this run, deepest first (LocalRunFolder)
 _MADE: list[Path] = []
+#: Hydra's log of the job, where this command makes it
+_NEW_LOG: list[Path] = []
 
 
 @contextlib.contextmanager
 def tidy_refused_run() -> Iterator[None]:
     """A run refused before it began leaves no folder behind.
 
-    On a refusal (the project's own error), the folders Hydra made for this run (noted by
-    :class:`LocalRunFolder`) are removed if they hold nothing but Hydra's log of the job:
-    a mistyped command does not leave an empty dated folder under ``runs/``. A folder that
-    existed before, or that holds anything else (a run's config, checkpoints), is left.
+    On a refusal (the project's own error) before the run began (its ``run_config.yaml``
+    saved: :func:`run_began`),
+    Hydra's log of the job is removed if this command made it, and then the folders Hydra
+    made for this run (noted by :class:`LocalRunFolder`) if they are empty: a mistyped
+    command does not leave an empty dated folder under ``runs/``, nor its log in a folder of
+    the user's. A folder that existed before, or that holds anything else (a run's config,
+    checkpoints), is left.
     """
     try:
         yield
     except BaseException as exc:
-        if _own_error(exc) is not None and _MADE:
-            *folders, log_file = _MADE
+        if _own_error(exc) is not None:
             with contextlib.suppress(OSError):
-                if folders and sorted(folders[0].iterdir()) == [log_file]:
-                    log_file.unlink()
-                for folder in folders:  # deepest first; rmdir leaves a folder with files
+                for log in _NEW_LOG:
+                    log.unlink(missing_ok=True)
+                for folder in _MADE:  # deepest first; rmdir leaves a folder with files
                     folder.rmdir()
         raise
+
+
+def run_began() -> None:
+    """The run was accepted: its log is kept whatever ends it (:func:`tidy_refused_run`)."""
+    _NEW_LOG.clear()
 
 
 def class_names_of(data: DictConfig) -> list[str]:
@@ -289,4 +302,5 @@ def save_run_config(cfg: DictConfig, out_dir: Path, computed: dict[str, Any]) ->
     path = out_dir / RUN_CONFIG
     out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(OmegaConf.to_yaml(OmegaConf.create(doc)))
+    run_began()  # the run's first file: its log is kept from now on
     return path

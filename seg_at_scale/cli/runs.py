@@ -159,6 +159,27 @@ def run_lock(path: Path) -> Iterator[None]:
             path.rmdir()
 
 
+#: what a run folder holds before its run_config.yaml: the lock, the log this command opened
+_BEFORE_CONFIG = frozenset({LOCK_NAME, "train.log", ".hydra"})
+
+
+def _refuse_foreign(path: Path) -> None:
+    """Refuse a new run in a folder that holds files of the user's (no ``run_config.yaml``).
+
+    A run writes ``summary.json``, ``trial.json``, ``predictions/``, checkpoints and logs
+    under their own names: into such a folder it replaced the user's files of those names
+    without a word.
+    """
+    if not path.is_dir():
+        return
+    found = sorted(p.name for p in path.iterdir() if p.name not in _BEFORE_CONFIG)
+    if found:
+        shown = ", ".join(found[:MAX_LISTED]) + (", ..." if len(found) > MAX_LISTED else "")
+        raise ConfigError(f"hydra.run.dir='{path}' holds files that are not a seg_at_scale run "
+                          f"({shown}), which a new run could replace; choose a new or empty "
+                          "folder (leave out hydra.run.dir for a new one)")
+
+
 class RunFolder:
     """A training run's folder, new or resumed; see the module docstring.
 
@@ -192,6 +213,7 @@ class RunFolder:
         file = path / RUN_CONFIG
         requested = copy.deepcopy(cfg)  # as composed: what .hydra/config.yaml records
         if not file.exists():
+            _refuse_foreign(path)
             return cls(path, None, requested)
         loaded = OmegaConf.to_container(OmegaConf.load(file))
         assert isinstance(loaded, dict)

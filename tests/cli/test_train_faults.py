@@ -365,6 +365,24 @@ def test_more_gpus_than_the_machine_has_are_refused_naming_the_count(monkeypatch
             check_devices("gpu", devices)
 
 
+def test_a_new_run_in_a_folder_of_the_users_files_is_refused_and_they_stay(tmp_path):
+    """Before: ``hydra.run.dir`` at a folder of the user's replaced their ``summary.json``,
+    ``trial.json`` and ``predictions/*.tif`` with the run's, exit 0."""
+    folder = tmp_path / "mine"
+    (folder / "predictions").mkdir(parents=True)
+    (folder / "summary.json").write_text("my notes")
+    (folder / "predictions" / "sc0_pred.tif").write_bytes(b"mine")
+    out = seg_train_here(tmp_path, f"hydra.run.dir={folder}", *TINY)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"seg-train: error: hydra.run.dir='{folder}' holds files that are not a seg_at_scale "
+        "run (predictions, summary.json), which a new run could replace; choose a new or "
+        "empty folder (leave out hydra.run.dir for a new one)")
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == [
+        "predictions", "predictions/sc0_pred.tif", "summary.json"]
+    assert (folder / "summary.json").read_text() == "my notes"
+
+
 def test_several_processes_without_sample_parallelism_are_refused_before_any_work(tmp_path):
     """Before: ``trainer.devices=2`` on the default trainer ran Lightning's DDP, whose sampler
     split each rank's share of the tiles again: 1/2 of the data trained, part of the
