@@ -56,7 +56,7 @@ from seg_at_scale.memory import (
     pipe_checkpoint_mode,
 )
 from seg_at_scale.models.card import ModelCard
-from seg_at_scale.models.checkpoint import load_checkpoint
+from seg_at_scale.models.checkpoint import TRAIN_CHOICE, load_checkpoint
 from seg_at_scale.models.registry import build_model, predicting
 from seg_at_scale.models.trained import (
     MEANING_KEY,
@@ -112,7 +112,9 @@ def resolve_ckpt(cfg: DictConfig, run: RunFolder) -> str | None:
     if cfg.ckpt_path in (None, "none"):
         return None
     if cfg.ckpt_path != "auto":
-        load_checkpoint(Path(cfg.ckpt_path), trust=trust)
+        ckpt = load_checkpoint(Path(cfg.ckpt_path), trust=trust, choice=TRAIN_CHOICE)
+        if not run.resuming:
+            check_left_to_train(ckpt, cfg)
         return str(cfg.ckpt_path)
     newest = newest_checkpoint(run.path, trust=trust)
     # DDP ranks other than 0 start after rank 0 saved the run's config: a "resume" to them
@@ -123,6 +125,24 @@ def resolve_ckpt(cfg: DictConfig, run: RunFolder) -> str | None:
             "stopped before its first one); to train it again from the start in this folder "
             "pass ckpt_path=none, or start a new run (leave out hydra.run.dir)")
     return str(newest) if newest else None
+
+
+def check_left_to_train(ckpt: dict[str, Any], cfg: DictConfig) -> None:
+    """Refuse a new run from a checkpoint that has trained ``trainer.max_epochs`` already.
+
+    Lightning restored it and stopped at once: the new run trained nothing, saved no
+    checkpoint and reported the other run's ``val/miou`` and checkpoint as its own.
+    """
+    progress = ckpt.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {})
+    done = progress.get("current", {}).get("processed") if isinstance(progress, dict) else None
+    epochs = OmegaConf.select(cfg, "trainer.max_epochs", default=None)
+    if isinstance(done, int) and isinstance(epochs, int) and 0 <= epochs <= done:
+        raise ConfigError(f"ckpt_path='{cfg.ckpt_path}' has trained {done} epoch"
+                          f"{'s' if done != 1 else ''}, and "
+                          f"trainer.max_epochs={epochs}: nothing is left to train from it (the "
+                          "run would report that run's figures as its own); raise "
+                          f"trainer.max_epochs above {done}, or continue that run in its own "
+                          "folder")
 
 
 def predict_options(cfg: DictConfig) -> PredictOptions:

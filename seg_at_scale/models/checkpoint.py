@@ -51,12 +51,19 @@ def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> dict[str, Any]:
+#: how a refusal names the other checkpoints: seg-predict's key (seg-train's: ``TRAIN_CHOICE``)
+PREDICT_CHOICE = "ckpt=last, ckpt=best or a path"
+TRAIN_CHOICE = "ckpt_path=<a .ckpt file>, or ckpt_path=none to train the run from the start"
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False,
+                    choice: str = PREDICT_CHOICE) -> dict[str, Any]:
     """A Lightning checkpoint as plain data (``weights_only=True`` unless ``trust``).
 
     Args:
         path: the ``.ckpt`` file.
         trust: unpickle any object (runs code from the file); logged.
+        choice: how a refusal names the other checkpoints the command can take.
 
     Raises:
         InputError: missing, empty, truncated or not a checkpoint; or it holds Python
@@ -65,8 +72,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> dic
     path = Path(path)
     if not path.is_file():
         what = "a folder" if path.is_dir() else "missing"
-        raise InputError(f"checkpoint '{path}' is {what}; give a .ckpt file (ckpt=last, "
-                         "ckpt=best or a path)")
+        raise InputError(f"checkpoint '{path}' is {what}; give a .ckpt file ({choice})")
     if path.stat().st_size == 0:
         raise InputError(f"checkpoint '{path}' is empty (0 bytes): it was cut off while being "
                          "written; use another checkpoint or copy it again")
@@ -86,13 +92,13 @@ def load_checkpoint(path: str | os.PathLike[str], *, trust: bool = False) -> dic
                 f"({said.group(1).strip()}): a pickle not written by torch.save, or a "
                 f"damaged file; refused. Use another checkpoint, or {TRUST_HINT}") from None
         if found is None:
-            raise _unreadable(path, exc) from None
+            raise _unreadable(path, exc, choice) from None
         raise UnsafeCheckpointError(
             f"checkpoint '{path}' holds a Python object ({found.group(1)}) that "
             f"loading would run; refused. {TRUST_HINT.capitalize()}, or ask for a model "
             "exported with seg-export (weights as safetensors)") from None
     except UNREADABLE as exc:
-        raise _unreadable(path, exc) from None
+        raise _unreadable(path, exc, choice) from None
     if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
         raise InputError(f"checkpoint '{path}' holds no state_dict: it is not a checkpoint "
                          "of a training run; give a .ckpt written by seg-train")
@@ -105,11 +111,11 @@ def _pickled(path: Path) -> bool:
         return fh.read(1) == b"\x80"
 
 
-def _unreadable(path: Path, exc: BaseException) -> InputError:
+def _unreadable(path: Path, exc: BaseException, choice: str) -> InputError:
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
     return InputError(f"checkpoint '{path}' cannot be read ({reason or type(exc).__name__}): "
-                      "it is truncated or not a torch checkpoint; use another checkpoint "
-                      "(ckpt=last, ckpt=best or a path) or copy it again")
+                      f"it is truncated or not a torch checkpoint; use another checkpoint "
+                      f"({choice}) or copy it again")
 
 
 def model_state(ckpt: dict[str, Any], prefix: str = "model.") -> dict[str, Tensor]:

@@ -196,15 +196,18 @@ def slurm_plugins(auto_requeue: bool, requeue_signal: str) -> list[Any]:
 
 
 def checkpoints_of(run: Path) -> list[Path]:
-    """Every checkpoint a run saved, newest first.
+    """Every checkpoint a run saved, the furthest trained first.
 
-    ``checkpoints/last.ckpt`` (end of an epoch, or a stop by SIGTERM / Ctrl+C), the best
-    ones ``checkpoints/*.ckpt`` and Lightning's ``hpc_ckpt_<n>.ckpt`` in the run folder
-    (SLURM requeue), by time written.
+    ``checkpoints/last.ckpt`` (end of every epoch, or a stop by SIGTERM / Ctrl+C) and
+    Lightning's ``hpc_ckpt_<n>.ckpt`` in the run folder (SLURM requeue), newest first; then
+    the best ones ``checkpoints/*.ckpt``, which are never further than ``last.ckpt``, newest
+    first. By time written alone, a copied run (``cp -r``: new mtimes in any order) resumed
+    from an older best checkpoint and trained its epochs again over ``last.ckpt``.
     """
     found = {p for p in [*(run / "checkpoints").glob("*.ckpt"), *run.glob("hpc_ckpt_*.ckpt")]
              if p.is_file()}
-    return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    return sorted(found, key=lambda p: (p.name == "last.ckpt" or p.name.startswith("hpc_ckpt_"),
+                                        p.stat().st_mtime_ns), reverse=True)
 
 
 def newest_checkpoint(run: Path, *, trust: bool = False) -> Path | None:
@@ -219,12 +222,16 @@ def newest_checkpoint(run: Path, *, trust: bool = False) -> Path | None:
         UnsafeCheckpointError: a checkpoint holds Python objects (and ``trust`` is off).
     """
     from seg_at_scale.errors import InputError
-    from seg_at_scale.models.checkpoint import UnsafeCheckpointError, load_checkpoint
+    from seg_at_scale.models.checkpoint import (
+        TRAIN_CHOICE,
+        UnsafeCheckpointError,
+        load_checkpoint,
+    )
 
     problems = []
     for path in checkpoints_of(run):
         try:
-            load_checkpoint(path, trust=trust)
+            load_checkpoint(path, trust=trust, choice=TRAIN_CHOICE)
         except UnsafeCheckpointError:
             raise
         except InputError as exc:

@@ -66,6 +66,23 @@ def test_rerun_with_another_config_is_refused_and_changes_no_file(finished_run) 
     assert trained.config.model.base_width == 8 and trained.model.num_classes == 5
 
 
+def test_a_new_run_from_a_checkpoint_with_nothing_left_to_train_is_refused(finished_run,
+                                                                           tmp_path) -> None:
+    """Before: Lightning restored it and stopped at once; the new run trained nothing, saved
+    no checkpoint and reported the other run's val/miou and checkpoint as its own."""
+    data, run = finished_run
+    ckpt = run / "checkpoints" / "last.ckpt"
+    new = tmp_path / "new"
+    out = seg_train_here(data, *TINY, "predict_after_fit=false", f"hydra.run.dir={new}",
+                         f"ckpt_path={ckpt}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"seg-train: error: ckpt_path='{ckpt}' has trained 1 epoch, and trainer.max_epochs=1: "
+        "nothing is left to train from it (the run would report that run's figures as its "
+        "own); raise trainer.max_epochs above 1, or continue that run in its own folder")
+    assert not new.exists()
+
+
 def test_a_refused_rerun_into_a_moved_run_changes_no_file(finished_run, tmp_path) -> None:
     """Before: refused (good), but "the run was saved in ... and is now in ..." was first
     appended to the moved run's train.log; now that line waits until a rerun is accepted."""

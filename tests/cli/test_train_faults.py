@@ -69,6 +69,9 @@ def test_resume_takes_the_newest_checkpoint_that_loads_or_refuses_naming_what_is
     assert out.returncode == 0, out.stderr[-2000:]
     log = out.stdout + out.stderr
     assert f"checkpoint '{last}' cannot be read" in log  # skipped, named
+    # with seg-train's key (it named seg-predict's ckpt=last, which seg-train refuses)
+    assert "(ckpt_path=<a .ckpt file>, or ckpt_path=none to train the run from the start)" \
+        in log and "ckpt=last" not in log
     assert f"Restoring states from the checkpoint path at {best}" in log
     assert _epoch(best) == 0 and _epoch(last) == 2  # rewritten: trained on to max_epochs
     for p in ckpts.glob("*.ckpt"):
@@ -530,3 +533,20 @@ def test_a_resumed_or_rerun_runs_record_keeps_the_epochs_before(tmp_path):
     assert third["history"][:2] == first["history"] and third["history"][2][0] == 2
     assert third["best"] == max(v for _, v in third["history"])
     assert third["fit_s"] > first["fit_s"]
+
+
+def test_a_copied_run_resumes_from_last_ckpt_whatever_the_copy_did_to_mtimes(tmp_path):
+    """Before: the newest file by mtime won, so after ``cp -r`` (or rsync without -t) a best
+    checkpoint of an earlier epoch was resumed from and its later epochs trained again."""
+    import os
+
+    from seg_at_scale.tasks.interrupt import checkpoints_of, newest_checkpoint
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    for name, step in (("last.ckpt", 600), ("epoch001-miou0.5064.ckpt", 400)):
+        torch.save({"state_dict": {}, "global_step": step}, ckpts / name)
+    os.utime(ckpts / "last.ckpt", ns=(1_000_000_000, 1_000_000_000))  # the copy: older
+    assert [p.name for p in checkpoints_of(tmp_path / "run")] == [
+        "last.ckpt", "epoch001-miou0.5064.ckpt"]
+    assert newest_checkpoint(tmp_path / "run") == ckpts / "last.ckpt"
