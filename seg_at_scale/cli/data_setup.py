@@ -28,7 +28,14 @@ from omegaconf import DictConfig, OmegaConf
 from seg_at_scale.cli.runs import RunFolder
 from seg_at_scale.config_check import check_local
 from seg_at_scale.data.band_stats import BandSums, auto_normalization, sample_sums
-from seg_at_scale.data.config import AUTO, DataConfig, TilingConfig, data_config, tiling_config
+from seg_at_scale.data.config import (
+    AUTO,
+    DataConfig,
+    TilingConfig,
+    check_class_weight_power,
+    data_config,
+    tiling_config,
+)
 from seg_at_scale.data.preflight import CACHE_NAME, FactCache, PreflightReport, preflight
 from seg_at_scale.data.sources.base import Source
 from seg_at_scale.errors import ConfigError, InputError
@@ -51,6 +58,7 @@ def _plain(node: Any) -> dict[str, Any]:
 
 def checked_groups(cfg: DictConfig) -> tuple[DataConfig, TilingConfig]:
     """The ``data`` and ``tiling`` groups, validated (key, value and fix on a bad one)."""
+    check_class_weight_power(cfg.data.get("class_weight_power"))  # data.class_weights' input
     return data_config(_plain(cfg.data)), tiling_config(_plain(cfg.tiling))
 
 

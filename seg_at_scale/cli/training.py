@@ -127,6 +127,25 @@ def resolve_ckpt(cfg: DictConfig, run: RunFolder) -> str | None:
     return str(newest) if newest else None
 
 
+def check_monitor(cfg: DictConfig) -> None:
+    """Refuse a checkpoint monitor that names a logged metric in another case.
+
+    ``monitor=val/mIoU`` failed in Lightning after the first training epoch ("could not
+    find the monitored key"); the metrics are lower case: ``val/miou``, ``val/loss``,
+    ``val/iou_<class>``.
+    """
+    monitor = OmegaConf.select(cfg, "callbacks.model_checkpoint.monitor", default=None)
+    if not isinstance(monitor, str):
+        return
+    logged = ["val/miou", "val/loss", "train/loss",
+              *(f"val/iou_{n}" for n in class_names_of(cfg.data))]
+    close = [name for name in logged if name.lower() == monitor.lower() and name != monitor]
+    if close:
+        raise ConfigError(f"callbacks.model_checkpoint.monitor={monitor!r} is not a metric the "
+                          f"run logs; did you mean {close[0]!r}? (val/miou, val/loss, "
+                          "val/iou_<class>)")
+
+
 def check_left_to_train(ckpt: dict[str, Any], cfg: DictConfig) -> None:
     """Refuse a new run from a checkpoint that has trained ``trainer.max_epochs`` already.
 
@@ -157,6 +176,9 @@ def predict_options(cfg: DictConfig) -> PredictOptions:
     block = OmegaConf.to_container(cfg.predict, resolve=True) if cfg.get("predict") else {}
     assert isinstance(block, dict)
     nodata = cfg.data.get("nodata")
+    if nodata is not None and (isinstance(nodata, bool) or not isinstance(nodata, int | float)):
+        raise ConfigError(f"data.nodata={nodata!r}: give the images' no-data value, nan, or "
+                          "null")  # as the data group says it, which is checked after this
     try:
         return PredictOptions.from_mapping({
             **{str(k): v for k, v in block.items()}, "overwrite": True, "progress": False,
@@ -353,8 +375,12 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     """
     data, tiling = checked_groups(cfg)  # data / tiling keys: type, range, unknown keys
     check_trainer(cfg)
-    pl.seed_everything(cfg.seed, workers=True)
+    seed = cfg.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ConfigError(f"seed={seed!r}: give a whole number from 0 to {2**32 - 1}")
+    pl.seed_everything(seed, workers=True)
     run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
+    check_monitor(cfg)
     model = build_model(resolved(cfg.model), where="the model group",
                         trust=bool(cfg.get("trust_run", False)))
     fp = run_footprint(model, cfg.tiling)  # tiling.exact=false: the approximate one

@@ -21,6 +21,7 @@ seg_at_scale.errors.ConfigError: tiling.q=0: give the tiles per side as a whole 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
@@ -94,11 +95,48 @@ class TilingConfig:
                "number >= 1")
         _whole("tiling.halo", self.halo, 0, "use 'auto' (the model's receptive field) or a "
                "whole number of pixels >= 0", auto=True)
+        if self.augment is not None:
+            _check_augment(self.augment)
         if self.mode == "random":
             _whole("tiling.core_size", self.core_size, 1, "give the output side of a random "
                    "training tile in pixels (a whole number >= 1, e.g. 128)", none=True)
             _whole("tiling.samples_per_epoch", self.samples_per_epoch, 1, "give random tiles "
                    "per epoch as a whole number >= 1", none=True)
+
+
+def _check_augment(values: Mapping[str, Any]) -> None:
+    """``tiling.augment``: the keys of :func:`~seg_at_scale.data.transforms.build_augment`.
+
+    Checked with the group, not when the first training batch builds the transforms
+    (albumentations' validation dump, after the run had started).
+    """
+    from seg_at_scale.data.transforms import build_augment
+
+    known_keys("tiling.augment", values, list(inspect.signature(build_augment).parameters))
+    for key, v in values.items():
+        name = f"tiling.augment.{key}"
+        if key in ("flips", "rotate90") and not isinstance(v, bool):
+            raise ConfigError(f"{name}={v!r}: use true or false")
+        if key in ("brightness", "contrast", "noise_std"):
+            _number(name, v, "give a limit >= 0 (0: off)")
+            if v < 0:
+                raise ConfigError(f"{name}={v!r}: give a limit >= 0 (0: off)")
+        if key == "p" and not (_number(name, v, "give a probability, 0..1") <= 1 and v >= 0):
+            raise ConfigError(f"{name}={v!r}: give a probability, 0..1")
+        if key == "seed":
+            _whole(name, v, 0, "give a whole number >= 0, or null", none=True)
+
+
+def check_class_weight_power(power: Any) -> None:
+    """``data.class_weight_power``: a number >= 0 or null.
+
+    Checked before ``data.class_weights`` is resolved from it: a resolver's error reached
+    the user as OmegaConf's traceback.
+    """
+    if power is not None and (isinstance(power, bool) or not isinstance(power, int | float)
+                              or not power >= 0):
+        raise ConfigError(f"data.class_weight_power={power!r}: give a number >= 0 (1: every "
+                          "class present the same total weight, 0.5: softer, 0: none) or null")
 
 
 def tiling_config(values: Mapping[str, Any]) -> TilingConfig:

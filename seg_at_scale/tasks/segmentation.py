@@ -90,6 +90,10 @@ class SegmentationTask(pl.LightningModule):
                  gradient_reduction: str, freeze_bn: str = "none",
                  freeze_encoder_epochs: int = 0, encoder_lr_scale: float = 1.0) -> None:
         super().__init__()
+        if isinstance(gradient_clip, bool) or not isinstance(gradient_clip, int | float) \
+                or not gradient_clip >= 0:
+            raise ConfigError(f"task.gradient_clip={gradient_clip!r}: give the largest gradient "
+                              "norm, a number >= 0 (0: no clipping)")
         check_finetune(model, freeze_bn, freeze_encoder_epochs, encoder_lr_scale)
         self.freeze_bn = resolve_freeze_bn(model, freeze_bn)
         self.freeze_encoder_epochs, self.encoder_lr_scale = freeze_encoder_epochs, encoder_lr_scale

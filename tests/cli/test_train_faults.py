@@ -550,3 +550,20 @@ def test_a_copied_run_resumes_from_last_ckpt_whatever_the_copy_did_to_mtimes(tmp
     assert [p.name for p in checkpoints_of(tmp_path / "run")] == [
         "last.ckpt", "epoch001-miou0.5064.ckpt"]
     assert newest_checkpoint(tmp_path / "run") == ckpts / "last.ckpt"
+
+
+@pytest.mark.parametrize("override, said", [
+    ("data.nodata=abc", "data.nodata='abc': give the images' no-data value, nan, or null"),
+    ("data.class_weight_power=abc", "data.class_weight_power='abc': give a number >= 0"),
+    ("seed=-1", "seed=-1: give a whole number from 0 to 4294967295"),
+    ("task.gradient_clip=abc", "task.gradient_clip='abc': give the largest gradient norm"),
+    ("tiling.augment.brightness=abc", "tiling.augment.brightness='abc': give a limit >= 0"),
+    ("callbacks.model_checkpoint.monitor=val/mIoU", "callbacks.model_checkpoint.monitor="
+     "'val/mIoU' is not a metric the run logs; did you mean 'val/miou'?"),
+])
+def test_bad_values_are_one_line_naming_the_key_before_training(tmp_path, override, said):
+    """Before: each was a traceback and exit 1 (the monitor's after the first epoch)."""
+    out = seg_train_here(tmp_path, f"hydra.run.dir={tmp_path / 'run'}", *TINY, override)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(f"seg-train: error: {said}")
+    assert not list((tmp_path / "run").rglob("*.ckpt"))
