@@ -272,6 +272,12 @@ def check_planes(cfg: DictConfig, choices: dict[str, str | None]) -> None:
         raise ConfigError(f"model={model} labels {planes} planes (model.planes) but the data "
                           f"has {masks} label band(s) per scene (data.mask_bands); give one "
                           f"label band per plane (data.mask_bands={planes}, data=cosmic)")
+    if planes is not None and cfg.get("predict_after_fit"):
+        # refused after the whole training before: the test scenes are predicted to a COG
+        raise ConfigError(f"model={model} labels {planes} detector planes apart, and the "
+                          "prediction after training writes one label per pixel; pass "
+                          "predict_after_fit=false, and predict the planes in Python "
+                          "(docs/models.md, \"UResNet and the CosmicTagger data\")")
 
 
 def check_model_classes(cfg: DictConfig) -> None:

@@ -97,6 +97,17 @@ class TilingConfig:
                "whole number of pixels >= 0", auto=True)
         if self.augment is not None:
             _check_augment(self.augment)
+        if self.mode == "grid":  # each whole image by q / tile_size, one at a time
+            for key, value, quiet in (("core_size", self.core_size, None),
+                                      ("samples_per_epoch", self.samples_per_epoch, None),
+                                      ("batch_size", self.batch_size, 1)):
+                if value != quiet:
+                    raise ConfigError(
+                        f"tiling.{key}={value!r} is for tiling=random (random tiles), and this "
+                        "run tiles by tiling=grid (which experiment=finetune also chooses): "
+                        "each whole image in tiling.q x tiling.q tiles (or tiles of "
+                        f"tiling.tile_size), one image per step; leave tiling.{key} out, or "
+                        "train on random tiles with tiling=random")
         if self.mode == "random":
             _whole("tiling.core_size", self.core_size, 1, "give the output side of a random "
                    "training tile in pixels (a whole number >= 1, e.g. 128)", none=True)

@@ -218,6 +218,11 @@ def test_a_model_for_other_bands_than_the_data_is_refused_before_any_work(tmp_pa
      "model=uresnet_tiny labels 3 planes (model.planes) but the data has 1 label band(s) per "
      "scene (data.mask_bands); give one label band per plane (data.mask_bands=3, "
      "data=cosmic)"),
+    # before: "add a test/ split", which trained the whole run and then failed to write
+    (["model=uresnet_tiny", "task=cosmic", "data=cosmic", "predict_after_fit=true"],
+     "model=uresnet_tiny labels 3 detector planes apart, and the prediction after training "
+     "writes one label per pixel; pass predict_after_fit=false, and predict the planes in "
+     "Python (docs/models.md, \"UResNet and the CosmicTagger data\")"),
 ])
 def test_a_network_of_planes_and_its_task_are_refused_apart_before_any_work(tmp_path, groups,
                                                                             message):
@@ -567,3 +572,16 @@ def test_bad_values_are_one_line_naming_the_key_before_training(tmp_path, overri
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith(f"seg-train: error: {said}")
     assert not list((tmp_path / "run").rglob("*.ckpt"))
+
+
+@pytest.mark.parametrize("tiling", [["tiling=grid", "tiling.batch_size=4"],
+                                    ["experiment=finetune", "tiling.core_size=32"]])
+def test_random_tile_keys_in_grid_mode_are_refused_naming_the_mode(tmp_path, tiling):
+    """Before: accepted, written into run_config.yaml and ignored (experiment=finetune
+    chooses tiling=grid, so its users' tiling.* overrides did nothing)."""
+    out = seg_train_here(tmp_path, f"hydra.run.dir={tmp_path / 'run'}", *TINY, *tiling)
+    assert out.returncode == 2, out.stderr[-2000:]
+    key = tiling[1].split("=")[0]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"seg-train: error: {key}={tiling[1].split('=')[1]} is for tiling=random (random "
+        "tiles), and this run tiles by tiling=grid (which experiment=finetune also chooses)")
