@@ -73,7 +73,10 @@ def find_scenes(folder: str | os.PathLike[str], *, key: str = "data.root") -> li
         mask = (mask_beside(image) if image.parent == root else
                 tiff_of(root / "masks" / image.name))
         if not mask.exists():
-            raise InputError(f"'{image}' has no mask: expected '{mask}'")
+            raise InputError(f"'{image}' has no mask: expected '{mask}'; every scene of a "
+                             "split is scored against its mask: add it, or move the image out "
+                             "(scenes without masks: predict them with seg-predict; for a "
+                             "test split of them, predict_after_fit=false)")
         scenes.append(Scene(image, mask))
         if (other := named.setdefault(scenes[-1].name, image)) != image:
             raise InputError(f"{key}: '{other}' and '{image}' are both scene "
@@ -194,7 +197,8 @@ def label_counts(mask: RasterReader, band_rows: int | None = None) -> dict[int, 
         labels = mask.read(Window(r0, 0, min(step, mask.height - r0), mask.width))
         if labels.size and labels.min() < 0:
             raise InputError(f"mask '{mask.path}' has negative label {int(labels.min())}; "
-                             "labels are class ids >= 0")
+                             "labels are class ids >= 0: write unlabelled pixels as "
+                             "data.ignore_index (255 by default)")
         more = np.bincount(labels.ravel().astype(np.int64))
         if more.size > counts.size:
             counts = np.pad(counts, (0, more.size - counts.size))

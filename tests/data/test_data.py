@@ -42,8 +42,19 @@ def test_missing_mask_and_empty_folder_are_named(tmp_path, scene_files):
         find_scenes(tmp_path / "nope")
     img, msk = scene_files(tmp_path)
     msk.unlink()
-    with pytest.raises(InputError, match=r"has no mask: expected .*a_mask.tif"):
+    with pytest.raises(InputError, match=r"has no mask: expected .*a_mask.tif'; every scene "
+                       r"of a split is scored against its mask: .*predict_after_fit=false\)$"):
         find_scenes(tmp_path)
+
+
+def test_a_negative_label_is_named_with_the_ignore_index_fix(tmp_path, scene_files):
+    """Before: "labels are class ids >= 0", with no way out named."""
+    labels = np.zeros((97, 131), np.int16)
+    labels[3, 5] = -1  # an unlabelled pixel as some tools write it
+    img, msk = scene_files(tmp_path, shape=(3, 97, 131), mask=labels)
+    with pytest.raises(InputError, match=r"has negative label -1; labels are class ids >= 0: "
+                                         r"write unlabelled pixels as data.ignore_index"):
+        validate_scene(Scene(img, msk), num_classes=5)
 
 
 @pytest.mark.parametrize("nodata", [None, float("nan"), -9999.0])
