@@ -78,6 +78,7 @@ from seg_at_scale.parallel.setup import (
 )
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.scene import predict_scene
+from seg_at_scale.tasks.finetune import freeze_batch_norm
 from seg_at_scale.tasks.interrupt import (
     SaveOnStop,
     SIGTERMException,
@@ -125,6 +126,23 @@ def resolve_ckpt(cfg: DictConfig, run: RunFolder) -> str | None:
             "stopped before its first one); to train it again from the start in this folder "
             "pass ckpt_path=none, or start a new run (leave out hydra.run.dir)")
     return str(newest) if newest else None
+
+
+def warn_training_norms(model: torch.nn.Module, cfg: DictConfig, freeze_bn: str) -> None:
+    """Warn that BatchNorms that train make a grid step other than the whole image's.
+
+    ``tiling=grid`` promises the gradient of the whole image's loss; a BatchNorm in
+    training mode normalises each tile with that tile's statistics instead.
+    """
+    if OmegaConf.select(cfg, "tiling.mode") != "grid":
+        return
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    frozen = freeze_batch_norm(model, freeze_bn)  # what fit keeps in eval mode
+    if len(norms) > frozen:
+        log.warning("%d BatchNorm layers train (finetune.freeze_bn=%s): each grid tile is "
+                    "normalised with its own statistics, so a step is not the whole image's "
+                    "exact gradient; use finetune.freeze_bn=all (the statistics the model "
+                    "has), or model.norm=group", len(norms) - frozen, freeze_bn)
 
 
 def check_monitor(cfg: DictConfig) -> None:
@@ -413,6 +431,7 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
              fp.halo, fp.context, fp.align, fp.padding, computed["efficiency"],
              computed["grid"])
     task = instantiate(cfg.task, model=model if pipeline else apply_memory_mode(model, memory))
+    warn_training_norms(model, cfg, getattr(task, "freeze_bn", "none"))
     setup_pipeline(task, pipeline, batch_size=train_batch_size(cfg))
     slurm = cfg.get("slurm") or {}
     plugins = slurm_plugins(bool(slurm.get("auto_requeue", True)),

@@ -585,3 +585,26 @@ def test_random_tile_keys_in_grid_mode_are_refused_naming_the_mode(tmp_path, til
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"seg-train: error: {key}={tiling[1].split('=')[1]} is for tiling=random (random "
         "tiles), and this run tiles by tiling=grid (which experiment=finetune also chooses)")
+
+
+def test_batch_norms_that_train_under_grid_tiling_are_warned_about(caplog):
+    """``tiling=grid`` promises the whole image's gradient, which a training BatchNorm (one
+    tile's statistics) breaks: said, unless they are frozen."""
+    from omegaconf import OmegaConf
+
+    from seg_at_scale.cli.training import warn_training_norms
+    from seg_at_scale.models import UNet
+
+    grid = OmegaConf.create({"tiling": {"mode": "grid"}})
+    for freeze, warned in (("none", True), ("all", False)):
+        caplog.clear()
+        net = UNet(3, 5, levels=2, base_width=4, norm="batch")
+        with caplog.at_level("WARNING", logger="seg_at_scale.train"):
+            warn_training_norms(net, grid, freeze)
+        said = [r.getMessage() for r in caplog.records]
+        assert bool(said) == warned, said
+        if warned:
+            norms = sum(isinstance(m, torch.nn.BatchNorm2d) for m in net.modules())
+            assert said[0].startswith(f"{norms} BatchNorm layers train (finetune.freeze_bn="
+                                      "none): each grid tile is normalised with its own "
+                                      "statistics")
