@@ -177,11 +177,13 @@ def collect_trials(folder: str | Path, study_name: str | None = None) -> SweepRe
     if not jobs:
         raise FileNotFoundError(_no_jobs(folder))
     trials, direction = _study_trials(folder, study_name)
-    rows = sorted((_row(j, trials.get(_job_number(j))) for j in jobs), key=lambda r: r.job)
+    rows = sorted([*(_row(j, trials.get(_job_number(j))) for j in jobs),
+                   *(_unrecorded(j, trials.get(_job_number(j))) for j in _no_record(folder))],
+                  key=lambda r: r.job)
     if direction is None:
         modes = {r.record.get("mode") for r in rows} - {None}
         direction = "minimize" if modes == {"min"} else "maximize"
-    params = _searched_keys(rows, trials)
+    params = _searched_keys(rows, trials, folder)
     done = [r for r in rows if r.status == "complete" and r.objective is not None
             and math.isfinite(r.objective)]
     pick = max if direction == "maximize" else min
@@ -189,13 +191,56 @@ def collect_trials(folder: str | Path, study_name: str | None = None) -> SweepRe
     return SweepReport(folder, rows, params, direction, best)
 
 
-def _searched_keys(rows: Sequence[TrialRow], trials: dict[int, Any]) -> list[str]:
-    """The study's parameters, else the override keys whose values differ between jobs."""
+def _no_record(folder: Path) -> list[Path]:
+    """Job folders (``<n>_...``) of the sweep that hold no config: refused or stopped early.
+
+    A trial refused before its run began (a grid the data cannot take) leaves its folder
+    with Hydra's log alone; it was missing from the report.
+    """
+    return sorted(d for d in folder.iterdir() if d.is_dir() and d.name.split("_")[0].isdigit()
+                  and not (d / ".hydra" / "overrides.yaml").is_file())
+
+
+def _unrecorded(job_dir: Path, trial: Any) -> TrialRow:
+    """A job that saved no config: failed (its ``train.log`` says why), or the study's state."""
+    state = trial.state.name.lower() if trial is not None else "fail"
+    return TrialRow(_job_number(job_dir), job_dir, {"fail": "failed"}.get(state, state), None,
+                    [])
+
+
+def _swept(folder: Path) -> list[str]:
+    """The keys the sweep's command line swept (``multirun.yaml``): ``a=1,2``, ``choice(...)``."""
+    try:
+        doc = yaml.safe_load((folder / "multirun.yaml").read_text())
+        task = doc["hydra"]["overrides"]["task"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return []
+    keys = []
+    for o in task if isinstance(task, list) else []:
+        key, _, value = str(o).partition("=")
+        if "," in value or value.split("(")[0] in SWEEP_FUNCTIONS:
+            keys.append(key.lstrip("+~"))
+    return keys
+
+
+#: Hydra's sweep functions on the command line
+SWEEP_FUNCTIONS = ("choice", "range", "interval", "glob", "tag", "sort", "shuffle")
+
+
+def _searched_keys(rows: Sequence[TrialRow], trials: dict[int, Any],
+                   folder: Path | None = None) -> list[str]:
+    """The keys a sweep searched.
+
+    The study's parameters, else the keys the command line swept, else the override keys
+    whose values differ between jobs.
+    """
     keys: list[str] = []
     for t in trials.values():
         keys += [k for k in t.params if k not in keys]
     if keys:
         return keys
+    if folder is not None and (swept := _swept(folder)):
+        return swept
     seen: dict[str, set[str | None]] = {}
     for r in rows:
         for o in r.overrides:

@@ -406,3 +406,28 @@ def test_a_launch_stopped_midway_queues_its_trials_again(tmp_path):
     assert (resume.finished, resume.requeued) == (0, ())  # none counted, none left running
     again = [study.ask() for _ in range(2)]
     assert [t.suggest_float("x", 0, 1) for t in again] == [t.params["x"] for t in study.trials[:2]]
+
+
+def test_a_refused_trial_is_a_failed_row_and_the_swept_key_is_the_command_lines(tmp_path):
+    """Before: a trial refused before its run began (``tiling.q=40`` on small images) saved
+    no config and was missing from the report, whose one row then named ``model`` as the
+    searched key, not the swept ``tiling.q``."""
+    from seg_at_scale.sweeps.report import collect_trials
+
+    sweep = tmp_path / "sweep"
+    task = ["model=unet_tiny", "tiling=grid", "tiling.q=1,40"]
+    (sweep).mkdir()
+    (sweep / "multirun.yaml").write_text(
+        OmegaConf.to_yaml({"hydra": {"overrides": {"task": task}}}))
+    done = sweep / "0_model=unet_tiny,tiling.q=1,tiling=grid"
+    (done / ".hydra").mkdir(parents=True)
+    (done / ".hydra" / "overrides.yaml").write_text(
+        "- model=unet_tiny\n- tiling=grid\n- tiling.q=1\n")
+    (done / "summary.json").write_text(json.dumps({"val/miou": 0.5}))
+    refused = sweep / "1_model=unet_tiny,tiling.q=40,tiling=grid"
+    refused.mkdir()
+    (refused / "train.log").write_text("seg-train: error: tiling.q=40 ...\n")
+    report = collect_trials(sweep)
+    assert [(r.job, r.status, r.objective) for r in report.rows] == [
+        (0, "complete", 0.5), (1, "failed", None)]
+    assert report.params == ["tiling.q"] and report.best is report.rows[0]
