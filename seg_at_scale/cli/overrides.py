@@ -220,6 +220,12 @@ def unknown_nested_key(overrides: Sequence[Override]) -> str | None:
         key = o.key_or_group
         if o.package or key.startswith("hydra") or o.is_delete():
             continue
+        if key == "model_family":  # mounted by each model preset, not chosen on its own
+            family = str(o.value())
+            presets = sorted(p.stem for p in (TRAIN_CONFIG_DIR / "model").glob(f"{family}_*.yaml"))
+            shown = ", ".join(f"model={p}" for p in presets[:4]) or "model=<family>_<size>"
+            return (f"{o.input_line}: a model family is chosen by its model preset, "
+                    f"model=<family>_<size> ({shown}); its keys are then model.<key>")
         if key in groups:
             options = sorted(p.stem for p in (TRAIN_CONFIG_DIR / key).glob("*.yaml"))
             numbers = [v for v in (getattr(o.value(), "list", None) or [o.value()])

@@ -565,6 +565,8 @@ def test_a_copied_run_resumes_from_last_ckpt_whatever_the_copy_did_to_mtimes(tmp
     ("tiling.augment.brightness=abc", "tiling.augment.brightness='abc': give a limit >= 0"),
     ("callbacks.model_checkpoint.monitor=val/mIoU", "callbacks.model_checkpoint.monitor="
      "'val/mIoU' is not a metric the run logs; did you mean 'val/miou'?"),
+    ("model_family=uresnet", "model_family=uresnet: a model family is chosen by its model "
+     "preset, model=<family>_<size> (model=uresnet_cosmic, "),
 ])
 def test_bad_values_are_one_line_naming_the_key_before_training(tmp_path, override, said):
     """Before: each was a traceback and exit 1 (the monitor's after the first epoch)."""
