@@ -10,13 +10,19 @@ from seg_at_scale.errors import InputError
 from seg_at_scale.io.zarr_raster import open_raster
 from seg_at_scale.tiling import Window
 
+NODATA = 255  # the label a prediction carries where its image has no data
+
 __all__ = ["confusion_matrix", "iou_from_confusion", "confusion_from_rasters"]
 
 
 def confusion_matrix(pred: np.ndarray, truth: np.ndarray, num_classes: int,
                      ignore_index: int = 255) -> np.ndarray:
-    """``[K, K]`` counts, rows = truth, columns = prediction; ignored pixels skipped."""
-    keep = (truth != ignore_index) & (pred != ignore_index)
+    """``[K, K]`` counts, rows = truth, columns = prediction.
+
+    Skipped: pixels whose truth is ``ignore_index``, and pixels predicted as no-data
+    (:data:`NODATA`, written where the image has no data), whatever ``ignore_index`` is.
+    """
+    keep = (truth != ignore_index) & (pred != ignore_index) & (pred != NODATA)
     t, p = truth[keep].astype(np.int64), pred[keep].astype(np.int64)
     return np.bincount(t * num_classes + p, minlength=num_classes**2).reshape(
         num_classes, num_classes)
@@ -42,5 +48,12 @@ def confusion_from_rasters(pred: str | os.PathLike[str], truth: str | os.PathLik
         cm = np.zeros((num_classes, num_classes), np.int64)
         for r0 in range(0, p.height, band_rows):
             w = Window(r0, 0, min(band_rows, p.height - r0), p.width)
-            cm += confusion_matrix(p.read(w)[0], t.read(w)[0], num_classes, ignore_index)
+            band = t.read(w)[0]
+            labels = band[band != ignore_index]
+            if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+                bad = labels.max() if labels.max() >= num_classes else labels.min()
+                raise InputError(f"mask '{t.path}' has label {bad}, which is neither a class "
+                                 f"0..{num_classes - 1} nor ignore_index={ignore_index}: score "
+                                 "against a mask of this model's classes")
+            cm += confusion_matrix(p.read(w)[0], band, num_classes, ignore_index)
     return cm

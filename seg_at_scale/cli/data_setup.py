@@ -16,7 +16,7 @@ import functools
 import hashlib
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -63,10 +63,16 @@ def checked_groups(cfg: DictConfig) -> tuple[DataConfig, TilingConfig]:
 
 
 def synthesize(cfg: DictConfig) -> None:
-    """:func:`make_synthetic` from the raw config (only ``data.root`` / ``data.synthetic``)."""
+    """:func:`make_synthetic` from the raw config (only ``data.root`` / ``data.synthetic``).
+
+    ``data.class_names=null`` takes the source's class table where it has one (TACO's
+    categories, read from its ``annotations.json``).
+    """
     syn = cfg.data.get("synthetic")
-    make_synthetic(str(cfg.data.root), _plain(syn) if syn is not None else None,
-                   num_classes=cfg.data.num_classes)
+    table = make_synthetic(str(cfg.data.root), _plain(syn) if syn is not None else None,
+                           num_classes=cfg.data.num_classes)
+    if table is not None and cfg.data.get("class_names") is None:
+        cfg.data.class_names = list(table)
 
 
 def source_of(synthetic: Mapping[str, Any]) -> Source:
@@ -98,8 +104,8 @@ def source_of(synthetic: Mapping[str, Any]) -> Source:
 
 
 def make_synthetic(root: str, synthetic: Mapping[str, Any] | None, *,
-                   num_classes: int | None = None) -> None:
-    """Write (or reuse) the source's scenes when ``data.synthetic.enabled``.
+                   num_classes: int | None = None) -> Sequence[str] | None:
+    """Write (or reuse) the source's scenes when ``data.synthetic.enabled``; its class table.
 
     Runs first (before the ``data`` group is resolved whole): ``data.class_weights`` may be
     computed from the training masks these scenes are. A ``num_classes`` other than the
@@ -108,7 +114,7 @@ def make_synthetic(root: str, synthetic: Mapping[str, Any] | None, *,
     check_local(f"data.root='{root}'", root)  # before any folder is made from it
     syn = synthetic or {}
     if not syn.get("enabled"):
-        return
+        return None
     source = source_of(syn)
     table = source.classes
     if table is not None and num_classes is not None and num_classes != len(table):
@@ -121,6 +127,7 @@ def make_synthetic(root: str, synthetic: Mapping[str, Any] | None, *,
     with FileLock(folder.parent / f".{folder.name}.lock"):
         # data.synthetic.overwrite=true: rebuild a folder made with other parameters
         source.build(folder, overwrite=bool(syn.get("overwrite", False)))
+    return table
 
 
 def run_preflight(data: DataConfig, run: RunFolder, predict_after_fit: bool) -> PreflightReport:

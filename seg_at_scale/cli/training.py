@@ -253,18 +253,24 @@ def check_processes(plain: dict[str, Any], strategy: Any) -> None:
     target = strategy.get("_target_", "") if isinstance(strategy, dict) else ""
     if str(target).endswith("SampleParallelStrategy"):
         return
+    count = process_count(plain)
+    if count > 1:
+        raise ConfigError(f"trainer.devices={plain.get('devices', 'auto')} (trainer.num_nodes="
+                          f"{plain.get('num_nodes', 1)}) runs {count} processes, "
+                          "which train by sample parallelism: add trainer=ddp (each process "
+                          "takes its share of every image's tiles and the gradients are "
+                          "summed per image)")
+
+
+def process_count(plain: dict[str, Any]) -> int:
+    """The training processes the ``trainer`` group's devices and nodes start."""
     devices, nodes = plain.get("devices", "auto"), plain.get("num_nodes", 1)
     gpus = torch.cuda.device_count() if str(plain.get("accelerator", "auto")) in (
         "auto", "gpu", "cuda") and torch.cuda.is_available() else 1
     count = (len(devices) if isinstance(devices, list) else
              gpus if devices in ("auto", -1, "-1") else
              int(devices) if str(devices).isdigit() else 1)
-    if count > 1 or (isinstance(nodes, int) and nodes > 1):
-        raise ConfigError(f"trainer.devices={devices} (trainer.num_nodes={nodes}) runs "
-                          f"{count * (nodes if isinstance(nodes, int) else 1)} processes, "
-                          "which train by sample parallelism: add trainer=ddp (each process "
-                          "takes its share of every image's tiles and the gradients are "
-                          "summed per image)")
+    return count * (nodes if isinstance(nodes, int) and nodes > 0 else 1)
 
 
 def build_trainer(group: DictConfig, **kwargs: Any) -> pl.Trainer:
@@ -413,6 +419,9 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
         tiling=tiling, footprint=fp, seed=cfg.seed, scenes=report.scenes)
     resolve_auto_tile(cfg, model, fp, dm, memory, run)  # tiling.tile_size=auto
     check_grids(cfg, fp, report)
+    if tiling.mode == "grid":  # a batch limit that ends each epoch before an image's step
+        dm.whole_images_per_epoch(cfg.trainer.get("limit_train_batches"),
+                                  process_count(resolved(cfg.trainer)))
     computed.update(computed_values(dm, fp, cfg))
     # what its predictions tile with (seg-predict's ranks read it before the network)
     computed["predict_halo"] = prediction_footprint(model, cfg.tiling).halo

@@ -187,6 +187,11 @@ class DataConfig:
                               f"classes (predictions are uint8, {MAX_CLASSES} = no-data)")
         _whole("data.ignore_index", self.ignore_index, 0, "give the label that carries no "
                "loss (255 by convention)")
+        if self.ignore_index < self.num_classes:
+            raise ConfigError(f"data.ignore_index={self.ignore_index} is one of the classes "
+                              f"0..{self.num_classes - 1} (data.num_classes={self.num_classes}):"
+                              " the label that carries no loss lies outside them; give 255 (the"
+                              f" convention) or another label >= {self.num_classes}")
         _whole("data.num_workers", self.num_workers, 0, "give data-loader processes, >= 0")
         _whole("data.mask_bands", self.mask_bands, 1, "give label bands per mask, >= 1")
         if self.nodata is not None and not (isinstance(self.nodata, float)

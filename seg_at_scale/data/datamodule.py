@@ -93,17 +93,45 @@ class TileDataModule(pl.LightningDataModule):
         (``estimated_stepping_batches`` makes the trainer's loader before a resumed run's
         loops are restored, and its sampler started the resumed epoch at epoch 0).
         """
-        if self.tiling.mode == "grid":
-            return len(self.scenes_of("train"))
-        batches = len(self.train_dataloader())
         trainer = getattr(self, "trainer", None)
         limit = getattr(trainer, "limit_train_batches", None)
+        if self.tiling.mode == "grid":
+            return self.whole_images_per_epoch(limit)
+        batches = len(self.train_dataloader())
         if isinstance(limit, int) and not isinstance(limit, bool):
             batches = min(batches, limit)
         elif isinstance(limit, float):
             batches = int(batches * limit)
         accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         return max(1, -(-batches // accumulate))
+
+    def whole_images_per_epoch(self, limit: object, world: int | None = None) -> int:
+        """Grid training's optimiser steps in one epoch: the whole images its batches finish.
+
+        Args:
+            limit: ``trainer.limit_train_batches`` (a count, a fraction, or None).
+            world: processes sharing each image's tiles (default: the trainer's).
+
+        Raises:
+            ConfigError: a limit below one image's tiles on a rank, which would end every
+                epoch before any step (a grid step comes once an image's last tile is done).
+        """
+        groups = self._grid("train").groups
+        world = world or self._rank_world()[1]
+        per_rank = [-(-len(g) // world) for g in groups]
+        batches = sum(per_rank)
+        if isinstance(limit, float):
+            limit = int(batches * limit)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit >= batches:
+            return len(groups)
+        fewest = min(per_rank)
+        if limit < fewest:
+            raise ConfigError(
+                f"trainer.limit_train_batches={limit} ends each epoch before an image's "
+                f"{fewest} grid tiles, and grid training steps once per whole image: no step "
+                f"would be taken; give trainer.limit_train_batches >= {fewest} (a multiple of "
+                f"it: whole images), or train on random tiles (tiling=random)")
+        return max(1, min(len(groups), limit // max(per_rank)))
 
     def scenes_of(self, split: str) -> list[Scene]:
         """Validated scenes of a split (cached)."""

@@ -51,6 +51,8 @@ class TileSearch:
         budget_bytes: the budget.
         probes: every measurement, in the order taken.
         bytes_per_pixel: fitted activation bytes per input pixel (the ``c`` of the model).
+        reserve_bytes: what the training process holds beyond a bare step process (CPU),
+            counted against the budget beside the peak.
     """
 
     side: int
@@ -58,9 +60,12 @@ class TileSearch:
     budget_bytes: int
     probes: list[StepMeasure] = field(default_factory=list)
     bytes_per_pixel: float = float("nan")
+    reserve_bytes: int = 0
 
     def summary(self) -> str:
-        return (f"largest tile {self.side}^2: peak {self.peak_bytes / GIB:.2f} GiB of "
+        held = (f" + {self.reserve_bytes / GIB:.2f} GiB held by the training process itself"
+                if self.reserve_bytes else "")
+        return (f"largest tile {self.side}^2: peak {self.peak_bytes / GIB:.2f} GiB{held} of "
                 f"{self.budget_bytes / GIB:.2f} GiB ({len(self.probes)} probes, "
                 f"~{self.bytes_per_pixel:.0f} B/pixel)")
 
@@ -169,7 +174,7 @@ def _search(model: nn.Module, budget_bytes: int, spec: StepSpec, device: str | t
             hi = m
     fitted = [p for p in probes if p.fits and p.side > first]
     bpp = _line(lo, probes[0])[1] if fitted else float("nan")
-    search = TileSearch(lo.side, lo.peak_bytes, budget_bytes, probes, bpp)
+    search = TileSearch(lo.side, lo.peak_bytes, budget_bytes, probes, bpp, reserve)
     log.info("%s (memory=%s)", search.summary(), spec.memory.mode)
     return search
 

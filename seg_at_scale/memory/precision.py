@@ -38,7 +38,7 @@ def normalize_precision(precision: str | int) -> str:
     key = str(precision)
     if key not in _ALIASES:
         raise ConfigError(f"trainer.precision={precision!r}: use one of {', '.join(PRECISIONS)} "
-                          "(config choices precision=32, precision=bf16-mixed, "
+                          "(config choices precision=32-true, precision=bf16-mixed, "
                           "precision=16-mixed)")
     return _ALIASES[key]
 
@@ -81,8 +81,8 @@ def check_precision(precision: str | int, accelerator: str | None = "auto", *,
             f"PyTorch Lightning does not do float16 AMP on CPUs (it would silently switch to "
             f"bf16-mixed) and this CPU {native} native float16 kernels. Use precision=bf16-mixed"
             f" (native bfloat16 here: {'yes' if cpu_supports(torch.bfloat16) else 'no'}), "
-            "precision=32, or trainer=gpu on a CUDA machine")
+            "precision=32-true, or trainer=gpu on a CUDA machine")
     if name == "bf16-mixed" and not cpu_supports(torch.bfloat16):
         log.warning("precision=bf16-mixed on a CPU without native bfloat16 kernels: it will "
-                    "run emulated and slower than precision=32")
+                    "run emulated and slower than precision=32-true")
     return name

@@ -29,6 +29,7 @@ import numpy as np
 import zarr
 
 from seg_at_scale.errors import InputError, OutputExistsError
+from seg_at_scale.metrics import NODATA
 from seg_at_scale.tiling.geometry import Tile, TileGrid
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 __all__ = ["PredictionStore", "NODATA"]
 
-NODATA = 255
 _FORMAT = "seg_at_scale.prediction/1"
 
 

@@ -90,7 +90,8 @@ def test_exact_grid_training_runs_and_multirun_sweeps(tmp_path):
     path, and the sweep report found no job."""
     root = tmp_path / "data" / "mine"
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "-m", *TINY, "tiling=grid",
-           "tiling.q=1,2", "predict_after_fit=false", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+           "tiling.q=1,2", "trainer.limit_train_batches=4", "predict_after_fit=false",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}",
            f"data.root={root}"]
     env = {"SEG_DATA_DIR": str(tmp_path / "data"), "PATH": "/usr/bin:/bin"}
     out = warm.run(cmd, capture_output=True, text=True, env=env, timeout=300)

@@ -565,11 +565,14 @@ def test_a_copied_run_resumes_from_last_ckpt_whatever_the_copy_did_to_mtimes(tmp
     ("tiling.augment.brightness=abc", "tiling.augment.brightness='abc': give a limit >= 0"),
     ("callbacks.model_checkpoint.monitor=val/mIoU", "callbacks.model_checkpoint.monitor="
      "'val/mIoU' is not a metric the run logs; did you mean 'val/miou'?"),
+    ("data.ignore_index=1", "data.ignore_index=1 is one of the classes 0..4 "
+     "(data.num_classes=5): the label that carries no loss lies outside them; give 255"),
     ("model_family=uresnet", "model_family=uresnet: a model family is chosen by its model "
      "preset, model=<family>_<size> (model=uresnet_cosmic, "),
 ])
 def test_bad_values_are_one_line_naming_the_key_before_training(tmp_path, override, said):
-    """Before: each was a traceback and exit 1 (the monitor's after the first epoch)."""
+    """Before: each was a traceback and exit 1 (the monitor's after the first epoch); an
+    ignore_index among the classes trained, and scored NaN everywhere."""
     out = seg_train_here(tmp_path, f"hydra.run.dir={tmp_path / 'run'}", *TINY, override)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith(f"seg-train: error: {said}")
@@ -587,6 +590,22 @@ def test_random_tile_keys_in_grid_mode_are_refused_naming_the_mode(tmp_path, til
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"seg-train: error: {key}={tiling[1].split('=')[1]} is for tiling=random (random "
         "tiles), and this run tiles by tiling=grid (which experiment=finetune also chooses)")
+
+
+def test_a_batch_limit_below_one_images_grid_tiles_is_refused_before_training(tmp_path):
+    """Before: ``trainer=fast`` (2 batches) with 4 grid tiles per image ended each epoch
+    before an image's last tile, so no optimiser step was taken: exit 0, and last.ckpt held
+    the start weights."""
+    run = tmp_path / "run"
+    out = seg_train_here(tmp_path, f"hydra.run.dir={run}", *TINY, "tiling=grid",
+                         "tiling.q=2", "tiling.tile_size=null")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "seg-train: error: trainer.limit_train_batches=2 ends each epoch before an image's 4 "
+        "grid tiles, and grid training steps once per whole image: no step would be taken; "
+        "give trainer.limit_train_batches >= 4 (a multiple of it: whole images), or train on "
+        "random tiles (tiling=random)")
+    assert not run.exists()  # refused before the run began
 
 
 def test_batch_norms_that_train_under_grid_tiling_are_warned_about(caplog):

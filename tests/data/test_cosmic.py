@@ -60,10 +60,19 @@ def test_reader_errors_name_file_and_fix(tmp_path):
     path = write_larcv(tmp_path / "tiny.h5", [tiny_event(0)])
     with pytest.raises(InputError, match="event 3 is not in .*1 events"):
         list(read_cosmic_h5(path, [3]))
-    with pytest.raises(InputError, match="data.downsample=4 does not divide the 6 x 10"):
+    with pytest.raises(InputError, match="data.synthetic.options.downsample=4 does not divide "
+                       "the 6 x 10"):
         list(read_cosmic_h5(path, downsample=4))
-    with pytest.raises(InputError, match="does not exist; set data.h5.path"):
+    give = ("give data.synthetic.options.path (or the COSMIC_H5 variable) the path of a "
+            "CosmicTagger larcv3 .h5 file")
+    with pytest.raises(InputError) as err:  # before: named data.h5.path, which is no key
         list(read_cosmic_h5(tmp_path / "missing.h5"))
+    assert str(err.value) == f"CosmicTagger file '{tmp_path / 'missing.h5'}' does not exist; {give}"
+    (tmp_path / "text.h5").write_text("not hdf5")
+    with pytest.raises(InputError) as err:  # before: h5py's OSError traceback
+        list(read_cosmic_h5(tmp_path / "text.h5"))
+    assert str(err.value).startswith(f"'{tmp_path / 'text.h5'}' is not an HDF5 file (")
+    assert str(err.value).endswith(f"); {give}")
     with h5py.File(tmp_path / "other.h5", "w") as f:
         f["x"] = 1
     with pytest.raises(InputError, match=f"no group '{IMAGE_GROUP}'"):

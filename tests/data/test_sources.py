@@ -180,3 +180,25 @@ def test_a_converted_folder_is_reused_without_its_source(tmp_path, name):
     (tmp_path / ("events.h5" if name == "cosmic_h5" else "cs")).rename(tmp_path / "moved")
     again.build(tmp_path / "data")  # the source is gone: the manifest alone says "reuse"
     assert _state(tmp_path / "data") == made
+
+
+def test_class_names_null_takes_the_sources_class_table(tmp_path):
+    """Before: data=taco (class_names: null) logged and recorded class_0, class_1, ...
+    although annotations.json names every category."""
+    from omegaconf import OmegaConf
+
+    from seg_at_scale.cli.data_setup import synthesize
+
+    write_taco(tmp_path / "taco")
+    node = {"enabled": True, "generator": "seg_at_scale.data.sources.taco.Taco",
+            "splits": {"train": 1}, "height": None, "width": None, "seed": 0,
+            "options": {"source": str(tmp_path / "taco"), "classes": "category"}}
+    cfg = OmegaConf.create({"data": {"root": str(tmp_path / "ds"), "num_classes": 4,
+                                     "class_names": None, "synthetic": node}})
+    OmegaConf.set_struct(cfg, True)
+    synthesize(cfg)
+    assert list(cfg.data.class_names) == ["background", "Bottle cap", "Glass bottle",
+                                          "Plastic bottle"]  # by category id
+    cfg.data.class_names = ["bg", "a", "b", "c"]  # the user's own names are kept
+    synthesize(cfg)
+    assert list(cfg.data.class_names) == ["bg", "a", "b", "c"]

@@ -59,8 +59,10 @@ def test_precision_names_and_16_mixed_on_cpu_is_refused():
     assert check_precision("32", "cpu") == "32-true"
     assert check_precision("bf16", "cpu") == "bf16-mixed"
     assert check_precision("16-mixed", "gpu", cuda_available=True) == "16-mixed"
-    with pytest.raises(ConfigError, match=r"16-mixed cannot run on this CPU.*bf16-mixed"):
+    with pytest.raises(ConfigError, match=r"16-mixed cannot run on this CPU.*bf16-mixed") as err:
         check_precision("16-mixed", "auto", cuda_available=False)
+    # before: precision=32, which the command line reads as the number and refuses unquoted
+    assert ", precision=32-true, or trainer=gpu on a CUDA machine" in str(err.value)
     with pytest.raises(ConfigError, match=r"trainer.precision='half'"):
         check_precision("half")
 

@@ -112,6 +112,22 @@ def test_search_bisects_when_the_fitted_line_overshoots():
     assert 0.85 * 1500 <= s.side <= 1500, [(p.side, p.fits) for p in s.probes]
 
 
+def test_the_training_processs_own_memory_is_counted_and_said():
+    """Before: the search took the process's own memory off the budget, and its line said a
+    peak of less than the budget it then seemed to leave unused."""
+    net = tiny("same")
+
+    def measure(side: int) -> StepMeasure:
+        peak = int(GIB + 10 * side**2)
+        return StepMeasure(side, peak, GIB, 1.0, peak <= 3 * GIB)
+
+    s = find_largest_tile(net, 4 * GIB, measure=measure, max_probes=10, rel_tol=0.05,
+                          host_rss=2 * GIB)
+    assert s.reserve_bytes == GIB
+    assert s.peak_bytes + s.reserve_bytes <= 0.98 * 4 * GIB
+    assert " GiB + 1.00 GiB held by the training process itself of 4.00 GiB (" in s.summary()
+
+
 def test_warmup_step_runs_on_a_tile_smaller_than_the_measured_one(monkeypatch):
     """On a CPU the figure is the process's high-water mark: a warm-up on the smallest *legal*
     tile (a wide-context network's is as large as the first probes) would hide the step."""

@@ -42,6 +42,8 @@ CLASS_NAMES = ("background", "cosmic", "neutrino")
 IMAGE_GROUP = "Data/sparse2d_sbndwire_group"
 LABEL_GROUP = "Data/sparse2d_sbnd_cosmicseg_group"
 GENERATOR_VERSION = 2  # 2: event seeds from the one rule (sources.base.scene_seed)
+_GIVE = ("give data.synthetic.options.path (or the COSMIC_H5 variable) the path of a "
+         "CosmicTagger larcv3 .h5 file")
 PLANE_ANGLES = (0.0, np.pi / 3, -np.pi / 3)  # wire directions: collection, two induction
 
 
@@ -59,19 +61,27 @@ class CosmicEvent:
 def _group(f: Any, path: Path, name: str) -> Any:
     if name not in f:
         raise InputError(f"'{path}' has no group '{name}': not a CosmicTagger larcv3 file "
-                         f"(expected {IMAGE_GROUP} and {LABEL_GROUP}); pass data.h5.path of one")
+                         f"(expected {IMAGE_GROUP} and {LABEL_GROUP}); {_GIVE}")
     return f[name]
 
 
 def count_events(path: str | os.PathLike[str]) -> int:
     """Number of events in a larcv3 file."""
-    import h5py
-
     p = Path(path)
     if not p.is_file():
-        raise InputError(f"CosmicTagger file '{p}' does not exist; set data.h5.path")
-    with h5py.File(p, "r") as f:
+        raise InputError(f"CosmicTagger file '{p}' does not exist; {_GIVE}")
+    with _open(p) as f:
         return len(_group(f, p, IMAGE_GROUP)["extents"])
+
+
+def _open(path: Path) -> Any:
+    """``path`` opened by h5py, or its refusal naming the key."""
+    import h5py
+
+    try:
+        return h5py.File(path, "r")
+    except OSError as err:
+        raise InputError(f"'{path}' is not an HDF5 file ({err}); {_GIVE}") from None
 
 
 def densify(group: Any, event: int) -> np.ndarray:
@@ -107,15 +117,13 @@ def read_cosmic_h5(path: str | os.PathLike[str], events: Sequence[int] | None = 
     Yields:
         :class:`CosmicEvent` with ``image`` and ``labels`` of shape ``[P, H / f, W / f]``.
     """
-    import h5py
-
     p = Path(path)
     total = count_events(p)
     chosen = list(range(total)) if events is None else [int(e) for e in events]
     for e in chosen:
         if not 0 <= e < total:
             raise InputError(f"event {e} is not in '{p}' ({total} events: 0..{total - 1})")
-    with h5py.File(p, "r") as f:
+    with _open(p) as f:
         images, labels = _group(f, p, IMAGE_GROUP), _group(f, p, LABEL_GROUP)
         for e in chosen:
             lab = densify(labels, e)
@@ -132,8 +140,8 @@ def downsample_event(event: CosmicEvent, factor: int) -> CosmicEvent:
         return event
     p, h, w = event.image.shape
     if factor < 1 or h % factor or w % factor:
-        raise InputError(f"data.downsample={factor} does not divide the {h} x {w} planes; "
-                         "use a factor that divides both sides (1, 2, 4, ...)")
+        raise InputError(f"data.synthetic.options.downsample={factor} does not divide the "
+                         f"{h} x {w} planes; use a factor that divides both sides (1, 2, 4, ...)")
 
     def pool(a: np.ndarray) -> np.ndarray:
         return a.reshape(p, h // factor, factor, w // factor, factor).max(axis=(2, 4))
