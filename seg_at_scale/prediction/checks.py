@@ -135,12 +135,12 @@ def companion_is_ours(key: str, path: Path, output: Path) -> bool:
     True when it is missing, or was written by the prediction finished at ``output`` and is
     unchanged since.
     """
-    from seg_at_scale.prediction.provenance import finished, written_by
+    from seg_at_scale.prediction.provenance import owner_of, written_by
 
     if not path.exists():
         return True
-    done = finished(output)
-    return done is not None and written_by(key, path) == done[0]
+    mine = owner_of(output)
+    return mine is not None and written_by(key, path) == mine
 
 
 def _check_writable(key: str, out: Path) -> None:
@@ -181,7 +181,7 @@ def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
     prediction finished there wrote them, unchanged since (:func:`companion_is_ours`): a
     rerun keeps or rewrites those, and would replace anything else.
     """
-    from seg_at_scale.prediction.provenance import finished, written_by
+    from seg_at_scale.prediction.provenance import finished, owner, written_by
 
     for okey, out in outputs.items():
         for ikey, inp in inputs.items():
@@ -205,7 +205,8 @@ def check_outputs(outputs: Mapping[str, Path], inputs: Mapping[str, Path], *,
         if path is None or not path.exists():
             continue
         if done is not None:  # the output: reused, or refused as another prediction's
-            if key in ("output", "probabilities") or written_by(key, path) == done[0]:
+            if key in ("output", "probabilities") or \
+                    written_by(key, path) == owner(done[0], outputs["output"]):
                 continue  # made with the output (never rewritten on reuse), or ours
             raise OutputExistsError(not_ours(key, path, outputs["output"]))
         if rewritten_by_resume(key, outputs["output"]):

@@ -31,6 +31,7 @@ from seg_at_scale.prediction.provenance import (
     TILING_TAG,
     canonical,
     digest,
+    owner,
 )
 from seg_at_scale.prediction.store import NODATA, PredictionStore
 from seg_at_scale.tiling.geometry import Tile, Window
@@ -77,7 +78,8 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
                       (b.astype(np.float32) if b.dtype == np.float16 else b
                        for b in store.row_bands(store.probabilities, ready)),
                       geotags=reader.geotags, resampling="average", overwrite=True,
-                      descriptions=names[:k], tags=lambda: {PROBABILITIES_OF_TAG: done})
+                      descriptions=names[:k],
+                      tags=lambda: {PROBABILITIES_OF_TAG: owner(done, out_path)})
         tiling = ("exact" if fingerprint.get("exact", True) else
                   "approximate: tiling.exact=false, overlapping tiles; not the whole-image "
                   "forward")

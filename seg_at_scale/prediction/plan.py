@@ -336,7 +336,7 @@ def open_store(plan: RasterPlan, options: PredictOptions) -> PredictionStore:
     return PredictionStore.open(plan.working, plan.grid, fingerprint=fingerprint,
                                 num_classes=plan.num_classes,
                                 probabilities=options.probabilities, attrs=attrs,
-                                resume=resume)
+                                resume=resume, replace=overwrite)
 
 
 def _begun_input(working: Path) -> Any:

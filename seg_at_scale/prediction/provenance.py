@@ -29,18 +29,18 @@ from typing import Any, cast
 
 __all__ = ["digest", "finished", "FINGERPRINT_TAG", "CLASS_PIXELS_TAG", "TILING_TAG",
            "PROBABILITIES_OF_TAG", "PREDICTION_TAG", "canonical", "recorded_fingerprint",
-           "file_sha256", "file_blake3", "written_by", "mark_png", "mark_item", "vector_record",
-           "WRITTEN_KEY"]
+           "file_sha256", "file_blake3", "written_by", "owner", "owner_of", "mark_png",
+           "mark_item", "vector_record", "WRITTEN_KEY"]
 
 FINGERPRINT_TAG = "SEG_AT_SCALE_FINGERPRINT"
-#: the probabilities COG's record: the digest of the prediction whose softmax it holds (not
+#: the probabilities COG's record: the prediction whose softmax it holds (:func:`owner`; not
 #: FINGERPRINT_TAG, which marks a finished output: this file is none)
 PROBABILITIES_OF_TAG = "SEG_AT_SCALE_PROBABILITIES_OF"
 CLASS_PIXELS_TAG = "SEG_AT_SCALE_CLASS_PIXELS"
 TILING_TAG = "SEG_AT_SCALE_TILING"  # exact, or approximate (tiling.exact=false)
 #: the fingerprint itself (canonical JSON), that a refused rerun can name what differs
 PREDICTION_TAG = "SEG_AT_SCALE_PREDICTION"
-WRITTEN_KEY = "seg_at_scale:written"  # a companion's record: {"prediction", "sha256"}
+WRITTEN_KEY = "seg_at_scale:written"  # a companion's record: {"prediction" (owner), "sha256"}
 _PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -75,6 +75,22 @@ def recorded_fingerprint(output: Path) -> dict[str, Any] | None:
     except (RasterioIOError, OSError, ValueError):
         return None
     return found if isinstance(found, dict) else None
+
+
+def owner(digest: str, output: Path) -> str:
+    """What a companion of ``output`` records as its writer: the prediction and its output.
+
+    The prediction's digest alone is not enough: ``NAME.tif`` and ``NAME.zarr`` of one
+    prediction share it, and their companions share names (``NAME_preview.png``,
+    ``NAME.stac.json``), so each would have taken the other's as its own.
+    """
+    return f"{digest} {output.name}"
+
+
+def owner_of(output: Path) -> str | None:
+    """:func:`owner` of the prediction finished at ``output`` (None: none there)."""
+    state = finished(output)
+    return owner(state[0], output) if state else None
 
 
 def finished(output: Path) -> tuple[str, list[int]] | None:
@@ -157,7 +173,7 @@ def vector_record(vector: Path) -> Path:
 
 
 def written_by(key: str, path: Path) -> str | None:
-    """The fingerprint digest of the prediction that wrote companion ``key`` at ``path``.
+    """The prediction that wrote companion ``key`` at ``path`` (:func:`owner`).
 
     None when nothing records one: a file of the user's, or one changed since it was
     written (its content no longer hashes to the recorded value). ``key`` is

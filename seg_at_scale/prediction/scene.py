@@ -44,6 +44,7 @@ from seg_at_scale.prediction.provenance import (
     finished,
     mark_item,
     mark_png,
+    owner_of,
     recorded_fingerprint,
     vector_record,
     written_by,
@@ -146,8 +147,9 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
     made: dict[str, str] = {}
     png = preview_path(output)
     done = finished_digest(output)
+    mine = owner_of(output)  # what this prediction's companions record as their writer
     if options.overwrite and not stats.reused:
-        _drop_replaced(output, options, vector, done)
+        _drop_replaced(output, options, vector, mine)
     if options.preview:
         if not (stats.reused and png.exists()):
             _may_write("preview", png, output, options)
@@ -157,7 +159,7 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
                     write_preview_png(tmp, read_overview(img, 1024),
                                       read_overview(pred, 1024)[0], trained.num_classes,
                                       overwrite=True)
-                    marked = mark_png(tmp.read_bytes(), done)
+                    marked = mark_png(tmp.read_bytes(), mine)
                     write_atomic(png, lambda path: path.write_bytes(marked))
                 finally:
                     tmp.unlink(missing_ok=True)
@@ -198,7 +200,7 @@ def companions(trained: TrainedModel, image: Path, output: Path, options: Predic
             tmp = temporary_path(output, "item")  # its Item: beside it, renamed when marked
             try:
                 unmarked = write_item(doc, tmp)
-                mark_item(unmarked, done)
+                mark_item(unmarked, mine)
                 os.replace(unmarked, item)
             finally:
                 item_path(tmp).unlink(missing_ok=True)
@@ -265,7 +267,7 @@ def _assets(item: Path) -> dict[str, Any] | None:
 def _vector_options(output: Path, options: PredictOptions,
                     probs: Path | None) -> dict[str, Any]:
     """What decides a vector file's polygons, beside the labels they are drawn from."""
-    return {"output": finished_digest(output), "connectivity": options.vector_connectivity,
+    return {"output": owner_of(output), "connectivity": options.vector_connectivity,
             "min_area": options.vector_min_area, "simplify": options.vector_simplify,
             "classes": None if options.vector_classes is None else list(options.vector_classes),
             "probabilities": None if probs is None else str(probs)}

@@ -62,8 +62,11 @@ class PredictionStore:
     @classmethod
     def open(cls, path: Path, grid: TileGrid, *, fingerprint: dict[str, Any],
              num_classes: int, probabilities: str | None, attrs: dict[str, Any],
-             resume: bool, key: str = "output") -> PredictionStore:
+             resume: bool, key: str = "output", replace: bool = False) -> PredictionStore:
         """Resume a matching store at ``path`` or create a fresh one.
+
+        ``replace`` (``overwrite=true``): a store of another prediction there is deleted and
+        begun afresh instead of refused.
 
         Raises:
             OutputExistsError: ``path`` holds a store of another run (the message lists
@@ -74,13 +77,14 @@ class PredictionStore:
             old = cast(dict[str, Any], store.group.attrs.get("fingerprint", {}))
             keys = set(old) | set(fingerprint)
             diff = sorted(k for k in keys if not _same(old.get(k), fingerprint.get(k)))
-            if diff:
+            if not diff:
+                store.clean_partials()
+                return store
+            if not replace:
                 raise OutputExistsError(
                     f"{key}: the store '{path}' was made by another prediction (differs in: "
-                    f"{', '.join(diff)}); rerun with resume=false to start afresh (it is "
-                    "deleted), or choose another output")
-            store.clean_partials()
-            return store
+                    f"{', '.join(diff)}); rerun with resume=false or overwrite=true to start "
+                    "afresh (it is deleted), or choose another output")
         if path.exists():
             cls._existing(path, key)  # refuse to delete what is not a prediction store
             shutil.rmtree(path)

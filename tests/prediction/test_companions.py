@@ -56,7 +56,9 @@ def test_polygons_and_stac_item_beside_the_output_and_a_rerun_skips_what_is_done
     names = [c["name"] for c in asset.extra_fields["classification:classes"]]
     assert names == ["background", "vegetation", "water", "road", "building", "no_data"]
     made_by = item.properties["seg_at_scale:model"]  # before: the prediction's digest alone
-    assert made_by["prediction"] == item.properties["seg_at_scale:written"]["prediction"]
+    # the Item records the prediction and the output it describes as its writer
+    assert item.properties["seg_at_scale:written"]["prediction"] == \
+        f"{made_by['prediction']} a.tif"
     assert made_by["weights"] == "sha256:" + model_digest(load_run(run).model)
 
     before = {p.name: p.read_bytes() for p in out.parent.iterdir()}

@@ -104,6 +104,52 @@ def test_a_rerun_refuses_a_users_file_at_each_companions_path(run, tmp_path):
     assert again["tiles_computed"] == 0  # now the prediction's own: a rerun keeps them
 
 
+def test_a_tif_and_a_zarr_of_one_name_never_take_each_others_companions(run, tmp_path):
+    """``a.tif`` and ``a.zarr`` share their companions' names and, for one prediction, its
+    digest. Before: after ``a.zarr overwrite=true`` replaced them, a rerun of ``a.tif``
+    reported ``a.stac.json`` as its Item, which described ``./a.zarr``."""
+    image = make_image(tmp_path / "scene.tif", 131, 97)
+    tif, zarr = tmp_path / "o" / "a.tif", tmp_path / "o" / "a.zarr"
+    _ok(seg_predict_here(f"run={run}", f"image={image}", f"output={tif}", *OPTS))
+    item = tmp_path / "o" / "a.stac.json"
+    _refused(seg_predict_here(f"run={run}", f"image={image}", f"output={zarr}", *OPTS),
+             f"'{tmp_path / 'o' / 'a_preview.png'}' already exists", "overwrite=true")
+    _ok(seg_predict_here(f"run={run}", f"image={image}", f"output={zarr}", *OPTS,
+                         "overwrite=true"))
+    zarrs = item.read_bytes(), (tmp_path / "o" / "a_preview.png").read_bytes()
+    assert json.loads(zarrs[0])["assets"]["labels"]["href"] == "./a.zarr"
+    _refused(seg_predict_here(f"run={run}", f"image={image}", f"output={tif}", *OPTS),
+             f"'{tmp_path / 'o' / 'a_preview.png'}' already exists and was not written by "
+             f"the prediction of '{tif}'", "overwrite=true")
+    assert (item.read_bytes(), (tmp_path / "o" / "a_preview.png").read_bytes()) == zarrs
+    again = _ok(seg_predict_here(f"run={run}", f"image={image}", f"output={tif}", *OPTS,
+                                 "overwrite=true"))
+    assert again["stac"] == str(item)
+    assert json.loads(item.read_text())["assets"]["labels"]["href"] == "./a.tif"
+
+
+def test_overwrite_starts_afresh_over_a_killed_runs_store_of_another_prediction(run,
+                                                                                 tmp_path):
+    """The README promises ``overwrite=true`` predicts it again. Before: refused, naming
+    only ``resume=false``."""
+    image = make_image(tmp_path / "scene.tif", 131, 97)
+    out = tmp_path / "o" / "a.tif"
+    args = (f"run={run}", f"image={image}", f"output={out}", "ckpt=last")
+    _ok(seg_predict_here(*args, "tile_size=64", "keep_store=true", "preview=false",
+                         "stac=false"))
+    out.unlink()  # as a run killed before its COG leaves it: the tile_size=64 store
+    assert store_path(out).is_dir()
+    _refused(seg_predict_here(*args, "tile_size=96"), "was made by another prediction",
+             "rerun with resume=false or overwrite=true to start afresh")
+    done = _ok(seg_predict_here(*args, "tile_size=96", "overwrite=true"))
+    assert done["tiles_resumed"] == 0 and done["tiles_computed"] == done["tiles"]
+    fresh = tmp_path / "o" / "fresh.tif"
+    _ok(seg_predict_here(f"run={run}", f"image={image}", f"output={fresh}", "ckpt=last",
+                         "tile_size=96"))
+    np.testing.assert_array_equal(read_raster(out), read_raster(fresh))
+    assert not store_path(out).exists()
+
+
 def test_an_archive_rerun_refuses_a_users_file_at_a_scenes_companion(run, tmp_path):
     scenes, out = tmp_path / "scenes", tmp_path / "out"
     scenes.mkdir()
