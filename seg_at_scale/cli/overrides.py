@@ -269,6 +269,9 @@ def unknown_nested_key(overrides: Sequence[Override]) -> str | None:
             return (f"{o.key_or_group}= sets a key below {where}, which is a value, not a "
                     f"group of keys; set {where}= itself")
         names = sorted(str(k) for k in node.keys())
+        if not names:  # an open group (model.options: the architecture's own keywords)
+            return (f"{o.key_or_group}= is not a key of {where}, which holds none yet: add "
+                    f"it with +{o.key_or_group}= (it is then checked where it is used)")
         near = nearest(path[depth], names)
         hint = f" (did you mean {where}.{near}=?)" if near else ""
         return (f"{o.key_or_group}= is not a key of {where}{hint}; its keys are "

@@ -147,6 +147,14 @@ class PredictJob:
         known_keys("", values, [*own, *PredictOptions.names()])
         job = cls.own_keys(values)
         opts = PredictOptions.from_mapping({k: v for k, v in values.items() if k not in own})
+        if not job.get("vector"):  # the polygons' keys set without polygons: not ignored
+            plain = PredictOptions()
+            for key in ("vector_connectivity", "vector_min_area", "vector_simplify",
+                        "vector_classes"):
+                if getattr(opts, key) != getattr(plain, key):
+                    raise ConfigError(f"{key}={values[key]} is for polygons, and no vector= "
+                                      "was given: add vector=<name>.gpkg (.parquet, .fgb; an "
+                                      f"archive: vector=gpkg), or leave {key} out")
         return cls(options=opts, **job)
 
     @classmethod

@@ -78,7 +78,7 @@ from seg_at_scale.parallel.setup import (
 )
 from seg_at_scale.prediction.options import PredictOptions
 from seg_at_scale.prediction.scene import predict_scene
-from seg_at_scale.tasks.finetune import freeze_batch_norm
+from seg_at_scale.tasks.finetune import check_finetune_values, freeze_batch_norm
 from seg_at_scale.tasks.interrupt import (
     SaveOnStop,
     SIGTERMException,
@@ -405,6 +405,9 @@ def prepare(cfg: DictConfig, run: RunFolder) -> tuple[Any, Any, MemoryConfig,
     pl.seed_everything(seed, workers=True)
     run.fill(cfg, "data.class_names", lambda: class_names_of(cfg.data))
     check_monitor(cfg)
+    tune = cfg.get("finetune") or {}  # its values, before the model is built (seconds)
+    check_finetune_values(tune.get("freeze_bn", "auto"), tune.get("freeze_encoder_epochs", 0),
+                          tune.get("encoder_lr_scale", 1.0))
     model = build_model(resolved(cfg.model), where="the model group",
                         trust=bool(cfg.get("trust_run", False)))
     fp = run_footprint(model, cfg.tiling)  # tiling.exact=false: the approximate one

@@ -202,6 +202,11 @@ class GSCNN(nn.Module):
         self.edge_band, self.norm, self.output = edge_band, norm, output
         self.select = _SelectBands(edge_band, in_channels)
         cin = in_channels - (edge_band is not None)
+        if band_map is not None and edge_band is not None and len(band_map) != cin:
+            raise ConfigError(f"model.band_map={list(band_map)} has {len(band_map)} entries, "
+                              f"and the backbone reads {cin} bands: the {in_channels} input "
+                              f"bands less the Canny band (model.edge_band={edge_band}); give "
+                              "one pretrained channel (or null) per band it reads")
         self.regular = regular_stream(backbone, cin, backbone_weights, band_map)
         if self.regular is not None:  # the backbone's widths drive the other parts
             stem_width, widths = self.regular.channels[0], tuple(self.regular.channels[1:])
@@ -242,6 +247,22 @@ class GSCNN(nn.Module):
         """What pretrained weights were loaded (fine-tuning's ``freeze_bn=auto`` reads it)."""
         rep = self.regular.report if self.regular is not None else ""
         return {"model.backbone_weights": rep} if rep else {}
+
+    def input_normalization(self) -> dict[str, Any] | None:
+        """The backbone weights' normalisation per input band (``finetune.normalization``).
+
+        None without weights that record one; the Canny band, which the backbone does not
+        read, has ``None`` entries (it keeps the data's values).
+        """
+        norm = self.regular.normalization if self.regular is not None else None
+        if norm is None:
+            return None
+        edge = None if self.edge_band is None else self.edge_band % self.in_channels
+        mean, std = iter(norm["mean"]), iter(norm["std"])
+        per_band = [(None, None) if i == edge else (next(mean), next(std))
+                    for i in range(self.in_channels)]
+        return {"mean": [m for m, _ in per_band], "std": [s for _, s in per_band],
+                "scale": norm["scale"]}
 
     def encoder_parameters(self) -> Iterator[nn.Parameter]:
         """The timm backbone's parameters (fine-tuning); none for the built-in stream."""

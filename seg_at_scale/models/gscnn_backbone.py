@@ -17,13 +17,13 @@ their pretrained statistics in eval mode; tiled training stays exact with them f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch  # noqa: F401 (the doctest)
 from torch import Tensor, nn
 
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.models.weights import load_weights
+from seg_at_scale.models.weights import band_normalization, load_weights
 
 if TYPE_CHECKING:
     from timm.models import FeatureInfo
@@ -65,10 +65,17 @@ class TimmBackbone(nn.Module):
         self.name = name
         self.channels: list[int] = list(info.channels())
         self.report = ""
+        #: the weights' normalisation per band it reads (None: the weights record none)
+        self.normalization: dict[str, Any] | None = None
         if weights is not None:
-            self.report = load_weights(self.body, weights, key="model.backbone_weights",
-                                       encoder=f"tu-{name}", in_channels=in_channels,
-                                       band_map=band_map, named=f"backbone {name}").report
+            loaded = load_weights(self.body, weights, key="model.backbone_weights",
+                                  encoder=f"tu-{name}", in_channels=in_channels,
+                                  band_map=band_map, named=f"backbone {name}")
+            self.report = loaded.report
+            if loaded.normalization is not None:
+                self.normalization = band_normalization(
+                    loaded.normalization, None if band_map is None else list(band_map),
+                    loaded.file_channels, in_channels)
         elif band_map is not None:
             raise ConfigError(f"model.band_map={list(band_map)} maps pretrained channels, but "
                               "no weights are given; set model.backbone_weights")

@@ -138,16 +138,14 @@ class SMPModel(nn.Module):
 
     def _record_normalization(self, norm: dict[str, Any], band_map: list[int | None] | None,
                               file_channels: int | None) -> None:
-        n = len(norm["mean"])
-        bands = band_map if band_map is not None else [
-            i if i < (file_channels or n) else None for i in range(self.in_channels)]
+        per_band = W.band_normalization(norm, band_map, file_channels, self.in_channels)
         with torch.no_grad():
-            for i, j in enumerate(bands):
-                if j is not None and j < n:
-                    self.input_mean[i] = norm["mean"][j]
-                    self.input_std[i] = norm["std"][j]
-            scale = norm.get("scale")  # absent or null: inputs at the data's own scale
-            self.input_scale.fill_(math.nan if scale is None else float(scale))
+            for i, (mean, std) in enumerate(zip(per_band["mean"], per_band["std"],
+                                                strict=True)):
+                if mean is not None:
+                    self.input_mean[i], self.input_std[i] = mean, std
+            scale = per_band["scale"]
+            self.input_scale.fill_(math.nan if scale is None else scale)
 
     def input_normalization(self) -> dict[str, Any] | None:
         """The weights' normalisation per input band, or None when no weights recorded one.

@@ -59,8 +59,8 @@ from seg_at_scale.models.checkpoint import PICKLED_GLOBAL, UNREADABLE
 
 __all__ = ["read_weights", "match_weights", "WeightsMatch", "adapt_first_conv",
            "normalization_of", "is_offline", "resolve_weights", "WEIGHT_SUFFIXES",
-           "load_weights", "Loaded", "is_hub_name", "check_hub_name", "HEAD_NAMES",
-           "HUB_TIMEOUT_S"]
+           "load_weights", "Loaded", "band_normalization", "is_hub_name", "check_hub_name",
+           "HEAD_NAMES", "HUB_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
@@ -130,16 +130,29 @@ def _unreadable(path: Path, key: str, exc: BaseException) -> InputError:
                           "torch.save(state_dict, path) or safetensors.torch.save_file")
     elif isinstance(exc, KeyError | pickle.UnpicklingError):  # torch's text is no help here
         reason = f"neither a zip nor a pickle: it begins {head!r}"
+    elif head[:2] == b"PK":  # torch.save's zip, cut short or damaged (miniz's own words)
+        reason = f"a torch.save zip that is truncated or damaged: {_first_clause(exc)}"
     else:
-        reason = (str(exc).strip().splitlines() or [""])[0][:120] or type(exc).__name__
+        reason = _first_clause(exc)
     return InputError(f"{key}='{path}' is not a readable PyTorch file ({reason}); give a "
                       "state dict saved with torch.save or a .safetensors file")
 
 
+def _first_clause(exc: BaseException) -> str:
+    """The first sentence of an error's text, whole (a library's advice after it dropped)."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = text.split(". ")[0].rstrip(".")
+    if len(text) > 160:
+        text = text[:160].rsplit(" ", 1)[0] + " ..."
+    return text or type(exc).__name__
+
+
 def _not_a_file(path: Path, key: str) -> InputError:
     what = "is a folder" if path.is_dir() else "does not exist"
+    # "org/name" may be a hub repository; a file name or an existing folder is a path
     hub = (f" (a hub repository is written hf-hub:{path})" if str(path).count("/") == 1
-           and not path.is_dir() else "")
+           and not path.is_dir() and path.suffix.lower() not in WEIGHT_SUFFIXES
+           and not path.parent.is_dir() else "")
     return InputError(f"{key}='{path}' {what}; give the path of a weights file "
                       f"({', '.join(WEIGHT_SUFFIXES)}){hub}")
 
@@ -279,6 +292,23 @@ def adapt_first_conv(weight: Tensor, in_channels: int,
         if j is not None:
             out[:, i] = weight[:, j]
     return out
+
+
+def band_normalization(norm: Mapping[str, Any], band_map: Sequence[int | None] | None,
+                       file_channels: int | None, in_channels: int) -> dict[str, Any]:
+    """The weights' normalisation per input band: ``{"mean", "std", "scale"}``.
+
+    A band takes its pretrained channel's mean and std (``band_map``, or the same index
+    while the file has that channel); a band the weights do not cover gets ``None``.
+    """
+    n = len(norm["mean"])
+    bands = band_map if band_map is not None else [
+        i if i < (file_channels or n) else None for i in range(in_channels)]
+    covered = [j if j is not None and j < n else None for j in bands]
+    scale = norm.get("scale")  # absent or null: inputs at the data's own scale
+    return {"mean": [None if j is None else float(norm["mean"][j]) for j in covered],
+            "std": [None if j is None else float(norm["std"][j]) for j in covered],
+            "scale": None if scale is None else float(scale)}
 
 
 def check_band_map(band_map: Sequence[int | None] | None, in_channels: int,

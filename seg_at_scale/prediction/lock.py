@@ -39,12 +39,24 @@ from seg_at_scale.errors import ConfigError, OutputExistsError, SegAtScaleError
 __all__ = ["output_lock", "lock_path", "scene_lock", "archive_claim", "CLAIM"]
 
 CLAIM = "archive.scenes"  # .archive.scenes.lock / .json: an archive's claim on a folder
+_RASTERS = (".tif", ".tiff", ".zarr")  # outputs whose companions are named by their stem
 _HELD: set[str] = set()  # outputs this process holds (scene_lock) or claimed (archive_claim)
 
 
+def _companions_of(output: Path) -> Path:
+    """What an output's lock stands for: a raster output together with its companions.
+
+    ``NAME.tif``, ``NAME.tiff`` and ``NAME.zarr`` share their companions
+    (``NAME_preview.png``, ``NAME.stac.json``, ...), hence one lock.
+    """
+    if output.suffix.lower() in _RASTERS:
+        return output.with_name(f"{output.stem}.output")
+    return output
+
+
 def lock_path(output: Path) -> Path:
-    """The hidden lock file of ``output``."""
-    return output.with_name(f".{output.name}.lock")
+    """The hidden lock file of ``output`` (``.NAME.output.lock`` for ``NAME.tif``)."""
+    return output.with_name(f".{_companions_of(output).name}.lock")
 
 
 def _claim_list(folder: Path) -> Path:
@@ -52,7 +64,7 @@ def _claim_list(folder: Path) -> Path:
 
 
 def _key(output: Path) -> str:
-    return os.path.realpath(output)
+    return os.path.realpath(_companions_of(output))
 
 
 @contextlib.contextmanager

@@ -116,6 +116,10 @@ class PredictOptions:
         if self.q is None and self.tile_size is None:
             raise ConfigError("q and tile_size are both null: give tile_size=<pixels> (e.g. "
                               "1024) or q=<tiles per side>")
+        bad = [c for c in self.vector_classes or () if not 0 <= c < 255]
+        if bad:
+            raise ConfigError(f"vector_classes={list(self.vector_classes or ())} holds {bad}: "
+                              "give class ids 0..254 (255 is no data)")
         for key in ("vector_min_area", "vector_simplify"):
             if not getattr(self, key) >= 0:
                 raise ConfigError(f"{key}={getattr(self, key)!r}: give a number >= 0 (CRS "

@@ -206,13 +206,16 @@ class CosmicTask(SegmentationTask):
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  scheduler: Callable[..., Any] | None = None, ignore_index: int = 255,
                  gradient_clip: float = 0.0, channels_last: bool = False,
-                 gradient_reduction: str) -> None:
+                 gradient_reduction: str, freeze_bn: str = "none",
+                 freeze_encoder_epochs: int = 0, encoder_lr_scale: float = 1.0) -> None:
         loss = CosmicLoss(planes, num_classes, balance, gamma, ignore_index,
                           light_weights, even_power)
         super().__init__(model, num_classes, class_names=class_names, loss=loss,
                          optimizer=optimizer, scheduler=scheduler, ignore_index=ignore_index,
                          gradient_clip=gradient_clip, channels_last=channels_last,
-                         gradient_reduction=gradient_reduction)
+                         gradient_reduction=gradient_reduction, freeze_bn=freeze_bn,
+                         freeze_encoder_epochs=freeze_encoder_epochs,
+                         encoder_lr_scale=encoder_lr_scale)
         self.planes = planes
         self.confusion = torch.zeros(planes, num_classes, num_classes, dtype=torch.int64)
 

@@ -32,7 +32,8 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.models.contract import FineTunable
 
 __all__ = ["FREEZE_BN", "freeze_batch_norm", "resolve_freeze_bn", "encoder_parameters",
-           "set_encoder_trainable", "optimizer_groups", "check_finetune"]
+           "set_encoder_trainable", "optimizer_groups", "check_finetune",
+           "check_finetune_values"]
 
 FREEZE_BN = ("auto", "all", "encoder", "none")
 
@@ -101,21 +102,39 @@ def optimizer_groups(model: nn.Module, params: Iterable[nn.Parameter], make: Cal
              "name": "encoder"}]
 
 
+def check_finetune_values(freeze_bn: object, freeze_encoder_epochs: object,
+                          encoder_lr_scale: object) -> None:
+    """Refuse fine-tuning values no model could honour (before the model is built)."""
+    if freeze_bn not in FREEZE_BN:
+        raise ConfigError(f"finetune.freeze_bn={freeze_bn!r}: use one of {list(FREEZE_BN)} "
+                          "(all keeps tiled training exact)")
+    if isinstance(freeze_encoder_epochs, bool) or not isinstance(freeze_encoder_epochs, int) \
+            or freeze_encoder_epochs < 0:
+        raise ConfigError(f"finetune.freeze_encoder_epochs={freeze_encoder_epochs!r}: give "
+                          "a whole number of epochs >= 0")
+    if isinstance(encoder_lr_scale, bool) or not isinstance(encoder_lr_scale, int | float) \
+            or not encoder_lr_scale > 0:
+        raise ConfigError(f"finetune.encoder_lr_scale={encoder_lr_scale!r}: give a factor > 0 "
+                          "(e.g. 0.1)")
+
+
 def check_finetune(model: nn.Module, freeze_bn: str, freeze_encoder_epochs: int,
                    encoder_lr_scale: float) -> None:
     """Refuse fine-tuning keys the model or their values cannot honour (before any work)."""
-    if freeze_bn not in FREEZE_BN:
-        resolve_freeze_bn(model, freeze_bn)
-    if not isinstance(freeze_encoder_epochs, int) or freeze_encoder_epochs < 0:
-        raise ConfigError(f"finetune.freeze_encoder_epochs={freeze_encoder_epochs!r}: give "
-                          "a whole number of epochs >= 0")
-    if not encoder_lr_scale > 0:
-        raise ConfigError(f"finetune.encoder_lr_scale={encoder_lr_scale!r}: give a factor > 0 "
-                          "(e.g. 0.1)")
-    wants = freeze_encoder_epochs > 0 or encoder_lr_scale != 1.0 or freeze_bn == "encoder"
+    check_finetune_values(freeze_bn, freeze_encoder_epochs, encoder_lr_scale)
+    wants, fix = [], []  # the keys that need an encoder, and the values that do without
+    if freeze_encoder_epochs != 0:
+        wants.append(f"finetune.freeze_encoder_epochs={freeze_encoder_epochs}")
+        fix.append("finetune.freeze_encoder_epochs=0")
+    if encoder_lr_scale != 1.0:
+        wants.append(f"finetune.encoder_lr_scale={encoder_lr_scale}")
+        fix.append("finetune.encoder_lr_scale=1.0")
+    if freeze_bn == "encoder":
+        wants.append("finetune.freeze_bn=encoder")
+        fix.append("finetune.freeze_bn=all")
     if wants and not encoder_parameters(model):
-        raise ConfigError(f"finetune.freeze_encoder_epochs={freeze_encoder_epochs}, "
-                          f"encoder_lr_scale={encoder_lr_scale}, freeze_bn={freeze_bn!r} need "
-                          f"a model with a pretrained encoder ({type(model).__name__} has "
-                          "none); use model=unet_resnet34 (or any smp preset), Gated-SCNN "
-                          "with model.backbone=<timm network>, or the defaults")
+        raise ConfigError(f"{', '.join(wants)} need a model with a pretrained encoder "
+                          f"({type(model).__name__} has none): give {' '.join(fix)} "
+                          "(finetune.freeze_bn=all freezes BatchNorm in any model), or use "
+                          "model=unet_resnet34 (or any smp preset) or Gated-SCNN with "
+                          "model.backbone=<timm network>")

@@ -66,11 +66,16 @@ def small_case(tmp_path_factory):
     return run, image, ref
 
 
+@pytest.mark.parametrize("other", ["mask.tif", "mask.zarr"])
 def test_the_first_command_holds_the_lock_before_torch_and_the_second_is_refused(small_case,
-                                                                                  tmp_path):
+                                                                                  tmp_path,
+                                                                                  other):
+    """``mask.zarr`` shares ``mask.tif``'s companions (preview, STAC Item): before, the two
+    ran at once, and the later replaced the other's preview and failed after its tiles."""
     run, image, ref = small_case
     out = tmp_path / "busy" / "mask.tif"
     lock = lock_path(out)
+    assert lock == lock_path(out.with_name(other))
     first = warm.popen(_spied(predict_cmd(run, image, out, "tile_size=64")), env=env(),
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -79,7 +84,8 @@ def test_the_first_command_holds_the_lock_before_torch_and_the_second_is_refused
             time.sleep(0.01)
         assert lock.exists(), "the first command never took the output lock"
         t0 = time.perf_counter()
-        second = warm.run(_spied(predict_cmd(run, image, out, "tile_size=64")), env=env(),
+        second = warm.run(_spied(predict_cmd(run, image, out.with_name(other),
+                                             "tile_size=64")), env=env(),
                           capture_output=True, text=True, timeout=60)
         refused_s = time.perf_counter() - t0
         stdout, stderr = first.communicate(timeout=300)
@@ -88,7 +94,8 @@ def test_the_first_command_holds_the_lock_before_torch_and_the_second_is_refused
             first.kill()
     assert second.returncode == 2, second.stderr[-3000:]
     assert second.stderr.strip().splitlines() == [
-        f"seg-predict: error: output '{out}' is being written by another run (its lock "
+        f"seg-predict: error: output '{out.with_name(other)}' is being written by another "
+        f"run (its lock "
         f"'{lock}' is held); wait for it to finish or choose another output"]
     # both took (or tried) the lock before torch and Lightning were imported
     assert _locked(second.stdout, lock).endswith("imported=[]"), second.stdout

@@ -307,6 +307,19 @@ def test_a_mistyped_key_of_a_group_or_option_is_named_before_hydra(tmp_path, ove
     assert sorted(tmp_path.iterdir()) == []
 
 
+def test_a_key_of_an_open_group_names_how_to_add_it(tmp_path):
+    """Before: "model.options.decoder_chanels= is not a key of model.options; its keys are
+    ." (model.options holds smp's keywords, none by default)."""
+    out = seg_train_here(tmp_path, *TINY, "model=smp", "model.options.decoder_chanels=[8]",
+                         f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "seg-train: error: model.options.decoder_chanels= is not a key of model.options, which "
+        "holds none yet: add it with +model.options.decoder_chanels= (it is then checked where "
+        "it is used)"]
+    assert sorted(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("overrides", [
     # set by the precision group into trainer, by a file the option extends, by a family
     ["trainer=fast", "trainer.precision=bf16-mixed", "trainer.limit_val_batches=1",

@@ -567,6 +567,9 @@ def test_a_copied_run_resumes_from_last_ckpt_whatever_the_copy_did_to_mtimes(tmp
      "'val/mIoU' is not a metric the run logs; did you mean 'val/miou'?"),
     ("data.ignore_index=1", "data.ignore_index=1 is one of the classes 0..4 "
      "(data.num_classes=5): the label that carries no loss lies outside them; give 255"),
+    ("finetune.encoder_lr_scale=0", "finetune.encoder_lr_scale=0: give a factor > 0"),
+    ("finetune.freeze_bn=bogus", "finetune.freeze_bn='bogus': use one of ['auto', 'all', "
+     "'encoder', 'none']"),
     ("model_family=uresnet", "model_family=uresnet: a model family is chosen by its model "
      "preset, model=<family>_<size> (model=uresnet_cosmic, "),
 ])

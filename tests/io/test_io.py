@@ -333,7 +333,7 @@ def test_a_dead_writers_temporaries_are_removed_and_a_live_ones_kept(tmp_path: P
     stale = [f".mask.tif.plain.{pid}-0a1b2c3d.tmp", f".mask.tif.cog.{pid}-9f8e7d6c.tmp",
              f".mask.tif.ov1.{pid}.tmp", f".mask.tif.partial.{pid}-00aa11bb.gpkg"]
     kept = [temporary_path(out, "plain").name,  # this live process's
-            ".mask.tif.lock", ".mask.tif.notes.txt", f".other.tif.plain.{pid}-0a1b2c3d.tmp",
+            ".mask.output.lock", ".mask.tif.notes.txt", f".other.tif.plain.{pid}-0a1b2c3d.tmp",
             "mask.tif.plain.1-0a1b2c3d.tmp"]
     for name in stale + kept:
         (tmp_path / name).write_bytes(b"x")

@@ -452,3 +452,68 @@ def test_a_packed_network_predicts_its_classes_alone_and_is_restored():
         assert net(x).shape[1] == 4 and net.output == "packed"
     assert for_prediction({**node, "backbone_weights": "w.pth"}) == {
         **node, "output": "seg", "backbone_weights": None}
+
+
+def test_backbone_weights_normalisation_is_the_models_per_band(tmp_path):
+    """Before: Gated-SCNN dropped the weights' mean/std, so finetune.normalization=weights
+    did nothing for it (silently, unlike smp)."""
+    import json
+
+    timm_backbone_net(tmp_path)  # writes test_resnet.pth
+    (tmp_path / "test_resnet.pth.json").write_text(json.dumps(
+        {"mean": [0.1, 0.2, 0.3], "std": [1.0, 2.0, 3.0]}))
+    net = GSCNN.from_preset("tiny", in_channels=4, num_classes=3, backbone="test_resnet",
+                            backbone_weights=str(tmp_path / "test_resnet.pth"),
+                            band_map=[2, 1, 0])
+    # bands 0..2 read by the backbone (mapped to channels 2, 1, 0); band 3 is the Canny band
+    assert net.input_normalization() == {"mean": [0.3, 0.2, 0.1, None],
+                                         "std": [3.0, 2.0, 1.0, None], "scale": None}
+    first = GSCNN.from_preset("tiny", in_channels=4, num_classes=3, backbone="test_resnet",
+                              backbone_weights=str(tmp_path / "test_resnet.pth"), edge_band=0)
+    assert first.input_normalization() == {"mean": [None, 0.1, 0.2, 0.3],
+                                           "std": [None, 1.0, 2.0, 3.0], "scale": None}
+    assert GSCNN.from_preset("tiny", in_channels=4, num_classes=3).input_normalization() is None
+
+
+@pytest.mark.parametrize("task, model, keys", [
+    ("gscnn", "gscnn_tiny", {"freeze_bn": "all", "freeze_encoder_epochs": 2,
+                             "encoder_lr_scale": 0.1}),
+    ("cosmic", "uresnet_cosmic", {"freeze_bn": "all"}),  # no encoder: BatchNorm alone
+])
+def test_the_finetune_group_reaches_every_task(tmp_path, task, model, keys):
+    """Before: conf/task/gscnn.yaml and cosmic.yaml passed no finetune.* key, so
+    experiment=finetune with Gated-SCNN trained every BatchNorm and the encoder from the
+    first step, though run_config.yaml said freeze_bn: all, freeze_encoder_epochs: 2."""
+    from helpers.smp import CONF
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from seg_at_scale.models.registry import build_model
+
+    extra = ["data=cosmic"] if task == "cosmic" else []
+    if task == "gscnn":
+        timm_backbone_net(tmp_path)  # writes test_resnet.pth
+        extra = ["model.backbone=test_resnet",
+                 f"model.backbone_weights={tmp_path / 'test_resnet.pth'}"]
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[f"task={task}", f"model={model}",
+                                          *(f"finetune.{k}={v}" for k, v in keys.items()),
+                                          *extra])
+    from seg_at_scale.config_check import resolved
+
+    got = instantiate(cfg.task, model=build_model(resolved(cfg.model), where="the test"))
+    assert {k: getattr(got, k) for k in keys} == keys
+
+
+def test_a_band_map_is_per_band_the_backbone_reads_and_says_so(tmp_path):
+    """Before: "has 4 entries for 3 input bands" for a 4-band model, with no word of the
+    Canny band the backbone does not read."""
+    timm_backbone_net(tmp_path)  # writes test_resnet.pth
+    with pytest.raises(ConfigError) as err:
+        GSCNN.from_preset("tiny", in_channels=4, num_classes=3, backbone="test_resnet",
+                          backbone_weights=str(tmp_path / "test_resnet.pth"),
+                          band_map=[2, 1, 0, None])
+    assert str(err.value) == (
+        "model.band_map=[2, 1, 0, None] has 4 entries, and the backbone reads 3 bands: the 4 "
+        "input bands less the Canny band (model.edge_band=-1); give one pretrained channel "
+        "(or null) per band it reads")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -218,6 +219,28 @@ class Runs:
         return (os.system, (f"touch {self.marker}",))
 
 
+def test_a_truncated_file_and_a_missing_path_are_told_what_they_are(tmp_path):
+    """Before: torch's text cut at 120 characters ("... internal miniz error. If yo"), and
+    a missing ``w/nope.pth`` was offered as the hub repository ``hf-hub:w/nope.pth``."""
+    torch.save({"w": torch.zeros(1000)}, tmp_path / "whole.pth")
+    body = (tmp_path / "whole.pth").read_bytes()
+    (tmp_path / "cut.pth").write_bytes(body[: len(body) // 2])
+    with pytest.raises(InputError) as err:
+        read_weights(tmp_path / "cut.pth", key="model.encoder_weights")
+    said = str(err.value)
+    assert said.startswith(f"model.encoder_weights='{tmp_path / 'cut.pth'}' is not a readable "
+                           "PyTorch file (a torch.save zip that is truncated or damaged: ")
+    assert "If yo" not in said and said.endswith(
+        "); give a state dict saved with torch.save or a .safetensors file")
+    (tmp_path / "w").mkdir()
+    for missing in (tmp_path / "w" / "nope.pth", Path("w/nope.pth")):
+        with pytest.raises(InputError) as err:
+            read_weights(missing, key="model.encoder_weights")
+        assert str(err.value) == (
+            f"model.encoder_weights='{missing}' does not exist; give the path of a weights "
+            "file (.safetensors, .pth, .pt, .ckpt, .bin)")
+
+
 def test_text_html_and_pickled_objects_are_refused_in_one_line(tmp_path):
     (tmp_path / "notes.pth").write_text("hello, this is not a torch file\n")
     (tmp_path / "page.pth").write_text("<!DOCTYPE html><html><body>404</body></html>")
@@ -307,6 +330,11 @@ def test_gscnn_timm_backbone_is_fine_tuned_as_an_encoder():
     groups = optimizer_groups(net, net.parameters(), make, 0.1)
     assert groups[1]["lr"] == 0.1 and len(groups[1]["params"]) == len(list(
         net.regular.parameters()))
-    with pytest.raises(ConfigError, match=r"\(GSCNN has none\); .*Gated-SCNN with "
-                       r"model\.backbone=<timm network>"):
+    with pytest.raises(ConfigError) as err:
         check_finetune(GSCNN.from_preset("tiny", in_channels=3, num_classes=3), "all", 1, 1.0)
+    # before: freeze_bn='all', which any model honours, was named among the keys at fault
+    assert str(err.value) == (
+        "finetune.freeze_encoder_epochs=1 need a model with a pretrained encoder (GSCNN has "
+        "none): give finetune.freeze_encoder_epochs=0 (finetune.freeze_bn=all freezes "
+        "BatchNorm in any model), or use model=unet_resnet34 (or any smp preset) or Gated-SCNN "
+        "with model.backbone=<timm network>")

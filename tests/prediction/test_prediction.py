@@ -215,7 +215,7 @@ def test_second_writer_is_refused_and_first_completes(cli_case, tmp_path):
     finally:
         os.kill(first.pid, signal.SIGCONT)
     assert second.returncode != 0
-    assert "being written by another run" in second.stderr and ".mask.tif.lock" in second.stderr
+    assert "being written by another run" in second.stderr and ".mask.output.lock" in second.stderr
     stdout, stderr = first.communicate(timeout=300)
     assert first.returncode == 0, stderr[-2000:]
     assert json.loads(stdout[stdout.index("{"):])["tiles_computed"] > 0

@@ -445,6 +445,25 @@ def test_polygon_classes_the_model_does_not_predict_are_refused(cli_case, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("extra, said", [
+    (("vector_connectivity=8",), "vector_connectivity=8 is for polygons, and no vector= was "
+     "given: add vector=<name>.gpkg (.parquet, .fgb; an archive: vector=gpkg), or leave "
+     "vector_connectivity out"),
+    (("vector_classes=[7]",), "vector_classes=[7] is for polygons, and no vector= was given"),
+    (("vector=m.gpkg", "vector_classes=[-1]"),
+     "vector_classes=[-1] holds [-1]: give class ids 0..254 (255 is no data)"),
+])
+def test_polygon_keys_without_polygons_or_out_of_range_are_refused(cli_case, tmp_path, extra,
+                                                                    said):
+    """Before: the first two ran with exit 0 and drew no polygons; the third named a key
+    ``classes`` that seg-predict does not have."""
+    run, image = cli_case
+    extra = tuple(e.replace("m.gpkg", str(tmp_path / "m.gpkg")) for e in extra)
+    res = seg_predict(run, image, tmp_path / "m.tif", *extra, check=False)
+    assert _one_line(res).startswith(f"seg-predict: error: {said}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_an_archive_folder_that_is_missing_or_holds_other_rasters_is_told_so(cli_case,
                                                                             tmp_path):
     """Before: both read "names no rasters", and a folder of .img files gave no hint."""

@@ -208,7 +208,7 @@ def test_an_archive_and_a_one_scene_run_never_write_one_scene_at_once(run, tmp_p
     try:
         second = warm.run(single if first == "archive" else archive,
                           capture_output=True, text=True, env=env(), timeout=300)
-        held = out / (".archive.scenes.lock" if first == "archive" else ".s.tif.lock")
+        held = out / (".archive.scenes.lock" if first == "archive" else ".s.output.lock")
         by = "an archive" if first == "archive" else "another run"
         _refused(second, f"output '{output}' is being written by {by} (its lock '{held}' is "
                  "held); wait for it to finish")
