@@ -149,10 +149,9 @@ def _first_clause(exc: BaseException) -> str:
 
 def _not_a_file(path: Path, key: str) -> InputError:
     what = "is a folder" if path.is_dir() else "does not exist"
-    # "org/name" may be a hub repository; a file name or an existing folder is a path
+    # "org/name" may be a hub repository; a name with a weights file's suffix is a path
     hub = (f" (a hub repository is written hf-hub:{path})" if str(path).count("/") == 1
-           and not path.is_dir() and path.suffix.lower() not in WEIGHT_SUFFIXES
-           and not path.parent.is_dir() else "")
+           and not path.is_dir() and path.suffix.lower() not in WEIGHT_SUFFIXES else "")
     return InputError(f"{key}='{path}' {what}; give the path of a weights file "
                       f"({', '.join(WEIGHT_SUFFIXES)}){hub}")
 
