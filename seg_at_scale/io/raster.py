@@ -508,6 +508,50 @@ class GdalReader(RasterReader):
                                  (seg[0], seg[1]), True, f"GDAL {ds.driver}", (), (), None)
         if self.has_mask:
             self._mask = (self.layout, None, None)  # type: ignore[assignment]
+        if (ds.driver == "VRT" and not self.has_mask and self._nodata_arg is None
+                and all(v is None for v in self._band_values)):
+            self._refuse_masked_sources()
+
+    def _refuse_masked_sources(self) -> None:
+        """Refuse a VRT whose pieces GDAL composites through their masks, unmarked.
+
+        Where such a piece's mask (its alpha band, no-data value or mask) is 0, GDAL gives 0
+        in every band of the VRT, which marks those pixels neither masked nor no data: the
+        model would read GDAL's zeros as data, and label them unlike the pieces themselves.
+        """
+        from rasterio.enums import ColorInterp, MaskFlags
+
+        from seg_at_scale.io.vrt import masked_sources
+
+        for file, band in masked_sources(self.path):
+            if not file.exists():
+                continue  # named by the missing-files check
+            with open_dataset(file) as src:
+                if band > src.count:
+                    continue
+                flags = set(src.mask_flag_enums[band - 1])
+                alpha = [k + 1 for k, c in enumerate(src.colorinterp) if c == ColorInterp.alpha]
+                value = src.nodata
+            if MaskFlags.all_valid in flags:
+                continue
+            raw = f"delete those lines (`sed -i '/<UseMaskBand>/d' {self.path}`)"
+            if MaskFlags.alpha in flags and alpha:
+                what, fix = f"its band {alpha[0]}, tagged alpha", (
+                    f"If that band is data a writer tagged alpha (4-band images often are), "
+                    f"{raw}, or re-tag the pieces (`gdal_edit.py -colorinterp_{alpha[0]} "
+                    "undefined`) and rebuild the VRT; if those pixels are no data, pass nodata=0"
+                    " or rebuild it with `gdalbuildvrt -vrtnodata 0`")
+            else:
+                shown = "0" if value is None else f"{value:g}"
+                what = "its no-data value" if MaskFlags.nodata in flags else "its mask"
+                fix = (f"If those pixels are no data, pass nodata=0 or rebuild it with "
+                       f"`gdalbuildvrt -vrtnodata {shown}`; to read the pieces' own samples "
+                       f"there, {raw}")
+            raise InputError(
+                f"'{self.path}' reads band {band} of '{file}' through {what} "
+                "(<UseMaskBand>true</UseMaskBand>): GDAL gives 0 where that hides a pixel, and "
+                "the VRT marks such pixels neither no data nor masked, so the model would read "
+                f"GDAL's zeros as data. {fix}")
 
     @property
     def nodata(self) -> float | None:  # type: ignore[override]

@@ -28,7 +28,7 @@ from affine import Affine
 from seg_at_scale.errors import InputError
 from seg_at_scale.io.geotags import open_dataset
 
-__all__ = ["write_mosaics", "write_vrt", "written_mosaic"]
+__all__ = ["masked_sources", "write_mosaics", "write_vrt", "written_mosaic"]
 
 MOSAIC_MARK = "seg_at_scale archive mosaic"  # the VRT's dataset metadata ``written_by``
 
@@ -108,6 +108,30 @@ def _source(band: ET.Element, k: int, info: dict[str, Any], dst: Affine, folder:
     ET.SubElement(src, "DstRect", xOff=repr(x), yOff=repr(y), xSize=repr(w), ySize=repr(h))
     if info["nodata"] is not None:
         ET.SubElement(src, "NODATA").text = repr(float(info["nodata"]))
+
+
+def masked_sources(path: Path) -> list[tuple[Path, int]]:
+    """``(file, band)`` of each source of the VRT at ``path`` that GDAL reads through its mask.
+
+    A source with ``<UseMaskBand>true</UseMaskBand>`` (``gdalbuildvrt`` writes it for pieces
+    with an alpha band or a mask) is composited: where the piece's mask is 0, GDAL leaves
+    the VRT's initial value (its no-data value, else 0) instead of the piece's samples.
+    """
+    root = ET.parse(path).getroot()
+    found: list[tuple[Path, int]] = []
+    for source in root.iter():
+        use = source.find("UseMaskBand")
+        name = source.find("SourceFilename")
+        if use is None or name is None or (use.text or "").strip().lower() != "true":
+            continue
+        file = Path(name.text or "")
+        if name.get("relativeToVRT") == "1":
+            file = path.parent / file
+        band = source.find("SourceBand")
+        pair = (file, int((band.text if band is not None else None) or 1))
+        if pair not in found:
+            found.append(pair)
+    return found
 
 
 def written_mosaic(path: Path) -> bool:

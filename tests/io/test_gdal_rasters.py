@@ -17,6 +17,7 @@ from affine import Affine
 from helpers.io import make_array
 from rasterio.control import GroundControlPoint
 from rasterio.crs import CRS
+from rasterio.enums import ColorInterp
 from rasterio.errors import NotGeoreferencedWarning
 
 from seg_at_scale.errors import InputError
@@ -77,6 +78,38 @@ def test_a_vrt_mosaic_reads_as_the_scene_it_is_cut_from(tmp_path, dtype):
         again.close()
     with rasterio.open(vrt) as a, rasterio.open(whole) as b:  # GDAL's own view agrees
         assert (a.crs, a.transform) == (b.crs, b.transform)
+
+
+def test_pieces_read_through_their_alpha_band_are_refused_with_the_fix(tmp_path):
+    """``gdalbuildvrt`` of 4-band pieces whose band 4 is tagged alpha (tifffile, PIL and many
+    tools tag it so) composites them: GDAL zeroes bands 1-3 where band 4 is 0, and the VRT
+    would be predicted unlike its pieces. Refused naming the fix; after it, the scene."""
+    image = make_array((4, H, W), "uint8")
+    image[3, ::7, ::5] = 0  # the "alpha" (a NIR band) is 0 here and there, at the seams too
+    whole, vrt, pieces = _mosaic(tmp_path, image)
+    for piece in pieces:
+        with rasterio.open(piece, "r+") as ds:
+            ds.colorinterp = [ColorInterp.red, ColorInterp.green, ColorInterp.blue,
+                              ColorInterp.alpha]
+    plain = vrt.read_text()
+    vrt.write_text(plain.replace("<SimpleSource>", "<ComplexSource>").replace(
+        "</SimpleSource>", "\n<UseMaskBand>true</UseMaskBand>\n</ComplexSource>"))
+    with rasterio.open(vrt) as ds:  # what GDAL makes of it: not the scene
+        assert (ds.read()[:3] != image[:3]).any()
+    with pytest.raises(InputError) as err:
+        RasterReader(vrt)
+    assert str(err.value).startswith(
+        f"'{vrt}' reads band 1 of '{pieces[0]}' through its band 4, tagged alpha "
+        "(<UseMaskBand>true</UseMaskBand>): GDAL gives 0 where that hides a pixel")
+    assert f"delete those lines (`sed -i '/<UseMaskBand>/d' {vrt}`)" in str(err.value)
+    assert "pass nodata=0 or rebuild it with `gdalbuildvrt -vrtnodata 0`" in str(err.value)
+    with RasterReader(vrt, nodata=0) as mosaic:  # those pixels are no data: all bands 0
+        assert mosaic.nodata == 0
+    vrt.write_text("".join(line for line in vrt.read_text().splitlines(keepends=True)
+                           if "<UseMaskBand>" not in line))  # the fix's sed
+    with RasterReader(whole) as tif, RasterReader(vrt) as mosaic:
+        np.testing.assert_array_equal(mosaic.read(WINDOWS[0]), tif.read(WINDOWS[0]))
+        np.testing.assert_array_equal(mosaic.read(WINDOWS[1]), tif.read(WINDOWS[1]))
 
 
 def _hfa(path: Path, image: np.ndarray, **georeference) -> Path:
