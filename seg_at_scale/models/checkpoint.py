@@ -28,7 +28,8 @@ from torch import Tensor
 
 from seg_at_scale.errors import TRUST_HINT, InputError
 
-__all__ = ["load_checkpoint", "model_state", "checkpoint_problem", "UnsafeCheckpointError"]
+__all__ = ["load_checkpoint", "model_state", "checkpoint_problem", "UnsafeCheckpointError",
+           "MEANING_KEY"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,9 @@ def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
         return str(exc)
     return None
 
+
+#: a run's checkpoint's record of what its weights mean (``trained.weights_meaning``)
+MEANING_KEY = "seg_at_scale_weights_meaning"
 
 #: how a refusal names the other checkpoints: seg-predict's key (seg-train's: ``TRAIN_CHOICE``)
 PREDICT_CHOICE = "ckpt=last, ckpt=best or a path"

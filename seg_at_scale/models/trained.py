@@ -33,7 +33,7 @@ from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io.preview import default_palette
 from seg_at_scale.models.card import ModelCard
-from seg_at_scale.models.checkpoint import load_checkpoint, model_state
+from seg_at_scale.models.checkpoint import MEANING_KEY, load_checkpoint, model_state
 from seg_at_scale.models.contract import ApproximateFootprint
 from seg_at_scale.models.registry import build_model, family_of, for_prediction
 from seg_at_scale.models.weights import non_finite
@@ -49,7 +49,6 @@ __all__ = ["TrainedModel", "load_run", "footprint_with_halo", "pick_checkpoint",
 log = logging.getLogger(__name__)
 
 RUN_CONFIG = "run_config.yaml"  # resolved config + computed values, saved with every run
-MEANING_KEY = "seg_at_scale_weights_meaning"  # a checkpoint's record of weights_meaning
 CARD_FORMAT = "seg_at_scale.model/1"
 
 

@@ -27,7 +27,8 @@ the pretrained network computes on the mapped bands.
 **Normalisation**: the weights' own (ImageNet mean/std, torchgeo per-band statistics) is
 read from the safetensors header (``mean``, ``std``, ``scale`` as JSON), a sidecar
 ``<file>.json`` or a Hugging Face ``config.json`` beside the file (timm's
-``pretrained_cfg``); it is recorded per input band, through the band map.
+``pretrained_cfg``), or from a run's checkpoint (the data normalisation its network was
+trained with, which the run records); it is recorded per input band, through the band map.
 
 >>> match = match_weights({"backbone.conv.weight": torch.zeros(2, 3, 1, 1)},
 ...                       {"conv.weight": torch.zeros(2, 3, 1, 1)}, first_conv="conv.weight")
@@ -55,7 +56,7 @@ from torch import Tensor, nn
 
 from seg_at_scale.config_check import check_local
 from seg_at_scale.errors import ConfigError, InputError
-from seg_at_scale.models.checkpoint import PICKLED_GLOBAL, UNREADABLE
+from seg_at_scale.models.checkpoint import MEANING_KEY, PICKLED_GLOBAL, UNREADABLE
 
 __all__ = ["read_weights", "match_weights", "WeightsMatch", "adapt_first_conv",
            "normalization_of", "is_offline", "resolve_weights", "WEIGHT_SUFFIXES",
@@ -116,7 +117,25 @@ def read_weights(path: str | os.PathLike[str], *, key: str) -> tuple[dict[str, T
                          "(torch.save(model.state_dict(), ...)) or as .safetensors") from None
     except UNREADABLE as exc:
         raise _unreadable(p, key, exc) from None
-    return _tensors(obj, p, key), {}
+    return _tensors(obj, p, key), _trained_normalization(obj)
+
+
+def _trained_normalization(obj: Any) -> dict[str, str]:
+    """The normalisation a run's checkpoint records its network was trained with.
+
+    As header strings (``{"mean", "std", "scale"}``); ``{}`` for any other file.
+    """
+    meaning = obj.get(MEANING_KEY) if isinstance(obj, Mapping) else None
+    data = meaning.get("data") if isinstance(meaning, Mapping) else None
+    norm = data.get("normalization") if isinstance(data, Mapping) else None
+    if not isinstance(norm, Mapping) or not {"mean", "std"} <= set(norm):
+        return {}
+    bands = data.get("bands") if isinstance(data, Mapping) else None
+    out = {k: norm[k] for k in ("mean", "std", "scale") if k in norm}
+    for k in ("mean", "std"):  # one value stands for every band
+        if isinstance(out[k], list) and len(out[k]) == 1 and isinstance(bands, int):
+            out[k] = out[k] * bands
+    return {k: json.dumps(v) for k, v in out.items()}
 
 
 def _unreadable(path: Path, key: str, exc: BaseException) -> InputError:
@@ -337,7 +356,8 @@ def normalization_of(path: str | os.PathLike[str], metadata: Mapping[str, str]
     """
     p = Path(path)
     found: dict[str, Any] = {}
-    where = f"'{p}' (its safetensors header)"
+    where = (f"'{p}' (its safetensors header)" if p.suffix == ".safetensors"
+             else f"'{p}' (the normalisation its run trained with)")
     if {"mean", "std"} <= set(metadata):
         found = {k: _json(metadata[k], where, k) for k in ("mean", "std", "scale")
                  if k in metadata}

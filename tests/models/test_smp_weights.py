@@ -10,10 +10,12 @@ import pytest
 import timm
 import torch
 import torchvision
+from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.models.smp import SMPModel
+from seg_at_scale.models.trained import MEANING_KEY, weights_meaning
 from seg_at_scale.models.weights import read_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -93,6 +95,29 @@ def test_lightning_checkpoint_encoder_and_whole_model(tmp_path):
     whole = unet("tu-test_resnet", bands=4, weights=str(tmp_path / "smp_model.pth")).eval()
     x = torch.randn(1, 4, 64, 96)
     assert torch.equal(whole(x), src.eval()(x))
+
+
+def test_a_runs_checkpoint_gives_the_normalisation_its_network_was_trained_with(tmp_path):
+    """A checkpoint a run wrote records the data normalisation it trained with; the model
+    (whole, or its encoder through a band map) takes it, as from a safetensors header."""
+    src = unet("tu-test_resnet", bands=4)
+    random_state(src, 5)
+    mean, std = [0.1, 0.25, 0.3, 0.45], [0.5, 0.625, 0.7, 0.8]
+    cfg = OmegaConf.create({
+        "model": {"_target_": "seg_at_scale.models.smp.SMPModel", "in_channels": 4},
+        "data": {"bands": 4, "num_classes": 3, "scale": 1 / 255, "mean": mean, "std": std}})
+    state = {f"model.{k}": v for k, v in src.state_dict().items()}
+    torch.save({"state_dict": state, MEANING_KEY: weights_meaning(cfg)}, tmp_path / "run.ckpt")
+    torch.save({"state_dict": state}, tmp_path / "other.ckpt")  # another tool's: no record
+    whole = unet("tu-test_resnet", bands=4, weights=str(tmp_path / "run.ckpt"))
+    assert whole.input_normalization() == {"mean": mean, "std": std, "scale": 1 / 255}
+    enc = unet("tu-test_resnet", bands=5, encoder_weights=str(tmp_path / "run.ckpt"),
+               band_map=[3, None, 0, 1, 2])
+    assert enc.input_normalization() == {"mean": [0.45, None, 0.1, 0.25, 0.3],
+                                         "std": [0.8, None, 0.5, 0.625, 0.7],
+                                         "scale": 1 / 255}
+    assert unet("tu-test_resnet", bands=4, weights=str(tmp_path / "other.ckpt")
+                ).input_normalization() is None
 
 
 def test_band_map_onto_rgb_weights_gives_the_rgb_model(tmp_path):
