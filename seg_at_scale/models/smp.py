@@ -64,6 +64,7 @@ ARCHITECTURES = ("Unet", "UnetPlusPlus", "FPN", "PSPNet", "DeepLabV3", "DeepLabV
                  "Linknet", "MAnet", "PAN", "UPerNet", "Segformer", "DPT")
 _OWN = ("self", "kwargs", "encoder_name", "encoder_weights", "in_channels", "classes")
 _HALOS: dict[tuple[Any, ...], int] = {}  # the probe's halo per architecture (not weights)
+_FALLBACK: set[tuple[Any, ...]] = set()  # approximate halos the probe could not measure
 
 
 class SMPModel(nn.Module):
@@ -229,6 +230,7 @@ class SMPModel(nn.Module):
                 _HALOS[key] = empirical_halo(twin, align=a)
             except WholeImageDependency:
                 _HALOS[key] = 2 * a
+                _FALLBACK.add(key)  # said each time it is taken
             except (RuntimeError, ValueError) as exc:
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
                 raise ConfigError(f"tiling.exact=false with model.arch={self.arch} "
@@ -236,7 +238,14 @@ class SMPModel(nn.Module):
                                   f"on the network with its non-local modules skipped "
                                   f"({reason}); use a local encoder (e.g. "
                                   "model.encoder=resnet34)") from None
-        return Footprint(_HALOS[key], self.downsampling_factor, "same", 0)
+        halo = _HALOS[key]
+        if key in _FALLBACK:
+            log.warning("tiling.exact=false with model.arch=%s model.encoder=%s: the network "
+                        "needs the whole image even with its non-local modules skipped, so "
+                        "its approximate halo is two alignment steps, %d px; "
+                        "tiling.halo=<pixels> gives tiles a wider overlap", self.arch,
+                        self.encoder_name, halo)
+        return Footprint(halo, self.downsampling_factor, "same", 0)
 
     def _halo(self) -> int:
         key = (self.arch, self.encoder_name, self.in_channels, repr(sorted(

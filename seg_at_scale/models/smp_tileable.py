@@ -231,4 +231,6 @@ def refusal(where: str, found: list[tuple[str, str]]) -> str:
         fixes.append("set model.align_corners=false (size-invariant upsampling)")
     return (f"{where}: {name} is {kind}{more}, so no tiling reproduces the whole-image "
             f"result; {' and '.join(fixes)}, or tiling.exact=false (approximate: "
-            "overlapping tiles with the local halo, each tile's centre kept)")
+            "overlapping tiles with the halo the network has without those modules, or two "
+            "alignment steps where it still needs the whole image; tiling.halo= widens it; "
+            "each tile's centre kept)")

@@ -33,6 +33,19 @@ def test_non_local_networks_refused_before_any_work(arch, encoder, module, kind)
     assert "tiling.exact=false" in msg and "model.encoder=resnet34" in msg
 
 
+def test_a_network_that_needs_the_whole_image_even_skipped_says_its_fallback_halo(caplog):
+    """PSPNet's pyramid pooling cannot be skipped (its output is not the input's shape): the
+    approximate halo is two alignment steps, and the log says so rather than "local"."""
+    net = SMPModel("PSPNet", "tu-test_resnet", in_channels=4, num_classes=3)
+    with caplog.at_level("WARNING", logger="seg_at_scale.models.smp"):
+        fp = net.approximate_footprint()
+    assert (fp.halo, fp.align) == (2 * net.downsampling_factor, net.downsampling_factor)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "model.arch=PSPNet model.encoder=tu-test_resnet: the network needs the whole " \
+        "image even with its non-local modules skipped" in said
+    assert f"two alignment steps, {fp.halo} px; tiling.halo=<pixels>" in said
+
+
 def test_smp_size_dependent_upsampling_is_refused_unless_made_invariant():
     node = {"_target_": "seg_at_scale.models.SMPModel", "arch": "FPN",
             "encoder": "tu-test_resnet", "in_channels": 3, "num_classes": 2}
