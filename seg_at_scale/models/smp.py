@@ -64,7 +64,7 @@ ARCHITECTURES = ("Unet", "UnetPlusPlus", "FPN", "PSPNet", "DeepLabV3", "DeepLabV
                  "Linknet", "MAnet", "PAN", "UPerNet", "Segformer", "DPT")
 _OWN = ("self", "kwargs", "encoder_name", "encoder_weights", "in_channels", "classes")
 _HALOS: dict[tuple[Any, ...], int] = {}  # the probe's halo per architecture (not weights)
-_FALLBACK: set[tuple[Any, ...]] = set()  # approximate halos the probe could not measure
+_FALLBACK: dict[tuple[Any, ...], str] = {}  # approximate halos not measured: why
 
 
 class SMPModel(nn.Module):
@@ -214,11 +214,9 @@ class SMPModel(nn.Module):
 
         The probe runs on a copy with squeeze-excitation and attention skipped and the
         upsampling translation-invariant (:func:`~seg_at_scale.models.smp_tileable.skip_non_local`);
-        where the network still reaches the whole input, the halo is two alignment steps.
+        where the network still reaches the whole input, or the probe cannot run on it
+        (MAnet, PAN), the halo is two alignment steps, and the log says why each time.
         Tiles with this halo are *not* exact (overlapping tiles, each core kept).
-
-        Raises:
-            ConfigError: the probe fails even so (the network and the reason named).
         """
         key = ("approximate", self.arch, self.encoder_name, self.in_channels,
                repr(sorted(self.options.items())), self.align_corners)
@@ -229,22 +227,21 @@ class SMPModel(nn.Module):
                 skip_non_local(twin.net, torch.zeros(1, self.in_channels, 2 * a, 2 * a))
                 _HALOS[key] = empirical_halo(twin, align=a)
             except WholeImageDependency:
-                _HALOS[key] = 2 * a
-                _FALLBACK.add(key)  # said each time it is taken
-            except (RuntimeError, ValueError) as exc:
-                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-                raise ConfigError(f"tiling.exact=false with model.arch={self.arch} "
-                                  f"model.encoder={self.encoder_name}: the halo probe fails "
-                                  f"on the network with its non-local modules skipped "
-                                  f"({reason}); use a local encoder (e.g. "
-                                  "model.encoder=resnet34)") from None
+                _FALLBACK[key] = "the network needs the whole image even with its non-local " \
+                                 "modules skipped"
+            except (RuntimeError, ValueError) as exc:  # MAnet, PAN: the probe cannot run
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                _FALLBACK[key] = ("the halo probe fails on the network with its non-local "
+                                  f"modules skipped ({reason.split(';')[0][:160]})")
+            if key in _FALLBACK:  # every tile at least the input the network takes (PAN)
+                smallest = _smallest_input(self, a)
+                _HALOS[key] = max(2 * a, a * math.ceil((smallest - a) / (2 * a)))
         halo = _HALOS[key]
-        if key in _FALLBACK:
-            log.warning("tiling.exact=false with model.arch=%s model.encoder=%s: the network "
-                        "needs the whole image even with its non-local modules skipped, so "
-                        "its approximate halo is two alignment steps, %d px; "
-                        "tiling.halo=<pixels> gives tiles a wider overlap", self.arch,
-                        self.encoder_name, halo)
+        if key in _FALLBACK:  # said each time it is taken
+            log.warning("tiling.exact=false with model.arch=%s model.encoder=%s: %s, so its "
+                        "approximate halo is %d px (two alignment steps, or more where the "
+                        "network takes no smaller tile); tiling.halo=<pixels> gives tiles a "
+                        "wider overlap", self.arch, self.encoder_name, _FALLBACK[key], halo)
         return Footprint(halo, self.downsampling_factor, "same", 0)
 
     def _halo(self) -> int:
@@ -313,6 +310,19 @@ class SMPModel(nn.Module):
         levels = site_levels(self, torch.zeros(1, self.in_channels, 2 * a, 2 * a,
                                                device=module_device(self)))
         return max(levels.values(), default=0)
+
+
+def _smallest_input(model: SMPModel, align: int, most: int = 16) -> int:
+    """The smallest square input, in alignment steps, the network runs on (PAN: 128 px)."""
+    twin = copy.deepcopy(model).cpu().eval()
+    for k in range(1, most + 1):
+        try:
+            with torch.no_grad():
+                twin(torch.zeros(1, model.in_channels, k * align, k * align))
+        except (RuntimeError, ValueError):
+            continue
+        return k * align
+    return most * align
 
 
 def _create(arch: str, encoder: str, in_channels: int, num_classes: int,

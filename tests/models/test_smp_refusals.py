@@ -43,7 +43,23 @@ def test_a_network_that_needs_the_whole_image_even_skipped_says_its_fallback_hal
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "model.arch=PSPNet model.encoder=tu-test_resnet: the network needs the whole " \
         "image even with its non-local modules skipped" in said
-    assert f"two alignment steps, {fp.halo} px; tiling.halo=<pixels>" in said
+    assert f"approximate halo is {fp.halo} px (two alignment steps, or more" in said
+
+
+@pytest.mark.parametrize("arch", ["MAnet", "PAN"])
+def test_networks_the_halo_probe_cannot_run_on_still_tile_approximately(arch, caplog):
+    """MAnet (the probe overflows) and PAN (its pyramid attention needs 128 px) take
+    ``tiling.exact=false``: the fallback halo, said in the log, and the smallest tile it
+    makes (one core of one alignment step) runs through the network."""
+    net = SMPModel(arch, "tu-test_resnet", in_channels=4, num_classes=3).eval()
+    with caplog.at_level("WARNING", logger="seg_at_scale.models.smp"):
+        fp = net.approximate_footprint()
+    assert fp.halo >= 2 * fp.align and fp.halo % fp.align == 0
+    assert "the halo probe fails on the network with its non-local modules skipped" in \
+        caplog.text and f"so its approximate halo is {fp.halo} px" in caplog.text
+    side = fp.align + 2 * fp.halo
+    with torch.no_grad():
+        assert net(torch.randn(2, 4, side, side)).shape == (2, 3, side, side)
 
 
 def test_smp_size_dependent_upsampling_is_refused_unless_made_invariant():
