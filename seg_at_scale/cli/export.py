@@ -64,7 +64,7 @@ def _check_model_folder(output: Path, overwrite: bool) -> None:
     """An existing folder output is replaced only if seg-export wrote it, with overwrite."""
     if not all((output / part).is_file() for part in (CARD, SUMS)):
         raise ConfigError(f"output '{output}' is a folder seg-export did not write; choose "
-                          "another path (a model folder is replaced only with overwrite=true)")
+                          "another path (overwrite=true replaces only a model seg-export wrote)")
     if not overwrite:
         raise OutputExistsError(f"output '{output}' is a model seg-export wrote; pass "
                                 "overwrite=true to replace it (or choose another path)")

@@ -307,7 +307,7 @@ def check_archive(scenes: Sequence[ArchiveScene], options: PredictOptions, *,
     if one_reason and (len(scenes) > 1 or isinstance(errors[0], ConfigError)):
         raise errors[0]  # a bad option (vector_classes=, the model's card): not the scenes
     if bad and on_error == "stop":
-        listed = "; ".join(f"{r.stem}: {r.reason}" for r in bad[:MAX_LISTED])
+        listed = "; ".join(f"{r.stem}: {r.reason.rstrip('.')}" for r in bad[:MAX_LISTED])
         more = f"; ... and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
         raise InputError(f"{len(bad)} of {len(scenes)} scenes cannot be predicted, so nothing "
                          f"was computed: {listed}{more}. Fix them, or pass on_error=skip to "

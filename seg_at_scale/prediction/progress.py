@@ -35,7 +35,7 @@ def progress_bar(total: int, show: bool, pixels_per_tile: float, world: int = 1,
         def update(self, n: int) -> None:
             bar.update(min(n * world, total - bar.n))
             rate = bar.format_dict.get("rate") or 0.0
-            bar.set_postfix_str(f"{rate * pixels_per_tile / 1e6:.2f} Mpix/s", refresh=False)
+            bar.set_postfix_str(f"{rate * pixels_per_tile / 1e6:.3g} Mpix/s", refresh=False)
 
     try:
         yield _Bar()

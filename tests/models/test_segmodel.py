@@ -238,7 +238,9 @@ def test_a_folder_export_is_replaced_with_overwrite_and_swapped_keys_are_named(e
     assert read_model(folder).card.raw == read_model(model).card.raw
     (tmp_path / "other").mkdir()
     (tmp_path / "notes").write_text("mine\n")
-    for path, said in ((tmp_path / "other", "is a folder seg-export did not write"),
+    for path, said in ((tmp_path / "other", "is a folder seg-export did not write; choose "
+                                            "another path (overwrite=true replaces only a "
+                                            "model seg-export wrote)"),
                        (tmp_path / "notes", "is a file, and seg-export writes a folder for a "
                                             "name without .segmodel")):
         out = seg_export_here(run, path, "ckpt=last", "overwrite=true")

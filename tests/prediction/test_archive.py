@@ -205,6 +205,7 @@ def test_bad_scenes_stop_before_any_tile_or_are_skipped_and_recorded(archive, tm
     assert len(line) == 1 and "2 of 4 scenes cannot be predicted" in line[0]
     assert "cut: " in line[0] and "truncated" in line[0] and "rgb: " in line[0]
     assert "has 3 bands" in line[0] and not out.exists()
+    assert "Re-copy or re-generate it; rgb: " in line[0]  # each reason without its full stop
     res = _archive(run, f"images={scenes}", f"output_dir={out}", "on_error=skip")
     assert (res["done"], res["skipped"]) == (2, 2)
     rows = _rows(out)
