@@ -72,6 +72,7 @@ from seg_at_scale.tiling.engine import (
     run_parts,
 )
 from seg_at_scale.tiling.geometry import fill_of
+from seg_at_scale.tiling.halo import check_footprint
 from seg_at_scale.tiling.predict import refuse_training_norms
 from seg_at_scale.tiling.statistic_passes import (
     check_no_tta,
@@ -165,6 +166,8 @@ def predict_raster(model: nn.Module, image: str | os.PathLike[str], output: str 
     rank, world = rank_world()
     check_outputs({"output": out_path, "working store": store_path(out_path)},
                   {"image": image}, overwrite=True)  # existing outputs: open_store
+    if exact:
+        check_footprint(model, fp, "predict_raster")
     fp = fp or footprint(model)
     device = next(model.parameters()).device
     norm = normalizer or Normalizer()

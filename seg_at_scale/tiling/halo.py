@@ -38,7 +38,7 @@ from seg_at_scale.protocols import Capability
 from seg_at_scale.tiling.geometry import Footprint
 
 __all__ = ["Footprinted", "Aligned", "HeldForProbe", "alignment", "exact_alignment",
-           "measured_alignment", "SHIFTS", "halo_width",
+           "measured_alignment", "SHIFTS", "halo_width", "check_footprint",
            "empirical_halo", "footprint", "WholeImageDependency", "structural_copy",
            "GLOBAL_SIZE"]
 
@@ -151,6 +151,29 @@ def footprint(model: nn.Module, *, align: int | None = None) -> Footprint:
     if shrink == 0:
         return Footprint(halo, a, "same", 0)
     return Footprint(shrink, a, "valid", out_size % a)
+
+
+def check_footprint(model: nn.Module, fp: Footprint | None, where: str) -> None:
+    """Refuse a footprint that would not tile a network stating its own exactly.
+
+    That is a halo below the network's, another alignment or another padding. Networks
+    without ``footprint()`` are taken at the caller's word (measuring them is a probe of
+    seconds); ``fp=None`` is the network's own.
+    """
+    if fp is None or not isinstance(model, Footprinted):
+        return
+    need = model.footprint()
+    same = need.padding == "same"
+    fits = fp.padding == need.padding and fp.align % need.align == 0 and (
+        fp.halo >= need.halo if same else (fp.halo, fp.out_residue) == (need.halo,
+                                                                         need.out_residue))
+    if not fits:
+        want = (f"halo >= {need.halo}, align a multiple of {need.align}, padding 'same'" if same
+                else f"halo {need.halo}, align a multiple of {need.align}, padding 'valid', "
+                     f"out_residue {need.out_residue}")
+        raise ConfigError(f"{where}: fp={fp} does not tile {type(model).__name__} exactly (its "
+                          f"footprint is {need}): leave fp out (the network's own is used) or "
+                          f"give {want}")
 
 
 def halo_width(model: nn.Module, method: str = "auto") -> int:

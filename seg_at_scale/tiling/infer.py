@@ -33,7 +33,7 @@ from seg_at_scale.errors import ConfigError
 from seg_at_scale.tiling.auto_tile import auto_side
 from seg_at_scale.tiling.blend import predict_blended
 from seg_at_scale.tiling.geometry import Footprint
-from seg_at_scale.tiling.halo import WholeImageDependency
+from seg_at_scale.tiling.halo import WholeImageDependency, check_footprint
 from seg_at_scale.tiling.halo import footprint as model_footprint
 from seg_at_scale.tiling.predict import (
     check_image,
@@ -208,6 +208,7 @@ def _run(chosen: str, model: nn.Module, x: Tensor, *, q: int | tuple[int, int] |
         with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
             return predict_full(model, x, fp).to(out_dtype)
     refuse_inexact_layers(model)
+    check_footprint(model, fp, "infer")
     if chosen == "tiled":
         if not has_statistics(model) and uses_image_pool(model):
             raise ConfigError(f"infer: {type(model).__name__} pools over its whole input, so "

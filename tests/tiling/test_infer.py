@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.smp import assert_exact
 
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.models import UNet
@@ -105,7 +106,9 @@ def test_a_training_batch_norm_is_refused_by_every_entry_and_left_unchanged(tmp_
 
 def test_a_network_that_pools_without_saying_so_is_tiled_on_its_measured_grid():
     """Before: a network without ``downsampling_factor`` was tiled with alignment 1, so
-    tiles cut its max-pool windows elsewhere than the image does (logits 1.08 off)."""
+    tiles cut its max-pool windows elsewhere than the image does (logits 1.08 off). The
+    logits are compared to fp32 summation noise: MKL's sgemm on AVX2 sums a pixel's 72
+    products in an order that depends on the tile's width (1e-8 apart on an AMD EPYC)."""
 
     class Pooled(torch.nn.Module):
         def __init__(self, stride_conv: bool) -> None:
@@ -126,7 +129,7 @@ def test_a_network_that_pools_without_saying_so_is_tiled_on_its_measured_grid():
         assert footprint(net).align == align
         ref = infer(net, x)
         for q in (2, 3, (3, 2)):
-            assert torch.equal(infer(net, x, q=q), ref)
+            assert_exact(infer(net, x, q=q), ref, tol=1e-6)
 
 
 def test_a_network_that_no_shift_moves_is_refused_tiled():
@@ -187,6 +190,34 @@ def test_bad_methods_and_options_are_refused_in_one_line():
         infer(net, x, method="blended", q=2)
     with pytest.raises(ConfigError, match=r"'blended' needs a same-padding network"):
         infer(unet(padding="valid"), x, method="blended", tile_size=32)
+
+
+def test_a_footprint_that_would_not_tile_the_network_exactly_is_refused(tmp_path):
+    """Before: ``fp=`` was taken at its word: a halo of 4 for this U-Net's 22 gave tiled
+    logits 2e-4 off the untiled forward, silently; alignment 1 failed with torch's shape
+    error from inside the tile loop."""
+    from seg_at_scale.io import write_raster
+    from seg_at_scale.prediction import PredictOptions, predict_raster
+
+    net = unet(padding="same")
+    need = net.footprint()
+    x = torch.randn(1, 4, 61, 53)
+    image = write_raster(tmp_path / "x.tif", (torch.rand(4, 61, 53) * 255).byte().numpy())
+    small = Footprint(need.align, need.align, "same", 0)
+    off_grid = Footprint(need.halo, 1, "same", 0)
+    calls = [("infer", lambda fp: infer(net, x, q=2, fp=fp)),
+             ("predict_raster", lambda fp: predict_raster(
+                 net, image, tmp_path / "o.tif", PredictOptions(tile_size=32, progress=False),
+                 fp=fp))]
+    for who, call in calls:
+        for fp in (small, off_grid):
+            with pytest.raises(ConfigError, match=rf"^{who}: fp=Footprint\(halo={fp.halo}, "
+                               rf"align={fp.align}.* does not tile UNet exactly .*leave fp out.*"
+                               rf"give halo >= {need.halo}, align a multiple of {need.align}"):
+                call(fp)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.tif"]  # nothing written
+    wider = Footprint(need.halo + need.align, 2 * need.align, "same", 0)
+    assert torch.equal(infer(net, x, q=2, fp=wider), infer(net, x))  # more context: exact
 
 
 def test_blended_is_only_run_when_named_and_is_not_exact():
