@@ -331,7 +331,12 @@ def main() -> float | None:
         except ConfigError as exc:
             print(f"seg-train: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(USER_ERROR_EXIT) from None
-    return _main()
+    try:
+        return _main()
+    finally:  # a multirun a failed trial ended still reports the trials it ran
+        report = sys.modules.get("seg_at_scale.sweeps.report")  # loaded by its callback
+        if report is not None:
+            report.report_unended_multiruns()
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")

@@ -32,7 +32,8 @@ from hydra.experimental.callback import Callback
 from seg_at_scale.sweeps.study import INTERRUPTED, STUDY_FILE
 
 __all__ = ["TrialRow", "SweepReport", "collect_trials", "write_report", "best_command",
-           "format_table", "read_record", "RECORD_FILE", "SweepReportCallback", "main"]
+           "format_table", "read_record", "RECORD_FILE", "SweepReportCallback",
+           "report_unended_multiruns", "main"]
 
 log = logging.getLogger("seg_at_scale.sweeps")
 
@@ -215,16 +216,18 @@ def _swept(folder: Path) -> list[str]:
         task = doc["hydra"]["overrides"]["task"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         return []
-    keys = []
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser, keys = OverridesParser.create(), []
     for o in task if isinstance(task, list) else []:
-        key, _, value = str(o).partition("=")
-        if "," in value or value.split("(")[0] in SWEEP_FUNCTIONS:
-            keys.append(key.lstrip("+~"))
+        try:  # Hydra's own reading: a dict or list value (a=[1,2], b={x:1,y:2}) is one value
+            override = parser.parse_override(str(o))
+        except HydraException:
+            continue
+        if override.is_sweep_override():
+            keys.append(override.get_key_element().lstrip("+~"))
     return keys
-
-
-#: Hydra's sweep functions on the command line
-SWEEP_FUNCTIONS = ("choice", "range", "interval", "glob", "tag", "sort", "shuffle")
 
 
 def _searched_keys(rows: Sequence[TrialRow], trials: dict[int, Any],
@@ -322,16 +325,47 @@ def summary_text(report: SweepReport) -> str:
 
 
 class SweepReportCallback(Callback):
-    """Hydra callback: write the report when a multirun ends."""
+    """Hydra callback: write the report when a multirun ends, however it ends.
+
+    Hydra calls ``on_multirun_end`` only when every trial succeeded: a failed trial (the
+    grid sweeper raises at the first), more failed optuna trials than ``max_failures`` or
+    Ctrl+C ended the multirun with no report of the trials that did finish. The sweep
+    folder is noted when the multirun starts; :func:`report_unended_multiruns` (called by
+    ``seg-train`` whatever Hydra raised) writes the report of one that did not end.
+    """
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        _UNENDED.append(Path(str(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         folder = Path(str(config.hydra.sweep.dir))
-        try:
-            report = write_report(folder)
-        except (FileNotFoundError, ValueError) as e:
+        if folder in _UNENDED:
+            _UNENDED.remove(folder)
+        _report(folder)
+
+
+#: Sweep folders whose multirun started in this process and has not ended.
+_UNENDED: list[Path] = []
+
+
+def _report(folder: Path, *, after_failure: bool = False) -> None:
+    try:
+        report = write_report(folder)
+    except (FileNotFoundError, ValueError) as e:  # no trial folder yet
+        if not after_failure:
             log.warning("no sweep report for %s: %s", folder, e)
-            return
-        print(summary_text(report))
+        return
+    print(summary_text(report), flush=True)
+
+
+def report_unended_multiruns() -> None:
+    """Write the report of each multirun that started here and did not end (a trial failed).
+
+    A sweep stopped before any trial made its folder gets none, silently: its error says
+    what happened.
+    """
+    while _UNENDED:
+        _report(_UNENDED.pop(), after_failure=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
