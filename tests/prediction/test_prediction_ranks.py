@@ -78,18 +78,26 @@ def test_a_stopped_launcher_stops_every_rank_and_the_rerun_completes(cli_case, c
     out.parent.mkdir()
     cmd = predict_cmd(run, image, out, "tile_size=64", "processes=2")
     proc = warm.popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    psutil.Process(proc.pid).nice(10)  # its ranks (forked later) yield the CPU to this watch
     store = out.with_name(".mask.tif.zarr")
     deadline = time.time() + 120
-    while chunks_written(store) < 4 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    ranks = psutil.Process(proc.pid).children()
+    ranks: list[psutil.Process] = []
+    while len(ranks) < 2 and time.time() < deadline and proc.poll() is None:
+        ranks = psutil.Process(proc.pid).children()
+        time.sleep(0.002)
     assert len(ranks) == 2
-    # the ranks held still while the launcher takes the signal, so that it lands mid-run on a
-    # loaded machine too (408 tiles take the ranks about a second); a rank that went on
-    # after the stop would finish them once resumed, and the rerun below would find no work
+    # the ranks run in steps of 20 ms, held still in between, until 4 tiles are written,
+    # and are held while the launcher takes the signal: the stop lands mid-run however
+    # loaded the machine (408 tiles take them about a second; under a full suite's load
+    # they once finished every tile before a free-running watch saw 4, and the rerun below
+    # found no work); a rank that went on after the stop would finish them once resumed
     for r in ranks:
         r.suspend()
+    while chunks_written(store) < 4 and time.time() < deadline:
+        for r in ranks:
+            r.resume()
+        time.sleep(0.02)
+        for r in ranks:
+            r.suspend()
     proc.send_signal(sig)
     time.sleep(0.3)
     for r in ranks:
