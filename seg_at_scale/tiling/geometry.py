@@ -257,8 +257,9 @@ def _cores(out_len: int, a: int, parts: int, uniform: bool) -> list[tuple[int, i
     """Output spans of ``parts`` aligned cores covering ``[0, out_len)`` (the cut rule)."""
     blocks = out_len // a
     if uniform:
-        step = -(-blocks // parts)  # aligned blocks per core
-        cuts = [a * step * k for k in range(-(-blocks // step))] + [out_len]
+        # aligned blocks per core; an output shorter than one block is one core
+        step = max(1, -(-blocks // parts))
+        cuts = [a * step * k for k in range(max(1, -(-blocks // step)))] + [out_len]
     else:
         cuts = [a * (k * blocks // parts) for k in range(parts)] + [out_len]
     return list(zip(cuts[:-1], cuts[1:]))
