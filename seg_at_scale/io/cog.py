@@ -48,7 +48,8 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
               resampling: str = "mode", overwrite: bool = False, blocksize: int = 512,
               compress: str = "DEFLATE", level: int | None = DEFLATE_LEVEL,
               descriptions: Sequence[str] | None = None,
-              tags: Callable[[], dict[str, str]] | None = None) -> Path:
+              tags: Callable[[], dict[str, str]] | None = None,
+              valid: Iterable[np.ndarray] | None = None) -> Path:
     """Write a COG from row bands ``[C, h, W]`` (top to bottom); memory: one band.
 
     Args:
@@ -67,6 +68,10 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
         descriptions: per-band descriptions (e.g. class names of probability bands).
         tags: GDAL metadata to write, asked for once every band has been consumed (so it
             may hold what the bands taught, e.g. a class histogram).
+        valid: row bands ``[h, W]`` of booleans (False: no data), summing to ``H`` rows: where
+            one is False, the file gets GDAL's internal mask (a band of its own, every band's
+            no data; readers hide those pixels). For outputs whose every value is a valid
+            sample (probabilities), which no nodata value can mark.
 
     Returns:
         ``path``.
@@ -88,6 +93,8 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
                            compression=None, geotags=geotags, nodata=nodata, overwrite=True,
                            atomic=False, overviews=levels)
         with rasterio.Env(GDAL_CACHEMAX=256, GDAL_NUM_THREADS="ALL_CPUS"):
+            if valid is not None:
+                write_mask(plain, valid, shape[1], shape[2])
             if colormap is not None or descriptions is not None or tags is not None:
                 with open_dataset(plain, "r+") as ds:
                     if tags is not None:
@@ -111,3 +118,32 @@ def write_cog(path: str | os.PathLike[str], shape: tuple[int, int, int], dtype: 
         if pyramid is not None:
             pyramid.close()
     return out
+
+
+def write_mask(path: Path, valid: Iterable[np.ndarray], height: int, width: int) -> bool:
+    """GDAL's internal mask of ``path`` from row bands of ``valid``, if any row has no data.
+
+    Rows before the first one with no data are written valid once it comes; a file with
+    none gets no mask. Returns whether one was written.
+    """
+    import rasterio
+    from rasterio.windows import Window as GdalWindow
+
+    row = 0
+    with rasterio.Env(GDAL_TIFF_INTERNAL_MASK=True), open_dataset(path, "r+") as ds:
+        masked = False
+        for band in valid:
+            h = band.shape[0]
+            if not masked and band.all():
+                row += h
+                continue
+            if not masked:
+                masked = True
+                for r in range(0, row, 512):  # the valid rows before, in slices
+                    n = min(512, row - r)
+                    ds.write_mask(np.full((n, width), 255, np.uint8), GdalWindow(0, r, width, n))
+            ds.write_mask(np.where(band, 255, 0).astype(np.uint8), GdalWindow(0, row, width, h))
+            row += h
+    if row != height:
+        raise ValueError(f"the mask's rows sum to {row}, not the image's {height}")
+    return masked

@@ -79,7 +79,9 @@ def finalize(store: PredictionStore, out_path: Path, kind: str, reader: RasterRe
                        for b in store.row_bands(store.probabilities, ready)),
                       geotags=reader.geotags, resampling="average", overwrite=True,
                       descriptions=names[:k],
-                      tags=lambda: {PROBABILITIES_OF_TAG: owner(done, out_path)})
+                      tags=lambda: {PROBABILITIES_OF_TAG: owner(done, out_path)},
+                      # no data where the labels have none: every probability is a sample
+                      valid=(b != NODATA for b in store.row_bands(store.labels, ready)))
         tiling = ("exact" if fingerprint.get("exact", True) else
                   "approximate: tiling.exact=false, overlapping tiles; not the whole-image "
                   "forward")

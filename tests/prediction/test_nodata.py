@@ -12,9 +12,11 @@ import pytest
 import torch
 import zarr
 from helpers.prediction import make_model, seg_predict
+from rasterio.enums import MaskFlags
 
 from seg_at_scale.data.normalize import Normalizer
 from seg_at_scale.io import example_geotags, read_raster, write_raster
+from seg_at_scale.io.geotags import open_dataset
 from seg_at_scale.prediction import PredictOptions, predict_raster
 from seg_at_scale.tiling import make_grid, predict_full
 
@@ -104,6 +106,15 @@ def test_tiles_wholly_in_no_data_are_written_and_the_run_completes(tmp_path, one
     np.testing.assert_array_equal(labels, _reference(model, img.astype(np.float32), invalid))
     probs = read_raster(tmp_path / "m_probabilities.tif")
     assert int(probs[:, invalid].max()) == 0 and int(probs[:, ~invalid].sum(0).min()) >= 250
+    # GDAL's internal mask hides them (no value can: 0 is a probability); before, none
+    with open_dataset(tmp_path / "m_probabilities.tif") as ds:
+        assert all(f == [MaskFlags.per_dataset] for f in ds.mask_flag_enums)
+        np.testing.assert_array_equal(ds.read_masks(1), np.where(invalid, 0, 255))
+        assert ds.tags(ns="IMAGE_STRUCTURE")["LAYOUT"] == "COG"
+    full = write_raster(tmp_path / "full.tif", np.maximum(img, 1), tile=(64, 64))
+    predict_raster(model, full, tmp_path / "f.tif", opts, normalizer=NORM)
+    with open_dataset(tmp_path / "f_probabilities.tif") as ds:  # no data: no mask
+        assert all(f == [MaskFlags.all_valid] for f in ds.mask_flag_enums)
     assert stats.tiles_computed == stats.tiles > 20
     cores = [t.core for t in make_grid(301, 233, model.footprint(), tile_size=96).tiles]
     assert sum(bool(invalid[c.row : c.row_end, c.col : c.col_end].all()) for c in cores) >= 4
