@@ -60,6 +60,7 @@ from seg_at_scale.models.registry import build_model, for_prediction
 from seg_at_scale.models.trained import CARD_FORMAT, TrainedModel, load_weights, weights_mismatch
 from seg_at_scale.tiling.geometry import Footprint
 from seg_at_scale.tiling.halo import footprint as measured_footprint
+from seg_at_scale.tiling.halo import footprint_misfit
 
 __all__ = ["write_model", "read_model", "read_card", "PARTS", "SUFFIX", "MAX_CARD_BYTES",
            "MAX_SUMS_BYTES", "MODEL_BOUNDS"]
@@ -475,15 +476,13 @@ def _check_network(card: Mapping[str, Any], model: nn.Module, where: str) -> Non
             raise refuse(key, data[key[5:]], net, what)
     exact = bool(card.get("exact", True))
     fp, net_fp = card["footprint"], _network_footprint(model, exact)
-    for key, what in (("padding", "its padding"), ("align", "its downsampling factor"),
-                      ("out_residue", "its output sizes' residue")):
-        if fp[key] != getattr(net_fp, key):
-            raise refuse(f"footprint.{key}", fp[key], getattr(net_fp, key), what)
-    if exact and (fp["halo"] < net_fp.halo
-                  or (net_fp.padding == "valid" and fp["halo"] != net_fp.halo)):
-        raise refuse("footprint.halo", fp["halo"], net_fp.halo,
-                     "its halo; tiles with less context are not exact" if
-                     fp["halo"] < net_fp.halo else "its halo, the per-side shrink")
+    misfit = footprint_misfit(Footprint(**fp), net_fp, exact=exact)
+    if misfit is not None:
+        what = {"padding": "its padding", "align": "its downsampling factor, or a multiple",
+                "out_residue": "its output sizes' residue",
+                "halo": "its halo; tiles with less context are not exact"
+                if fp["halo"] < net_fp.halo else "its halo, the per-side shrink"}[misfit]
+        raise refuse(f"footprint.{misfit}", fp[misfit], getattr(net_fp, misfit), what)
 
 
 def read_model(path: str | os.PathLike[str], *, trust: bool = False) -> TrainedModel:

@@ -38,7 +38,7 @@ from seg_at_scale.protocols import Capability
 from seg_at_scale.tiling.geometry import Footprint
 
 __all__ = ["Footprinted", "Aligned", "HeldForProbe", "alignment", "exact_alignment",
-           "measured_alignment", "SHIFTS", "halo_width", "check_footprint",
+           "measured_alignment", "SHIFTS", "halo_width", "check_footprint", "footprint_misfit",
            "empirical_halo", "footprint", "WholeImageDependency", "structural_copy",
            "GLOBAL_SIZE"]
 
@@ -153,21 +153,38 @@ def footprint(model: nn.Module, *, align: int | None = None) -> Footprint:
     return Footprint(shrink, a, "valid", out_size % a)
 
 
+def footprint_misfit(fp: Footprint, need: Footprint, *, exact: bool = True) -> str | None:
+    """The first field of ``fp`` that would not tile a network of footprint ``need`` exactly.
+
+    ``padding`` and ``out_residue`` must be the network's, ``align`` a multiple of its; the
+    halo at least its own for same padding (more context is still exact) and its own for
+    valid padding (the per-side shrink). ``exact=False``: the halo is the caller's choice
+    (``tiling.exact=false``). None when ``fp`` fits. The one rule for a footprint given
+    with a network: ``fp=`` (:func:`check_footprint`) and a model file's card.
+    """
+    if fp.padding != need.padding:
+        return "padding"
+    if fp.align % need.align:
+        return "align"
+    if fp.out_residue != need.out_residue:
+        return "out_residue"
+    if exact and (fp.halo < need.halo or (need.padding == "valid" and fp.halo != need.halo)):
+        return "halo"
+    return None
+
+
 def check_footprint(model: nn.Module, fp: Footprint | None, where: str) -> None:
     """Refuse a footprint that would not tile a network stating its own exactly.
 
-    That is a halo below the network's, another alignment or another padding. Networks
-    without ``footprint()`` are taken at the caller's word (measuring them is a probe of
-    seconds); ``fp=None`` is the network's own.
+    That is :func:`footprint_misfit`'s rule. Networks without ``footprint()`` are taken at
+    the caller's word (measuring them is a probe of seconds); ``fp=None`` is the network's
+    own.
     """
     if fp is None or not isinstance(model, Footprinted):
         return
     need = model.footprint()
-    same = need.padding == "same"
-    fits = fp.padding == need.padding and fp.align % need.align == 0 and (
-        fp.halo >= need.halo if same else (fp.halo, fp.out_residue) == (need.halo,
-                                                                         need.out_residue))
-    if not fits:
+    if footprint_misfit(fp, need) is not None:
+        same = need.padding == "same"
         want = (f"halo >= {need.halo}, align a multiple of {need.align}, padding 'same'" if same
                 else f"halo {need.halo}, align a multiple of {need.align}, padding 'valid', "
                      f"out_residue {need.out_residue}")

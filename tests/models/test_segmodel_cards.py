@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers.prediction import make_image, make_model, make_run
 
 from seg_at_scale.errors import InputError
@@ -103,10 +104,20 @@ def test_a_card_contradicting_its_network_is_refused_at_load(models, tmp_path, p
     assert "\n" not in msg and "export the model again" in msg
 
 
-def test_a_larger_halo_is_still_exact_and_accepted(models, tmp_path):
+def test_a_larger_halo_or_a_multiple_of_the_alignment_is_still_exact_and_accepted(models,
+                                                                                   tmp_path):
+    """A card's footprint is held to the rule ``infer(fp=)`` is held to (one rule): a
+    multiple of the network's alignment tiles it exactly, as more context does."""
+    from seg_at_scale.tiling import infer
+
     good = edited(models["same"], tmp_path / "wide.segmodel",
                   lambda card: _set(card, "footprint.halo", 30))
     assert read_model(good).footprint.halo == 30
+    coarse = read_model(edited(models["same"], tmp_path / "coarse.segmodel",
+                               lambda card: _set(card, "footprint.align", 8)))
+    assert coarse.footprint.align == 8
+    x = torch.randn(1, 4, 61, 53)
+    assert torch.equal(infer(coarse.model, x, q=2, fp=coarse.footprint), infer(coarse.model, x))
 
 
 def test_seg_predict_refuses_an_edited_halo_in_one_line(models, tmp_path):
