@@ -178,8 +178,10 @@ def collect_trials(folder: str | Path, study_name: str | None = None) -> SweepRe
     if not jobs:
         raise FileNotFoundError(_no_jobs(folder))
     trials, direction = _study_trials(folder, study_name)
+    unrecorded = _no_record(folder)
+    grid = _grid_jobs(folder) if unrecorded and not trials else []
     rows = sorted([*(_row(j, trials.get(_job_number(j))) for j in jobs),
-                   *(_unrecorded(j, trials.get(_job_number(j))) for j in _no_record(folder))],
+                   *(_unrecorded(j, trials.get(_job_number(j)), grid) for j in unrecorded)],
                   key=lambda r: r.job)
     if direction is None:
         modes = {r.record.get("mode") for r in rows} - {None}
@@ -202,32 +204,60 @@ def _no_record(folder: Path) -> list[Path]:
                   and not (d / ".hydra" / "overrides.yaml").is_file())
 
 
-def _unrecorded(job_dir: Path, trial: Any) -> TrialRow:
-    """A job that saved no config: failed (its ``train.log`` says why), or the study's state."""
+def _unrecorded(job_dir: Path, trial: Any, grid: Sequence[list[str]] = ()) -> TrialRow:
+    """A job that saved no config: failed (its ``train.log`` says why), or the study's state.
+
+    Its overrides are the grid's job of its number (``grid``: :func:`_grid_jobs`), if any.
+    """
     state = trial.state.name.lower() if trial is not None else "fail"
-    return TrialRow(_job_number(job_dir), job_dir, {"fail": "failed"}.get(state, state), None,
-                    [])
+    job = _job_number(job_dir)
+    overrides = list(grid[job]) if 0 <= job < len(grid) else []
+    return TrialRow(job, job_dir, {"fail": "failed"}.get(state, state), None, overrides)
 
 
-def _swept(folder: Path) -> list[str]:
-    """The keys the sweep's command line swept (``multirun.yaml``): ``a=1,2``, ``choice(...)``."""
+def _command_line(folder: Path) -> list[Any]:
+    """The sweep's command-line overrides (``multirun.yaml``), as Hydra's parser reads them.
+
+    A dict or list value (``a=[1,2]``, ``b={x:1,y:2}``) is one value, not a sweep.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
     try:
         doc = yaml.safe_load((folder / "multirun.yaml").read_text())
         task = doc["hydra"]["overrides"]["task"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         return []
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    parser, keys = OverridesParser.create(), []
+    parser, parsed = OverridesParser.create(), []
     for o in task if isinstance(task, list) else []:
-        try:  # Hydra's own reading: a dict or list value (a=[1,2], b={x:1,y:2}) is one value
-            override = parser.parse_override(str(o))
+        try:
+            parsed.append(parser.parse_override(str(o)))
         except HydraException:
             continue
-        if override.is_sweep_override():
-            keys.append(override.get_key_element().lstrip("+~"))
-    return keys
+    return parsed
+
+
+def _swept(folder: Path) -> list[str]:
+    """The keys the sweep's command line swept (``multirun.yaml``): ``a=1,2``, ``choice(...)``."""
+    return [o.get_key_element().lstrip("+~") for o in _command_line(folder)
+            if o.is_sweep_override()]
+
+
+def _grid_jobs(folder: Path) -> list[list[str]]:
+    """A grid sweep's jobs' overrides, in job order, as Hydra's grid sweeper made them.
+
+    Empty for a sweep of ranges an optimiser draws from (no grid).
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.errors import HydraException
+
+    parsed = _command_line(folder)
+    if any(o.is_sweep_override() and not o.is_discrete_sweep() for o in parsed):
+        return []
+    try:
+        return BasicSweeper.split_arguments(parsed, None)[0]
+    except HydraException:
+        return []
 
 
 def _searched_keys(rows: Sequence[TrialRow], trials: dict[int, Any],

@@ -428,16 +428,16 @@ def test_a_refused_trial_is_a_failed_row_and_the_swept_key_is_the_command_lines(
     refused.mkdir()
     (refused / "train.log").write_text("seg-train: error: tiling.q=40 ...\n")
     report = collect_trials(sweep)
-    assert [(r.job, r.status, r.objective) for r in report.rows] == [
-        (0, "complete", 0.5), (1, "failed", None)]
+    assert [(r.job, r.status, r.objective, r.value_of("tiling.q")) for r in report.rows] == [
+        (0, "complete", 0.5, "1"), (1, "failed", None, "40")]  # the grid's job 1
     assert report.params == ["tiling.q"] and report.best is report.rows[0]
 
 
 def test_a_grid_sweep_a_failed_trial_ended_still_writes_its_report(tmp_path):
     """Before: Hydra calls ``on_multirun_end`` only when every trial succeeded, so a grid
     sweep with one refused trial exited with no ``sweep_report.csv`` for the trial that
-    finished; and a dict value on the command line (``data.synthetic.splits={...}``) was
-    read as a swept key for its commas."""
+    finished; a dict value on the command line (``data.synthetic.splits={...}``) was read
+    as a swept key for its commas; and the refused trial's row had no swept value."""
     folder = tmp_path / "grid"
     out = warm.run(_train_cmd("-m", *TINY, "trainer.max_epochs=1", "predict_after_fit=false",
                               "model.in_channels=4,3", f"hydra.sweep.dir={folder}"),
@@ -447,7 +447,7 @@ def test_a_grid_sweep_a_failed_trial_ended_still_writes_its_report(tmp_path):
     with open(folder / "sweep_report.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["job"], r["status"], r["model.in_channels"]) for r in rows] == [
-        ("0", "complete", "4"), ("1", "failed", "")]
+        ("0", "complete", "4"), ("1", "failed", "3")]  # the grid's job 1, as Hydra made it
     assert float(rows[0]["objective"]) == pytest.approx(_miou_history(folder / rows[0]["run"])[0])
     assert "data.synthetic.splits" not in rows[0]  # one value, not a sweep
     assert (folder / "best_command.txt").read_text().strip().endswith("model.in_channels=4")
