@@ -40,7 +40,7 @@ from segmentation_models_pytorch.base import SegmentationModel
 from torch import Tensor, nn
 
 from seg_at_scale.devices import module_device
-from seg_at_scale.errors import ConfigError
+from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.models import weights as W
 from seg_at_scale.models.smp_stage_split import smp_stages
 from seg_at_scale.models.smp_tileable import (
@@ -173,8 +173,36 @@ class SMPModel(nn.Module):
         return int(self.net.encoder.output_stride)
 
     def forward(self, x: Tensor) -> Tensor:
-        """Logits ``[B, num_classes, H, W]`` for ``[B, in_channels, H, W]``."""
-        return self.net(x)
+        """Logits ``[B, num_classes, H, W]`` for ``[B, in_channels, H, W]``.
+
+        Raises:
+            InputError: an input smaller than the network takes (PAN: 128 px a side), in
+                its words: torch's ("Output size is too small") came from a pooling layer
+                deep inside.
+        """
+        try:
+            return self.net(x)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            a, (h, w) = self.downsampling_factor, x.shape[-2:]
+            if h % a or w % a:  # smp's own words say which multiple to pad to
+                raise
+            key = (self.arch, self.encoder_name, self.in_channels, repr(sorted(
+                self.options.items())))
+            if key in _PROBING:  # the probe's own forwards: torch's error is the answer
+                raise
+            _PROBING.add(key)
+            try:
+                smallest = _smallest_input(self, a)
+            finally:
+                _PROBING.discard(key)
+            if min(h, w) >= smallest:
+                raise
+            raise InputError(
+                f"model.arch={self.arch}: the network takes inputs of at least {smallest} x "
+                f"{smallest} pixels, and this one is {h} x {w}; give a larger image (or pad "
+                "it), or larger tiles") from None
 
     def encoder_parameters(self) -> Iterator[nn.Parameter]:
         """The encoder's parameters (fine-tuning: their own learning rate, freezing)."""
@@ -310,6 +338,10 @@ class SMPModel(nn.Module):
         levels = site_levels(self, torch.zeros(1, self.in_channels, 2 * a, 2 * a,
                                                device=module_device(self)))
         return max(levels.values(), default=0)
+
+
+#: networks whose smallest input is being probed (their failed forwards are the probe's)
+_PROBING: set[tuple[Any, ...]] = set()
 
 
 def _smallest_input(model: SMPModel, align: int, most: int = 16) -> int:

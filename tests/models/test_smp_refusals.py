@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers.smp import lively, preset_model
 
-from seg_at_scale.errors import ConfigError
+from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.models.registry import build_model
 from seg_at_scale.models.smp import SMPModel
 from seg_at_scale.tiling import predict_full
@@ -135,3 +135,20 @@ def test_a_run_with_tiling_exact_false_takes_the_approximate_footprint(caplog):
         fp = run_footprint(net, OmegaConf.create({"exact": False, "halo": "auto"}))
     assert fp == net.approximate_footprint() and fp.align == 32
     assert "do NOT reproduce the whole-image computation" in caplog.text
+
+
+def test_an_input_smaller_than_the_network_takes_is_named_in_its_words():
+    """Before: PAN on a 64 x 64 image (a multiple of its alignment) failed with torch's
+    "Given input size: (1x1x1). Calculated output size: (1x0x0). Output size is too small"
+    from a pooling layer deep inside; smp's own words for a size off the alignment stay."""
+    net = SMPModel("PAN", "tu-test_resnet", in_channels=4, num_classes=3).eval()
+    a = net.downsampling_factor
+    with torch.no_grad(), pytest.raises(InputError) as err:
+        net(torch.randn(1, 4, 2 * a, 3 * a))
+    assert str(err.value) == (
+        f"model.arch=PAN: the network takes inputs of at least 128 x 128 pixels, and this one "
+        f"is {2 * a} x {3 * a}; give a larger image (or pad it), or larger tiles")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="divisible by"):
+        net(torch.randn(1, 4, 2 * a + 1, 3 * a))
+    with torch.no_grad():
+        assert net(torch.randn(1, 4, 128, 128 + a)).shape == (1, 3, 128, 128 + a)
