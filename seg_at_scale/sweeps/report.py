@@ -171,14 +171,16 @@ def collect_trials(folder: str | Path, study_name: str | None = None) -> SweepRe
         study_name: the study to read from ``optuna.db`` when it holds several.
 
     Raises:
-        FileNotFoundError: the folder holds no Hydra job.
+        FileNotFoundError: the folder holds no Hydra job, and is no sweep whose every job
+            was refused before its run began (``multirun.yaml`` or a study beside them).
     """
     folder = Path(folder)
     jobs = sorted(p.parent.parent for p in folder.glob("*/.hydra/overrides.yaml"))
-    if not jobs:
+    unrecorded = _no_record(folder) if folder.is_dir() else []
+    swept = (folder / "multirun.yaml").is_file() or (folder / STUDY_FILE).is_file()
+    if not jobs and not (unrecorded and swept):
         raise FileNotFoundError(_no_jobs(folder))
     trials, direction = _study_trials(folder, study_name)
-    unrecorded = _no_record(folder)
     grid = _grid_jobs(folder) if unrecorded and not trials else []
     rows = sorted([*(_row(j, trials.get(_job_number(j))) for j in jobs),
                    *(_unrecorded(j, trials.get(_job_number(j)), grid) for j in unrecorded)],

@@ -433,6 +433,48 @@ def test_a_refused_trial_is_a_failed_row_and_the_swept_key_is_the_command_lines(
     assert report.params == ["tiling.q"] and report.best is report.rows[0]
 
 
+def test_a_sweep_whose_every_trial_was_refused_still_has_a_report(tmp_path):
+    """Before: with no job folder holding a saved config, the report said the folder held
+    no Hydra job (FileNotFoundError), so a grid whose every trial was refused got no
+    ``sweep_report.csv`` naming the refused values."""
+    from seg_at_scale.sweeps.report import (
+        COMMAND_FILE,
+        CSV_FILE,
+        PNG_FILE,
+        collect_trials,
+        write_report,
+    )
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text(OmegaConf.to_yaml(
+        {"hydra": {"overrides": {"task": ["model=unet_tiny", "tiling=grid", "tiling.q=40,50"]}}}))
+    for job, q in enumerate((40, 50)):
+        refused = sweep / f"{job}_model=unet_tiny,tiling.q={q},tiling=grid"
+        refused.mkdir()
+        (refused / "train.log").write_text(f"seg-train: error: tiling.q={q} ...\n")
+    report = collect_trials(sweep)
+    assert [(r.job, r.status, r.objective, r.value_of("tiling.q")) for r in report.rows] == [
+        (0, "failed", None, "40"), (1, "failed", None, "50")]
+    assert report.params == ["tiling.q"] and report.best is None
+    write_report(sweep)  # the PNG too: a plot with no objective to draw
+    assert (sweep / PNG_FILE).stat().st_size > 0
+    with open(sweep / CSV_FILE) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["status"], r["tiling.q"]) for r in rows] == [
+        ("0", "failed", "40"), ("1", "failed", "50")]
+    assert not (sweep / COMMAND_FILE).exists()  # no best run to repeat
+
+
+def test_a_folder_of_numbered_folders_without_a_sweep_record_is_still_refused(tmp_path):
+    """Numbered folders alone (no ``multirun.yaml``, no study) are not a sweep."""
+    from seg_at_scale.sweeps.report import collect_trials
+
+    (tmp_path / "0_notes").mkdir()
+    with pytest.raises(FileNotFoundError, match="sweep folder"):
+        collect_trials(tmp_path)
+
+
 def test_a_grid_sweep_a_failed_trial_ended_still_writes_its_report(tmp_path):
     """Before: Hydra calls ``on_multirun_end`` only when every trial succeeded, so a grid
     sweep with one refused trial exited with no ``sweep_report.csv`` for the trial that
