@@ -37,7 +37,7 @@ from seg_at_scale.models.card import ModelCard
 from seg_at_scale.prediction.options import PredictOptions, default_batch_size
 from seg_at_scale.prediction.outputs import output_kind
 from seg_at_scale.tiling import make_grid
-from seg_at_scale.tiling.engine import plan_batches
+from seg_at_scale.tiling.engine import count_batches, plan_batches
 from seg_at_scale.tiling.geometry import Footprint, cover_axis, split_axis
 from seg_at_scale.tiling.tile_sides import smallest_side
 
@@ -349,14 +349,13 @@ def check_scene(image: Path, output: Path, options: PredictOptions, *, card: Mod
 def most_batches(height: int, width: int, fp: Footprint, batch_size: int | None) -> int:
     """The most batches any grid of a ``height x width`` image has: the smallest tiles'.
 
-    Counted from the two axes' splits, as :func:`~seg_at_scale.tiling.engine.plan_batches`
-    groups the grid's tiles (runs of one input size in row-major order), without making
-    the grid: the smallest tiles of a network with a few pixels of halo number millions
-    on a large scene (8192^2: minutes and 12 GB before any work, for every seg-predict).
+    Counted from the two axes' splits by :func:`~seg_at_scale.tiling.engine.count_batches`,
+    the rule :func:`~seg_at_scale.tiling.engine.plan_batches` groups the grid's tiles by
+    (runs of one input size in row-major order), without making the grid: the smallest
+    tiles of a network with a few pixels of halo number millions on a large scene (8192^2:
+    minutes and 12 GB before any work, for every seg-predict).
     """
-    side, batch = smallest_side(fp), batch_size or 1
-    if batch < 1:
-        raise ValueError(f"batch_size={batch}: use at least 1")
+    side = smallest_side(fp)
 
     def reads(length: int) -> list[tuple[int, int]]:  # (read length, tiles): runs in order
         runs: list[tuple[int, int]] = []
@@ -368,19 +367,9 @@ def most_batches(height: int, width: int, fp: Footprint, batch_size: int | None)
                 runs.append((r1 - r0, 1))
         return runs
 
-    cols = reads(width)
-    batches, last, room = 0, None, 0  # the open batch's input size, tiles it can still take
-    for rh, nr in reads(height):
-        for _ in range(nr):  # rows of one read height: the same runs of columns each
-            for cw, n in cols:
-                if (rh, cw) == last:
-                    taken = min(room, n)
-                    n, room = n - taken, room - taken
-                if n:
-                    full, rest = divmod(n, batch)
-                    batches += full + (rest > 0)
-                    last, room = (rh, cw), (batch - rest) % batch
-    return batches
+    cols = reads(width)  # every row of tiles has the same runs of columns, row-major order
+    return count_batches((((rh, cw), n) for rh, rows in reads(height) for _ in range(rows)
+                          for cw, n in cols), batch_size or 1)
 
 
 def too_many_ranks(ranks: int, image: Path, batches: int, tiles: int | None,

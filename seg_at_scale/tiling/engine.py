@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,8 +41,9 @@ from seg_at_scale.tiling.geometry import (
     source_indices,
 )
 
-__all__ = ["WindowSource", "TensorWindows", "Batch", "plan_batches", "D4", "TTA",
-           "run_batches", "run_parts", "Part", "PartError", "BatchOutput", "forward_shapes"]
+__all__ = ["WindowSource", "TensorWindows", "Batch", "plan_batches", "count_batches", "size_runs",
+           "D4", "TTA", "run_batches", "run_parts", "Part", "PartError", "BatchOutput",
+           "forward_shapes"]
 
 
 class WindowSource(Protocol):
@@ -108,18 +109,53 @@ class Batch:
 
 
 def plan_batches(tiles: Sequence[Tile], batch_size: int) -> list[Batch]:
-    """Consecutive runs of tiles with one input size, at most ``batch_size`` each."""
+    """Consecutive runs of tiles with one input size, at most ``batch_size`` each.
+
+    The grouping rule is :func:`size_runs`': a batch never mixes input sizes and a run of
+    one size is cut into ``batch_size`` pieces from its start.
+    """
+    _check_batch_size(batch_size)
+    out: list[Batch] = []
+    start = 0
+    for _, n in size_runs(((t.read.height, t.read.width), 1) for t in tiles):
+        for k in range(start, start + n, batch_size):
+            out.append(Batch(len(out), tuple(tiles[k : min(k + batch_size, start + n)])))
+        start += n
+    return out
+
+
+def count_batches(runs: Iterable[tuple[tuple[int, int], int]], batch_size: int) -> int:
+    """How many batches :func:`plan_batches` makes, without the tiles.
+
+    ``runs``: the tiles as ``(input size, count)`` pieces in grid order (a grid of the
+    smallest tiles of a network of a few pixels of halo holds millions).
+    """
+    _check_batch_size(batch_size)
+    return sum(-(-n // batch_size) for _, n in size_runs(runs))
+
+
+def size_runs(runs: Iterable[tuple[tuple[int, int], int]],
+              ) -> Iterator[tuple[tuple[int, int], int]]:
+    """The maximal runs of one input size: consecutive ``(size, count)`` pieces joined.
+
+    The batches' grouping rule, in one place for :func:`plan_batches` and
+    :func:`count_batches`.
+    """
+    run: tuple[tuple[int, int], int] | None = None
+    for size, n in runs:
+        if run is not None and run[0] == size:
+            run = (size, run[1] + n)
+            continue
+        if run is not None:
+            yield run
+        run = (size, n)
+    if run is not None:
+        yield run
+
+
+def _check_batch_size(batch_size: int) -> None:
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: use at least 1")
-    out: list[list[Tile]] = []
-    for t in tiles:
-        last = out[-1] if out else None
-        size = (t.read.height, t.read.width)
-        if last and len(last) < batch_size and (last[0].read.height, last[0].read.width) == size:
-            last.append(t)
-        else:
-            out.append([t])
-    return [Batch(k, tuple(ts)) for k, ts in enumerate(out)]
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,13 @@ from seg_at_scale.tiling.engine import (
     Part,
     PartError,
     TensorWindows,
+    count_batches,
     forward_shapes,
     plan_batches,
     run_batches,
     run_parts,
 )
+from seg_at_scale.tiling.geometry import Footprint
 
 
 @pytest.mark.parametrize(("tta", "batch_size", "shape"), [
@@ -44,6 +46,29 @@ def test_forward_shapes_are_the_forwards_run_batches_makes(tta, batch_size, shap
         pass
     expected = forward_shapes(batches, height=h, width=w, fp=fp, tta=tta)
     assert seen == expected and len(expected) > 1
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 5, 64])
+def test_batches_never_mix_sizes_and_their_count_is_the_plans(batch_size):
+    """Each batch holds one input size, at most ``batch_size`` tiles, every tile once in
+    grid order; counted from ``(size, count)`` pieces (split anywhere) as planned."""
+    grid = make_grid(229, 301, Footprint(halo=5, align=4), tile_size=48, uniform=True)
+    batches = plan_batches(grid.tiles, batch_size)
+    assert [t for b in batches for t in b.tiles] == list(grid.tiles)
+    assert [b.index for b in batches] == list(range(len(batches)))
+    for b in batches:
+        assert 1 <= len(b.tiles) <= batch_size
+        assert len({(t.read.height, t.read.width) for t in b.tiles}) == 1
+    for a, b in zip(batches, batches[1:]):  # a batch is cut short only where the size changes
+        if len(a.tiles) < batch_size:
+            assert (a.tiles[0].read.height, a.tiles[0].read.width) != (
+                b.tiles[0].read.height, b.tiles[0].read.width)
+    pieces = [((t.read.height, t.read.width), 1) for t in grid.tiles]
+    assert count_batches(pieces, batch_size) == len(batches)
+    halves = [(s, n) for s, one in pieces for n in (0, one)]  # empty pieces change nothing
+    assert count_batches(halves, batch_size) == len(batches)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        count_batches(pieces, 0)
 
 
 def test_on_the_cpu_each_batch_is_read_between_the_forwards_on_the_callers_thread():
