@@ -33,9 +33,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
 import shapely
 from affine import Affine
 from rasterio.crs import CRS
@@ -45,6 +45,9 @@ from seg_at_scale.io.writer import check_output_path, remove_stale_temporaries, 
 from seg_at_scale.vectors.polygonize import MergeStats, Region, check_options, polygonize
 from seg_at_scale.vectors.simplify import coverage_simplified
 from seg_at_scale.vectors.sources import Source, georeference, store_class_names
+
+if TYPE_CHECKING:  # imported where a file is written: every command imports this module
+    import pyarrow as pa
 
 __all__ = ["FORMATS", "VectorStats", "write_vectors", "vector_format", "to_map", "layer_name"]
 
@@ -197,6 +200,8 @@ class _Layout:
 
     @property
     def schema(self) -> pa.Schema:
+        import pyarrow as pa
+
         fields = [("class_id", pa.int32()), ("class_name", pa.string()),
                   ("area", pa.float64()), ("pixels", pa.int64())]
         if self.with_probability:
@@ -248,6 +253,8 @@ class _Layout:
                 stats.dropped += 1
 
     def record_batch(self, regions: list[Region], stats: VectorStats) -> pa.RecordBatch:
+        import pyarrow as pa
+
         ids = np.array([r.class_id for r in regions], np.int32)
         names = [self.name(int(c)) for c in ids]
         for name in names:
@@ -283,6 +290,8 @@ def layer_name(stem: str, driver: str) -> str:
 
 def _write(batches: Iterator[pa.RecordBatch], path: Path, driver: str, layer: str,
            layout: _Layout, crs: CRS | None) -> None:
+    import pyarrow as pa
+
     source = _Source(batches)
     reader = pa.RecordBatchReader.from_batches(layout.schema, iter(source))
     try:

@@ -10,16 +10,18 @@ import sys
 def test_seg_predict_starts_without_the_libraries_only_polygons_or_compiling_need():
     """scipy (0.3 s here), pyogrio and geopandas load when polygons are written, not when
     ``seg-predict`` starts (scipy was loaded through the catalog's import of the vectors);
-    ``torch._dynamo`` (1 s) when ``compile`` compiles a shape, not with the prediction
-    modules every run and rank imports."""
+    ``torch._dynamo`` (1 s) when ``compile`` compiles a shape, and pyarrow (with its
+    allocator's thread) when a polygon file is written, not with the prediction modules
+    every run, ``seg-train`` and Slurm rank imports (pyarrow was, through the vectors)."""
     code = ("import sys, seg_at_scale.cli.predict\n"
-            "print(sorted(m for m in ('scipy', 'pyogrio', 'geopandas') if m in sys.modules))\n"
+            "print(sorted(m for m in ('scipy', 'pyogrio', 'geopandas', 'pyarrow')"
+            " if m in sys.modules))\n"
             "import seg_at_scale.prediction.archive, seg_at_scale.prediction.scene\n"
-            "print('torch._dynamo' in sys.modules)")
+            "print('torch._dynamo' in sys.modules, 'pyarrow' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-2:] == ["[]", "False"], out.stdout
+    assert out.stdout.strip().splitlines()[-2:] == ["[]", "False False"], out.stdout
 
 
 KEPT_OUT = """
