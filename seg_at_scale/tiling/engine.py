@@ -111,7 +111,7 @@ class Batch:
 def plan_batches(tiles: Sequence[Tile], batch_size: int) -> list[Batch]:
     """Consecutive runs of tiles with one input size, at most ``batch_size`` each.
 
-    The grouping rule is :func:`size_runs`': a batch never mixes input sizes and a run of
+    The grouping rule is :func:`size_runs`'s: a batch never mixes input sizes and a run of
     one size is cut into ``batch_size`` pieces from its start.
     """
     _check_batch_size(batch_size)
