@@ -1,8 +1,10 @@
 """experiments/bench_gpu.py on this CPU with --quick: every section gives sane figures.
 
 The GPU run is the point of the script; this keeps its harness from rotting. The script
-runs as a subprocess on the checkout under test (``PYTHONPATH``), with glibc's mmap
-threshold fixed so that freed tensors leave the resident set and CPU peaks are measurable.
+runs as a subprocess on the checkout under test (``PYTHONPATH``) under glibc's malloc with
+its mmap threshold fixed, so that freed tensors leave the resident set and CPU peaks are
+measurable: not under the preload ``make test`` runs the suite with (tcmalloc keeps freed
+memory for the next tensors, so a repeated step's resident set does not grow).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ SECTIONS = {"matmul_peak", "unet_forward", "prediction", "train_step", "largest_
 
 
 def bench(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "131072"}
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_="131072")
     return subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_gpu.py"), *args],
                           env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
 
