@@ -7,7 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all test-gpu gpu-wheels gpu-check test-slurm slurm-up slurm-down lint bench bench-smoke clean-data install
+.PHONY: demo test test-slow test-all test-gpu gpu-wheels gpu-check test-slurm slurm-up slurm-down lint bench bench-smoke clean-data install
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ UNDER_MALLOC := $(PY) -c 'import sys; from seg_at_scale.cli.malloc import run_un
 test: $(STAMP)
 	-$(PY) -m compileall -q -j 0 seg_at_scale tests experiments >/dev/null
 	$(UNDER_MALLOC) $(PY) -m pytest -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
+
+## the slow tests alone, in parallel as `make test` (CI runs both): long trainings, the wheel,
+## the notebooks, and the start-up mechanisms each proven in fresh interpreters (malloc,
+## huge pages, the collector, the suite's warm processes); no fault test is among them
+test-slow: $(STAMP)
+	-$(PY) -m compileall -q -j 0 seg_at_scale tests experiments >/dev/null
+	$(UNDER_MALLOC) $(PY) -m pytest -q -m slow -n $(WORKERS) --dist loadscope --no-loadscope-reorder $(ARGS)
 
 test-all: $(STAMP)
 	SEG_TEST_COLD=1 $(UNDER_MALLOC) $(PY) -m pytest -q -m "" $(ARGS)

@@ -129,6 +129,7 @@ def test_quick_cpu_run_gives_every_section(tmp_path):
     assert positive(*(v["ratio"] for v in pipe["planner"].values()))
 
 
+@pytest.mark.slow  # make test-slow: bench_gpu's harness, in a fresh interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_without_cuda_and_quick_it_says_so_and_writes_nothing(tmp_path):
     out = tmp_path / "bench_gpu.json"

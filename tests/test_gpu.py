@@ -484,6 +484,7 @@ def test_cli_train_resume_predict(device, tmp_path):
 # ----- the harness -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # make test-slow: the GPU suite's harness, in a pytest of its own
 def test_gpu_suite_collects_and_skips_cleanly():
     """`pytest -m gpu` selects exactly the cuda variants of the tests above; without CUDA
     each one skips with the reason (with CUDA, only collection is checked here)."""

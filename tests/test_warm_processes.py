@@ -18,6 +18,9 @@ from helpers import warm
 TESTS = Path(__file__).parent
 PROBE = [sys.executable, "-m", "helpers.warm_probe"]
 
+pytestmark = pytest.mark.slow  # make test-slow: the suite's own harness, against fresh interpreters
+
+
 
 def _env(**extra: str) -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(TESTS), "PROBE": "yes",

@@ -15,6 +15,9 @@ from seg_at_scale.cli.malloc import find_tcmalloc
 
 ROOT = Path(__file__).resolve().parents[2]
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+pytestmark = pytest.mark.slow  # make test-slow: a start-up mechanism, in fresh interpreters
+
 PROBE = """
 import resource, seg_at_scale.cli, torch
 import os

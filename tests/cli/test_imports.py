@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_seg_predict_starts_without_the_libraries_only_polygons_or_compiling_need():
     """scipy (0.3 s here), pyogrio and geopandas load when polygons are written, not when
@@ -80,6 +82,7 @@ def _block(before: str = "") -> list[str]:
     return out.stdout.split()
 
 
+@pytest.mark.slow  # make test-slow: a start-up mechanism, in fresh interpreters
 def test_the_stack_leaves_the_collector_once_and_what_the_run_makes_stays_in_it():
     """torch's objects are frozen by the first block; the second freezes nothing, so the
     cycles made after the first are collected, not kept for the process's life."""
@@ -90,6 +93,7 @@ def test_the_stack_leaves_the_collector_once_and_what_the_run_makes_stays_in_it(
     assert int(collected) >= 2
 
 
+@pytest.mark.slow  # make test-slow: a start-up mechanism, in fresh interpreters
 def test_a_collector_the_user_switched_off_stays_off():
     frozen, _, enabled, _ = _block("gc.disable()")
     assert int(frozen) > 100_000
@@ -108,6 +112,7 @@ print(gc.get_freeze_count(), gc.isenabled())
 """
 
 
+@pytest.mark.slow  # make test-slow: a start-up mechanism, in fresh interpreters
 def test_both_commands_import_the_stack_as_long_lived_objects(tmp_path):
     """``seg-train`` and ``seg-predict`` refused after the network stack's import (an unknown
     ``predict.`` key, a missing run): its objects left the collector, which runs again."""
@@ -129,8 +134,6 @@ def test_a_kept_out_module_is_refused_naming_it_as_not_installed(monkeypatch):
     """``keep_out``: an import of the module raises ModuleNotFoundError naming it, which a
     library's ``try: import`` and ``importlib.util.find_spec`` take for "not installed"."""
     import importlib.util
-
-    import pytest
 
     from seg_at_scale.cli.common import keep_out
 

@@ -82,6 +82,7 @@ def test_a_script_is_not_re_executed_by_importing_the_commands():
     assert (out.returncode, out.stdout.split()) == (0, ["system", "True", "False"]), out.stderr
 
 
+@pytest.mark.slow  # make test-slow: a start-up mechanism, in fresh interpreters
 @pytest.mark.skipif(find_tcmalloc() is None,
                     reason="no tcmalloc installed (apt-get install libtcmalloc-minimal4)")
 def test_run_under_starts_a_program_under_the_commands_malloc_as_the_user_chooses(tmp_path):
@@ -106,6 +107,7 @@ def test_run_under_starts_a_program_under_the_commands_malloc_as_the_user_choose
         "installed) or 'system' (glibc's)")
 
 
+@pytest.mark.slow  # make test-slow: a start-up mechanism, in fresh interpreters
 @pytest.mark.skipif(find_tcmalloc() is None,
                     reason="no tcmalloc installed (apt-get install libtcmalloc-minimal4)")
 def test_a_fresh_command_runs_under_tcmalloc_and_writes_the_same_bytes(cli_case,

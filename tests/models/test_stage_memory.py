@@ -174,6 +174,7 @@ print(plain, set_, fixed)
 """
 
 
+@pytest.mark.slow  # make test-slow: a start-up mechanism, in fresh interpreters
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_large_tensors_are_mapped_after_glibc_would_have_raised_its_threshold():
     """After a 20 MiB tile is freed, glibc puts a 6 MiB map on the heap, where freed maps of
@@ -203,6 +204,7 @@ print(allocator(), large_tensors_mapped(), gave, kept - rss())
 """
 
 
+@pytest.mark.slow  # make test-slow: a start-up mechanism, in fresh interpreters
 @pytest.mark.skipif(find_tcmalloc() is None,
                     reason="no tcmalloc installed (apt-get install libtcmalloc-minimal4)")
 def test_under_tcmalloc_the_stages_freed_memory_is_returned_by_tcmalloc():

@@ -364,6 +364,7 @@ def _execute(name: str, tmp: Path, monkeypatch, **env: str):
     return _outputs(nb)
 
 
+@pytest.mark.slow  # make test-slow: a notebook, run in a kernel of its own
 def test_visualize_notebook_shows_legend_error_map_iou_and_tile_zoom(killed_sweep, monkeypatch):
     text, images = _execute("visualize_predictions.ipynb", killed_sweep.tmp, monkeypatch,
                             SEG_RUN=str(killed_sweep.folder / "2"))
@@ -373,6 +374,7 @@ def test_visualize_notebook_shows_legend_error_map_iou_and_tile_zoom(killed_swee
     assert images == [0, 1, 1, 1, 1, 1]  # image/truth/prediction, errors, IoU, grid, zoom
 
 
+@pytest.mark.slow  # make test-slow: a notebook, run in a kernel of its own
 def test_explore_sweep_notebook_shows_one_row_per_trial_and_the_best_runs(killed_sweep,
                                                                           monkeypatch):
     text, images = _execute("explore_sweep.ipynb", killed_sweep.tmp, monkeypatch,
