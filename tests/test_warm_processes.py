@@ -21,7 +21,6 @@ PROBE = [sys.executable, "-m", "helpers.warm_probe"]
 pytestmark = pytest.mark.slow  # make test-slow: the suite's own harness, against fresh interpreters
 
 
-
 def _env(**extra: str) -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(TESTS), "PROBE": "yes",
             "HOME": "/nowhere", **extra}

@@ -48,7 +48,6 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
     time.sleep(0.5)  # written completely, and into the next epoch
 
 
-@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_a_rerun_resumes_from_it(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = start(tmp_path, "trainer.max_epochs=1000", run_dir=run)
