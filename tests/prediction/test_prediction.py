@@ -102,14 +102,17 @@ def _arrays(store):
 
 @pytest.mark.slow  # make test-all; the property is also proven by faster tests
 def test_processes_give_byte_identical_zarr_and_cog(cli_case, tmp_path):
-    """processes = 1, 2, 3: the same labels and probabilities, and the same COG bytes; the
-    COG passes GDAL's COG rules and carries the input's georeferencing."""
+    """processes = 1, 2, 3: the same labels and probabilities, and the same COG bytes,
+    overviews included (the scene is wider than one 512 block: GDAL's rule gives it a
+    level); the COG passes GDAL's COG rules and carries the input's georeferencing."""
     import rasterio
+    from helpers.prediction import make_image
     from rio_cogeo.cogeo import cog_validate
 
     from seg_at_scale.io.overviews import overview_shapes
 
-    run, image = cli_case
+    run, _ = cli_case
+    image = make_image(tmp_path / "wide.tif", 263, 601)
     outs = {}
     for n in (1, 2, 3):
         out = tmp_path / f"p{n}" / "mask.tif"
@@ -132,6 +135,7 @@ def test_processes_give_byte_identical_zarr_and_cog(cli_case, tmp_path):
         assert (cog.width, cog.height, cog.crs, cog.transform) == (
             src.width, src.height, src.crs, src.transform)
         levels = overview_shapes(cog.height, cog.width, cog.block_shapes[0][0])
+        assert len(levels) == 1  # so the bytes compared above hold an overview
         assert cog.overviews(1) == [2 ** (i + 1) for i in range(len(levels))]  # GDAL's rule
         assert cog.nodata == 255 and cog.profile["tiled"]
         assert cog.colormap(1)[1][:3] != cog.colormap(1)[2][:3]
