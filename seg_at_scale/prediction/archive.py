@@ -206,8 +206,9 @@ def archive_scenes(images: str, output_dir: Path, *, output_format: str = "tif",
     """The archive's scenes with their outputs (``<output_dir>/<stem>.<format>``).
 
     Polygons go to ``<output_dir>/<stem>.<vector>``, or with ``vector_merge`` to
-    ``<output_dir>/.vectors/`` (the pieces :func:`~.report.merge_vectors` joins into one
-    file; kept, so a rerun or an added scene merges again without recomputing). Given the
+    ``<output_dir>/vectors/`` (the pieces :func:`~.report.merge_vectors` joins into one
+    file; kept, so a rerun or an added scene merges again without recomputing, and named
+    by each scene's STAC Item: a folder a static host publishes, not a dot-folder). Given the
     prediction's ``options``, every path any scene writes is checked unique across the
     archive (:func:`check_output_names`) before anything is written.
     """
@@ -219,7 +220,7 @@ def archive_scenes(images: str, output_dir: Path, *, output_format: str = "tif",
                          "rasters named <stem>.tif or <stem>_mask.tif")
     if vector_merge and vector is None:
         raise ConfigError("vector_merge=true needs vector=<gpkg | parquet | fgb>")
-    pieces = output_dir / ".vectors" if vector_merge else output_dir
+    pieces = output_dir / "vectors" if vector_merge else output_dir
     scenes = [ArchiveScene(stem, image, output_dir / f"{stem}.{output_format}",
                            _mask_of(masks, stem, image),
                            pieces / f"{stem}.{vector}" if vector else None)

@@ -246,10 +246,15 @@ def test_one_merged_vector_file_for_the_archive(archive, tmp_path):
                    "vector_merge=true", "vector_min_area=0")
     merged = gpd.read_file(res["vectors"])
     assert sorted(merged["scene"].unique()) == sorted(SIZES)
+    items = {i["id"]: i for i in json.loads((out / "items.json").read_text())["features"]}
     for stem in SIZES:  # the merged rows of a scene are that scene's own polygons
-        piece = gpd.read_file(out / ".vectors" / f"{stem}.gpkg")
+        piece = gpd.read_file(out / "vectors" / f"{stem}.gpkg")
         assert int(merged.loc[merged["scene"] == stem, "pixels"].sum()) == int(
             piece["pixels"].sum()) == int((read_raster(out / f"{stem}.tif")[0] != 255).sum())
+        # each scene's Item names its own polygons, in a folder a static host publishes
+        # (one whose name starts with a dot is skipped by many)
+        href = items[stem]["assets"]["vectors"]["href"]  # relative to items.json
+        assert href == f"./vectors/{stem}.gpkg"
     assert not list(out.glob("s0.gpkg")) and merged.crs is not None
 
 
@@ -306,7 +311,7 @@ def test_merged_polygons_of_two_crss_are_measured_in_one_and_without_a_crs_refus
     merged = gpd.read_file(res["vectors"])
     assert merged.crs.to_epsg() == 32633
     web = merged[merged["scene"] == "web"]
-    piece = gpd.read_file(out / ".vectors" / "web.gpkg")
+    piece = gpd.read_file(out / "vectors" / "web.gpkg")
     assert piece.crs.to_epsg() == 3857 and len(web) == len(piece) > 0
     np.testing.assert_allclose(web["area"].to_numpy(),
                                piece.to_crs(32633).geometry.area.to_numpy(), rtol=1e-9)
