@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -98,17 +99,32 @@ def check_classes(model: nn.Module, bands: int, fp: Footprint, num_classes: int)
                          "Gated-SCNN with model.output=seg) or predict it in Python")
 
 
+#: the channels each network gives per pixel, by (device, bands): asked once, not once per
+#: scene of an archive
+_CHANNELS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int], int]] = \
+    weakref.WeakKeyDictionary()
+
+
 def output_channels(model: nn.Module, bands: int, fp: Footprint) -> int:
     """The channels the network gives per pixel, from one forward on its smallest window.
+
+    Asked once per network, device and bands (an archive's scenes share the answer).
 
     Raises:
         InputError: the network cannot run on ``bands`` bands (torch's words named).
     """
     p = next(model.parameters())
-    side = smallest_side(fp)
+    known = _CHANNELS.setdefault(model, {})
+    key = (str(p.device), bands)
+    if key not in known:
+        known[key] = _channels(model, bands, smallest_side(fp), p.device)
+    return known[key]
+
+
+def _channels(model: nn.Module, bands: int, side: int, device: torch.device) -> int:
     with torch.inference_mode():
         try:
-            return int(model(torch.zeros(1, bands, side, side, device=p.device)).shape[1])
+            return int(model(torch.zeros(1, bands, side, side, device=device)).shape[1])
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:  # torch's words for a first layer of other bands
