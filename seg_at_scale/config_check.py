@@ -172,6 +172,9 @@ def describe(hint: Any) -> str:
     if origin is typing.Literal:
         return "one of " + ", ".join(str(a).lower() if isinstance(a, bool) else repr(a)
                                      for a in args)
+    if origin is tuple and len(args) > 1 and Ellipsis not in args:  # a fixed length
+        inner = " or ".join(dict.fromkeys(describe(a) for a in args))
+        return f"a list of {len(args)} ({inner})"
     if origin in (list, tuple, collections.abc.Sequence):
         inner = " or ".join(describe(a) for a in args if a is not Ellipsis) or "values"
         return f"a list of ({inner})"

@@ -40,7 +40,8 @@ class PredictOptions:
         tile_size: largest input window per tile (pixels); ``auto``: the largest the
             device's memory holds for this network, or the whole image as one tile
             (:mod:`seg_at_scale.tiling.auto_tile`); None with ``q``.
-        q: tiles per side (wins over ``tile_size``).
+        q: tiles per side (wins over ``tile_size``); ``[rows, cols]`` for each axis its own
+            (a strip 50,000 wide and 2,000 high: ``q=[1,25]``).
         batch_size: tiles per forward pass; None = 1 on CPU, ~16 Mpix on a GPU.
         fast: bf16 autocast + channels_last; False = the exact fp32 reference.
         tta: ``"flips"`` or ``"d4"``: exact test-time augmentation (mean softmax).
@@ -78,7 +79,7 @@ class PredictOptions:
     """
 
     tile_size: int | Literal["auto"] | None = "auto"
-    q: int | None = None
+    q: int | tuple[int, int] | None = None
     batch_size: int | None = None
     fast: bool = False  # exact by default: the fast path is asked for
     tta: Literal["flips", "d4"] | None = None
@@ -104,8 +105,10 @@ class PredictOptions:
     def __post_init__(self) -> None:
         check_types("", {f.name: getattr(self, f.name) for f in fields(self)},
                     typing.get_type_hints(PredictOptions))
-        _at_least("q", self.q, 1, "give tiles per side as a whole number >= 1 (1 = one tile), "
-                  "or q=null to tile by tile_size")
+        for q in self.q if isinstance(self.q, tuple) else (self.q,):
+            _at_least("q", q, 1, "give tiles per side as a whole number >= 1 (1 = one tile), "
+                      "[rows, cols] of such numbers, or q=null to tile by tile_size",
+                      shown=self.q)
         if self.tile_size != "auto":
             _at_least("tile_size", self.tile_size, 1, "give the largest input window in "
                       "pixels, a whole number >= 1 (e.g. tile_size=1024), or auto")
@@ -145,8 +148,9 @@ class PredictOptions:
         for key in ("nodata", "vector_min_area", "vector_simplify"):
             if isinstance(keys.get(key), int) and not isinstance(keys[key], bool):
                 keys[key] = float(keys[key])
-        if isinstance(keys.get("vector_classes"), list):
-            keys["vector_classes"] = tuple(keys["vector_classes"])
+        for key in ("vector_classes", "q"):
+            if isinstance(keys.get(key), list):
+                keys[key] = tuple(keys[key])
         return cls(**keys)
 
     @staticmethod
@@ -165,8 +169,10 @@ def field_docs(cls: type) -> dict[str, str]:
 
     The one place a key's meaning is written: ``seg-predict --help`` is made from it.
 
-    >>> field_docs(PredictOptions)["q"]
-    'tiles per side (wins over ``tile_size``).'
+    >>> field_docs(PredictOptions)["fast"]
+    'bf16 autocast + channels_last; False = the exact fp32 reference.'
+    >>> field_docs(PredictOptions)["q"].endswith("2,000 high: ``q=[1,25]``).")  # lines joined
+    True
     """
     import inspect
     import re
@@ -186,9 +192,14 @@ def field_docs(cls: type) -> dict[str, str]:
     return {k: " ".join(v.split()) for k, v in out.items()}
 
 
-def _at_least(key: str, value: int | None, low: int, fix: str) -> None:
+def _at_least(key: str, value: int | None, low: int, fix: str, shown: Any = None) -> None:
+    """Refuse ``value`` below ``low``, naming ``key`` and the value given.
+
+    ``shown``: the value as given, where ``value`` is one item of it (a pair's).
+    """
     if value is not None and value < low:
-        raise ConfigError(f"{key}={value!r}: {fix}")
+        given = value if shown is None else list(shown) if isinstance(shown, tuple) else shown
+        raise ConfigError(f"{key}={given!r}: {fix}")
 
 
 def default_batch_size(grid: TileGrid, device: torch.device | str) -> int:

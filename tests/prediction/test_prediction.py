@@ -26,6 +26,7 @@ from helpers.prediction import (
     leftovers,
     make_image,
     make_model,
+    make_run,
     predict_cmd,
     seg_predict,
 )
@@ -71,6 +72,32 @@ def test_file_prediction_equals_untiled_forward(tmp_path, padding, layout, one_t
     np.testing.assert_allclose(store["probabilities"][:].astype(np.float32), ref.numpy(),
                                atol=1e-3)
     assert sum(stats.class_pixels) == 517 * 743
+
+
+def test_q_per_axis_tiles_rows_and_columns_apart_and_equals_untiled(tmp_path, one_torch_thread):
+    """``q=[rows, cols]``: a strip takes its own number of tiles per axis, in Python
+    (``PredictOptions(q=(2, 3))``) and on the command line (``seg-predict q=[2,3]``); every
+    pixel of a 203 x 611 scene equals the untiled network (in process) and the command's
+    one-tile output; a pair that is not two whole numbers >= 1 is refused naming it."""
+    model = make_model("same", levels=4, width=4)
+    image = make_image(tmp_path / "a.tif", height=203, width=611)
+    stats = predict_raster(model, image, tmp_path / "a.zarr",
+                           PredictOptions(q=(2, 3), progress=False), normalizer=NORMALIZER)
+    assert stats.tiles == 6
+    labels = zarr.open_group(tmp_path / "a.zarr", mode="r")["labels"][:]
+    np.testing.assert_array_equal(labels, _reference(model, image).argmax(0).numpy())
+
+    run = make_run(tmp_path / "run", model)
+    tiled = seg_predict(run, image, tmp_path / "q23.tif", "q=[2,3]", "preview=false")
+    whole = seg_predict(run, image, tmp_path / "q1.tif", "q=1", "preview=false")
+    assert (tiled["tiles"], whole["tiles"]) == (6, 1)
+    np.testing.assert_array_equal(read_raster(tmp_path / "q23.tif"),
+                                  read_raster(tmp_path / "q1.tif"))
+    for bad, said in (([0, 2], "q=[0, 2]: give tiles per side as a whole number >= 1"),
+                      ([2], "q=(2,) is not a whole number or a list of 2 (a whole number) "
+                            "or null; give q=<")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            PredictOptions.from_mapping({"q": bad})
 
 
 @pytest.mark.parametrize("tta", ["flips", "d4"])

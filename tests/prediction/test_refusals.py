@@ -169,7 +169,7 @@ def test_bad_input_found_after_the_work_before_is_refused_before(cli_case, truth
 
 @pytest.mark.parametrize(("overrides", "expected"), [
     (["nodata=abc"], "nodata='abc' is not a number or null"),
-    (["q=abc"], "q='abc' is not a whole number or null"),
+    (["q=abc"], "q='abc' is not a whole number or a list of 2 (a whole number) or null"),
     (["q=2.5"], "q=2.5 is not a whole number"),
     (["q=0"], "q=0: give tiles per side as a whole number >= 1"),
     (["tile_size=abc"], "tile_size='abc' is not a whole number"),
