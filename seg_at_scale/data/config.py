@@ -37,12 +37,15 @@ MAX_CLASSES = 255  # predictions are uint8 and 255 marks no-data
 
 
 def _whole(key: str, value: Any, low: int, fix: str, *, none: bool = False,
-           auto: bool = False) -> Any:
-    """``value`` if it is an int >= ``low`` (or None / 'auto' where allowed)."""
+           auto: bool = False, shown: Any = None) -> Any:
+    """``value`` if it is an int >= ``low`` (or None / 'auto' where allowed).
+
+    ``shown``: the value as given, named in the refusal, where ``value`` is one item of it.
+    """
     if (none and value is None) or (auto and value == AUTO):
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{key}={value!r}: {fix}")
+        raise ConfigError(f"{key}={value if shown is None else shown!r}: {fix}")
     return value
 
 
@@ -65,7 +68,7 @@ class TilingConfig:
     """What the ``tiling`` group sets (see ``conf/tiling/*.yaml``)."""
 
     mode: str
-    q: int | None
+    q: int | tuple[int, int] | None
     tile_size: int | str | None
     core_size: int | None
     samples_per_epoch: int | None
@@ -82,9 +85,17 @@ class TilingConfig:
         if self.mode not in ("grid", "random"):
             raise ConfigError(f"tiling.mode={self.mode!r}: use 'grid' (exact whole-image "
                               "gradient) or 'random' (random aligned tiles)")
-        _whole("tiling.q", self.q, 1, "give the tiles per side as a whole number >= 1 (1 = the "
-               "whole image in one tile), or tiling.q=null with tiling.tile_size=<pixels>",
-               none=True)
+        q_fix = ("give the tiles per side as a whole number >= 1 (1 = the whole image in one "
+                 "tile), [rows, cols] of such numbers, or tiling.q=null with "
+                 "tiling.tile_size=<pixels>")
+        if isinstance(self.q, tuple):
+            if len(self.q) != 2:
+                raise ConfigError(f"tiling.q={list(self.q)}: give one number of tiles per "
+                                  "side for both axes, or [rows, cols]")
+            for q in self.q:
+                _whole("tiling.q", q, 1, q_fix, shown=list(self.q))
+        else:
+            _whole("tiling.q", self.q, 1, q_fix, none=True)
         _whole("tiling.tile_size", self.tile_size, 1, "give the largest input window in "
                "pixels (a whole number >= 1, e.g. 512), 'auto' (the largest tile within "
                "memory.budget_gb) or null with tiling.q=<tiles per side>", none=True, auto=True)
@@ -151,8 +162,14 @@ def check_class_weight_power(power: Any) -> None:
 
 
 def tiling_config(values: Mapping[str, Any]) -> TilingConfig:
-    """The ``tiling`` group as a :class:`TilingConfig`; refuses unknown keys and bad values."""
-    return TilingConfig(**_known("tiling", values, TilingConfig))
+    """The ``tiling`` group as a :class:`TilingConfig`; refuses unknown keys and bad values.
+
+    ``q`` given as a list (``tiling.q=[1,4]``: rows, cols) becomes a tuple.
+    """
+    known = _known("tiling", values, TilingConfig)
+    if isinstance(known.get("q"), list):
+        known["q"] = tuple(known["q"])
+    return TilingConfig(**known)
 
 
 @dataclass(frozen=True)

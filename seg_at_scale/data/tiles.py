@@ -104,7 +104,7 @@ class GridTiles(_SceneTiles):
     """
 
     def __init__(self, scenes: Sequence[Scene], fp: Footprint, normalizer: Normalizer, *,
-                 q: int | None = None, tile_size: int | None = None,
+                 q: int | tuple[int, int] | None = None, tile_size: int | None = None,
                  class_weights: Sequence[float] | None = None, ignore_index: int = 255,
                  nodata: float | None = None) -> None:
         super().__init__(scenes, fp, normalizer, class_weights, ignore_index, nodata, None)

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -375,8 +375,8 @@ def inside(window: Window, height: int, width: int) -> tuple[slice, slice]:
     return slice(r0, r1), slice(c0, c1)
 
 
-def make_grid(height: int, width: int, fp: Footprint, *, q: int | tuple[int, int] | None = None,
-              tile_size: int | tuple[int, int] | None = None, uniform: bool = False
+def make_grid(height: int, width: int, fp: Footprint, *, q: int | Sequence[int] | None = None,
+              tile_size: int | Sequence[int] | None = None, uniform: bool = False
               ) -> TileGrid:
     """Cover an image with aligned halo tiles.
 
@@ -384,7 +384,8 @@ def make_grid(height: int, width: int, fp: Footprint, *, q: int | tuple[int, int
         height: image height in pixels.
         width: image width in pixels.
         fp: the model's footprint (see :func:`seg_at_scale.tiling.footprint`).
-        q: tiles per side (int or ``(rows, cols)``), as in the seed's q x q grid. When
+        q: tiles per side (int, or ``(rows, cols)``: any pair, a config's list too), as in
+            the seed's q x q grid. When
             both ``q`` and ``tile_size`` are given, ``q`` wins (the one place this rule
             is decided: every caller passes both as configured).
         tile_size: maximal input window (core + halo), int or ``(h, w)``.
@@ -398,8 +399,8 @@ def make_grid(height: int, width: int, fp: Footprint, *, q: int | tuple[int, int
     """
     if q is not None:
         tile_size = None
-    qr, qc = (q, q) if not isinstance(q, tuple) else q
-    tr, tc = (tile_size, tile_size) if not isinstance(tile_size, tuple) else tile_size
+    qr, qc = _pair("q", q)
+    tr, tc = _pair("tile_size", tile_size)
     rows = split_axis(height, fp, parts=qr, tile=tr, name=f"height ({height})",
                       uniform=uniform)
     cols = split_axis(width, fp, parts=qc, tile=tc, name=f"width ({width})", uniform=uniform)
@@ -410,6 +411,17 @@ def make_grid(height: int, width: int, fp: Footprint, *, q: int | tuple[int, int
             tiles.append(Tile((i, j), t.core, t.read, t.crop))
     ext = _extended(height, width, fp)
     return TileGrid(height, width, fp, tuple(tiles), (len(rows), len(cols)), ext)
+
+
+def _pair(key: str, value: Any) -> tuple[Any, Any]:
+    """``(rows, cols)`` of ``value``: one value for both axes, or a pair (tuple, list)."""
+    if value is None or isinstance(value, numbers.Number | str):
+        return value, value  # checked by split_axis, naming the key
+    items = tuple(value) if isinstance(value, Iterable) else (value,)
+    if len(items) != 2:
+        raise TilingError(f"{key}={list(items)!r}: give one value for both axes or a "
+                          "[rows, cols] pair")
+    return items[0], items[1]
 
 
 def _extended(height: int, width: int, fp: Footprint) -> Window:

@@ -223,7 +223,8 @@ def test_bad_tiling_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "seg-train: error: tiling.q='abc': give the tiles per side as a whole number >= 1 (1 = "
-        "the whole image in one tile), or tiling.q=null with tiling.tile_size=<pixels>"]
+        "the whole image in one tile), [rows, cols] of such numbers, or tiling.q=null with "
+        "tiling.tile_size=<pixels>"]
     full = seg_train(tmp_path, *TINY, "tiling.q=abc", f"hydra.run.dir={tmp_path / 'run'}",
                      env={"HYDRA_FULL_ERROR": "1"})
     assert full.returncode == 1 and "Traceback" in full.stderr and "ConfigError" in full.stderr

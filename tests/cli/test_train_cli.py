@@ -87,10 +87,10 @@ def test_interrupted_run_resumes_from_last_checkpoint(tmp_path):
 def test_exact_grid_training_runs_and_multirun_sweeps(tmp_path):
     """With a path among the overrides (``data.root=/scenes``, as the README's sweep of a
     user's scenes): before, its slashes made each job a tree of folders named after the
-    path, and the sweep report found no job."""
+    path, and the sweep report found no job. ``tiling.q=[1,2]``: rows and columns apart."""
     root = tmp_path / "data" / "mine"
     cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "-m", *TINY, "tiling=grid",
-           "tiling.q=1,2", "trainer.limit_train_batches=4", "predict_after_fit=false",
+           "tiling.q=1,[1,2]", "trainer.limit_train_batches=4", "predict_after_fit=false",
            f"hydra.sweep.dir={tmp_path / 'sweep'}",
            f"data.root={root}"]
     env = {"SEG_DATA_DIR": str(tmp_path / "data"), "PATH": "/usr/bin:/bin"}
@@ -103,8 +103,9 @@ def test_exact_grid_training_runs_and_multirun_sweeps(tmp_path):
     assert len(summaries) == 2
     with open(tmp_path / "sweep" / "sweep_report.csv") as fh:
         assert len(list(csv.DictReader(fh))) == 2
-    effs = [json.loads(p.read_text())["computed"]["efficiency"] for p in summaries]
-    assert effs[0] < effs[1]  # q=2 pays more halo than q=1
+    computed = [json.loads(p.read_text())["computed"] for p in summaries]
+    assert [c["grid"] for c in computed] == [[1, 1], [1, 2]]
+    assert computed[0]["efficiency"] < computed[1]["efficiency"]  # 2 tiles: more halo
 
 
 def _predict_cfg(run: Path, image: Path, output: Path, *extra: str):

@@ -209,6 +209,10 @@ def test_binary_masks_written_0_255_are_refused_before_training(tmp_path, scene_
 @pytest.mark.parametrize("values, fragment", [
     ({"q": "abc"}, "tiling.q='abc': give the tiles per side as a whole number >= 1"),
     ({"q": 0}, "tiling.q=0: give the tiles per side"),
+    ({"q": [0, 2]}, "tiling.q=[0, 2]: give the tiles per side as a whole number >= 1 (1 = "
+                    "the whole image in one tile), [rows, cols] of such numbers"),
+    ({"q": [2]}, "tiling.q=[2]: give one number of tiles per side for both axes, or "
+                 "[rows, cols]"),
     ({"q": None, "tile_size": None}, "tiling.q and tiling.tile_size are both null"),
     ({"tile_size": -5}, "tiling.tile_size=-5: give the largest input window"),
     ({"batch_size": 2.5}, "tiling.batch_size=2.5"),
@@ -218,6 +222,19 @@ def test_tiling_values_are_refused_with_key_and_fix(values, fragment) -> None:
     with pytest.raises(ConfigError) as err:
         tiling_config(group("tiling", "grid", **values))
     assert fragment in str(err.value)
+
+
+def test_tiles_per_side_of_each_axis_reach_the_grid(tmp_path, scene_files) -> None:
+    """``tiling.q=[rows, cols]``: a pair, validated, and the grids of the run's scenes have
+    that many rows and columns (``check_grids`` names the pair where it cannot tile)."""
+    assert tiling_config(group("tiling", "grid", q=[1, 3])).q == (1, 3)
+    report = check(dataset(tmp_path, scene_files))
+    fp = footprint(UNet(4, 5, levels=3, convs_per_level=2, base_width=4, padding="same"))
+    check_grids(OmegaConf.create({"tiling": {"mode": "grid", "q": [1, 3], "tile_size": None}}),
+                fp, report)
+    cfg = OmegaConf.create({"tiling": {"mode": "grid", "q": [1, 40], "tile_size": None}})
+    with pytest.raises(ConfigError, match=r"tiling.q=\[1, 40\] cannot tile val scene "):
+        check_grids(cfg, fp, report)
 
 
 @pytest.mark.parametrize("values, fragment", [
