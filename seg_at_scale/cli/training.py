@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import signal
+import threading
 import typing
 import warnings
 from dataclasses import replace
@@ -466,6 +467,10 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
         trainer.fit(task, datamodule=dm, ckpt_path=ckpt,  # plain data unless trusted
                     weights_only=not bool(cfg.get("trust_run", False)))
     except SIGTERMException:  # checkpoint saved by SaveOnStop; exit as the signal asks
+        # Lightning has put back the default action; a second SIGTERM (a Slurm step's
+        # cancel signals its processes again) would kill the exit ("Terminated", not 143)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + (stop.signal or signal.SIGTERM)) from None
     return trainer, task, loggers
 

@@ -167,6 +167,26 @@ def test_a_stop_inside_an_image_resumes_to_the_uninterrupted_weights(tmp_path: P
         assert torch.equal(b["state_dict"][k], v), k
 
 
+def test_a_second_sigterm_while_the_stopped_run_exits_does_not_kill_it(tmp_path: Path) -> None:
+    """A Slurm step's cancel signals its processes more than once: a second SIGTERM that
+    came while a stopped rank exited, after its checkpoint and once Lightning had put the
+    default handler back, killed it ("task 1: Terminated", not exit 143). Once stopping,
+    the run exits 143 with its checkpoint whatever SIGTERMs follow."""
+    env = {"SEG_DATA_DIR": str(tmp_path / "data"), "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "WANDB_MODE": "offline",
+           "SEG_TEST_STOP_AT": "0:4", "SEG_TEST_STOP_AGAIN": "1"}
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", *GRID,
+           f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = warm.popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = proc.communicate(timeout=300)[0]
+    assert "a second SIGTERM while exiting" in log, log[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, log[-3000:])
+    assert "stopped by SIGTERM at epoch 0, step 1" in log
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu",
+                       weights_only=True)
+    assert (saved["epoch"], saved["global_step"]) == (0, 1)  # the first image's step
+
+
 def test_a_sigkilled_run_with_loader_workers_resumes_to_the_uninterrupted_weights(
         tmp_path: Path) -> None:
     """SIGKILL (the OOM killer, a lost node) leaves each epoch's ``last.ckpt``; the rerun
