@@ -99,9 +99,9 @@ def check_classes(model: nn.Module, bands: int, fp: Footprint, num_classes: int)
                          "Gated-SCNN with model.output=seg) or predict it in Python")
 
 
-#: the channels each network gives per pixel, by (device, bands): asked once, not once per
-#: scene of an archive
-_CHANNELS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int], int]] = \
+#: the channels each network gives per pixel, by (device, bands, its parameters' shapes: a
+#: head replaced in place is asked again): asked once, not once per scene of an archive
+_CHANNELS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], int]] = \
     weakref.WeakKeyDictionary()
 
 
@@ -115,7 +115,7 @@ def output_channels(model: nn.Module, bands: int, fp: Footprint) -> int:
     """
     p = next(model.parameters())
     known = _CHANNELS.setdefault(model, {})
-    key = (str(p.device), bands)
+    key = (str(p.device), bands, tuple(tuple(q.shape) for q in model.parameters()))
     if key not in known:
         known[key] = _channels(model, bands, smallest_side(fp), p.device)
     return known[key]

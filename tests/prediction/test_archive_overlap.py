@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from helpers.prediction import make_model, make_run, seg_predict_here
 
 from seg_at_scale.io import read_raster, write_raster
@@ -92,3 +93,5 @@ def test_an_archive_asks_the_network_its_channels_once_not_once_per_scene(tmp_pa
     with pytest.raises(InputError, match="cannot run on the image's 3 bands"):
         output_channels(trained.model, 3, trained.footprint)  # refused again, not cached
     assert output_channels(trained.model, 4, trained.footprint) == 5 and probes == [4, 3, 3]
+    trained.model.head = torch.nn.Conv2d(8, 2, 1)  # a head replaced in place: asked again
+    assert output_channels(trained.model, 4, trained.footprint) == 2 and probes == [4, 3, 3, 4]
