@@ -29,6 +29,7 @@ from typing import Any
 
 from seg_at_scale.config_check import known_keys
 from seg_at_scale.errors import ConfigError
+from seg_at_scale.tiling.geometry import tiles_per_side
 
 __all__ = ["DataConfig", "TilingConfig", "data_config", "tiling_config", "AUTO"]
 
@@ -37,15 +38,12 @@ MAX_CLASSES = 255  # predictions are uint8 and 255 marks no-data
 
 
 def _whole(key: str, value: Any, low: int, fix: str, *, none: bool = False,
-           auto: bool = False, shown: Any = None) -> Any:
-    """``value`` if it is an int >= ``low`` (or None / 'auto' where allowed).
-
-    ``shown``: the value as given, named in the refusal, where ``value`` is one item of it.
-    """
+           auto: bool = False) -> Any:
+    """``value`` if it is an int >= ``low`` (or None / 'auto' where allowed)."""
     if (none and value is None) or (auto and value == AUTO):
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{key}={value if shown is None else shown!r}: {fix}")
+        raise ConfigError(f"{key}={value!r}: {fix}")
     return value
 
 
@@ -88,14 +86,7 @@ class TilingConfig:
         q_fix = ("give the tiles per side as a whole number >= 1 (1 = the whole image in one "
                  "tile), [rows, cols] of such numbers, or tiling.q=null with "
                  "tiling.tile_size=<pixels>")
-        if isinstance(self.q, tuple):
-            if len(self.q) != 2:
-                raise ConfigError(f"tiling.q={list(self.q)}: give one number of tiles per "
-                                  "side for both axes, or [rows, cols]")
-            for q in self.q:
-                _whole("tiling.q", q, 1, q_fix, shown=list(self.q))
-        else:
-            _whole("tiling.q", self.q, 1, q_fix, none=True)
+        tiles_per_side("tiling.q", self.q, q_fix)
         _whole("tiling.tile_size", self.tile_size, 1, "give the largest input window in "
                "pixels (a whole number >= 1, e.g. 512), 'auto' (the largest tile within "
                "memory.budget_gb) or null with tiling.q=<tiles per side>", none=True, auto=True)

@@ -27,7 +27,7 @@ import torch
 
 from seg_at_scale.config_check import check_types, known_keys
 from seg_at_scale.errors import ConfigError
-from seg_at_scale.tiling.geometry import TileGrid
+from seg_at_scale.tiling.geometry import TileGrid, tiles_per_side
 
 __all__ = ["PredictOptions", "default_batch_size"]
 
@@ -105,10 +105,8 @@ class PredictOptions:
     def __post_init__(self) -> None:
         check_types("", {f.name: getattr(self, f.name) for f in fields(self)},
                     typing.get_type_hints(PredictOptions))
-        for q in self.q if isinstance(self.q, tuple) else (self.q,):
-            _at_least("q", q, 1, "give tiles per side as a whole number >= 1 (1 = one tile), "
-                      "[rows, cols] of such numbers, or q=null to tile by tile_size",
-                      shown=self.q)
+        tiles_per_side("q", self.q, "give tiles per side as a whole number >= 1 (1 = one "
+                       "tile), [rows, cols] of such numbers, or q=null to tile by tile_size")
         if self.tile_size != "auto":
             _at_least("tile_size", self.tile_size, 1, "give the largest input window in "
                       "pixels, a whole number >= 1 (e.g. tile_size=1024), or auto")
@@ -192,14 +190,10 @@ def field_docs(cls: type) -> dict[str, str]:
     return {k: " ".join(v.split()) for k, v in out.items()}
 
 
-def _at_least(key: str, value: int | None, low: int, fix: str, shown: Any = None) -> None:
-    """Refuse ``value`` below ``low``, naming ``key`` and the value given.
-
-    ``shown``: the value as given, where ``value`` is one item of it (a pair's).
-    """
+def _at_least(key: str, value: int | None, low: int, fix: str) -> None:
+    """Refuse ``value`` below ``low``, naming ``key`` and the value given."""
     if value is not None and value < low:
-        given = value if shown is None else list(shown) if isinstance(shown, tuple) else shown
-        raise ConfigError(f"{key}={given!r}: {fix}")
+        raise ConfigError(f"{key}={value!r}: {fix}")
 
 
 def default_batch_size(grid: TileGrid, device: torch.device | str) -> int:

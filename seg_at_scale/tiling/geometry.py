@@ -42,6 +42,7 @@ __all__ = [
     "TileGrid",
     "TilingError",
     "make_grid",
+    "tiles_per_side",
     "split_axis",
     "random_core",
     "cover",
@@ -411,6 +412,36 @@ def make_grid(height: int, width: int, fp: Footprint, *, q: int | Sequence[int] 
             tiles.append(Tile((i, j), t.core, t.read, t.crop))
     ext = _extended(height, width, fp)
     return TileGrid(height, width, fp, tuple(tiles), (len(rows), len(cols)), ext)
+
+
+def tiles_per_side(key: str, value: Any, fix: str) -> int | tuple[int, int] | None:
+    """``value`` as tiles per side: None, a whole number >= 1, or a ``(rows, cols)`` pair.
+
+    The one rule for ``q`` wherever a user gives it (``seg-predict q=``, ``tiling.q``);
+    ``key`` and ``fix`` are the caller's words for the refusal.
+
+    >>> tiles_per_side("q", [1, 4], "give ..."), tiles_per_side("q", 2, "give ...")
+    ((1, 4), 2)
+    >>> tiles_per_side("tiling.q", [0, 2], "give whole numbers >= 1")
+    Traceback (most recent call last):
+    ...
+    seg_at_scale.errors.ConfigError: tiling.q=[0, 2]: give whole numbers >= 1
+
+    Raises:
+        ConfigError: naming ``key``, the value as given and the fix.
+    """
+    if value is None:
+        return None
+    pair = isinstance(value, Iterable) and not isinstance(value, str | bytes)
+    items = tuple(value) if pair else (value,)
+    shown = list(items) if pair else value
+    if pair and len(items) != 2:
+        raise ConfigError(f"{key}={shown!r}: give one number of tiles per side for both axes, "
+                          "or [rows, cols]")
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or item < 1:
+            raise ConfigError(f"{key}={shown!r}: {fix}")
+    return (int(items[0]), int(items[1])) if pair else int(items[0])
 
 
 def _pair(key: str, value: Any) -> tuple[Any, Any]:

@@ -25,6 +25,7 @@ from seg_at_scale.data.tiles import GridTiles
 from seg_at_scale.errors import ConfigError, InputError
 from seg_at_scale.io import RasterReader, write_raster
 from seg_at_scale.models import UNet
+from seg_at_scale.prediction import PredictOptions
 from seg_at_scale.tiling import footprint
 
 SHAPE = (4, 70, 90)
@@ -222,6 +223,23 @@ def test_tiling_values_are_refused_with_key_and_fix(values, fragment) -> None:
     with pytest.raises(ConfigError) as err:
         tiling_config(group("tiling", "grid", **values))
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("q", [1, 7, [1, 4], [3, 2], 0, -2, [0, 2], [2], [1, 2, 3], True, 2.5,
+                               "2", [1, 2.0], [1, None]])
+def test_tiles_per_side_are_one_rule_for_training_and_prediction(q) -> None:
+    """``tiling.q`` (seg-train) and ``q`` (seg-predict) take and refuse the same values, and a
+    pair reaches both as the same ``(rows, cols)``."""
+    def verdict(make):
+        try:
+            return make().q
+        except ConfigError as err:
+            return f"refused: {'q=' in str(err)}"
+
+    training = verdict(lambda: tiling_config(group("tiling", "grid", q=q)))
+    prediction = verdict(lambda: PredictOptions.from_mapping({"q": q}))
+    assert training == prediction
+    assert training == (tuple(q) if isinstance(q, list) else q) or training == "refused: True"
 
 
 def test_tiles_per_side_of_each_axis_reach_the_grid(tmp_path, scene_files) -> None:
