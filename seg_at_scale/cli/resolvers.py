@@ -15,6 +15,10 @@ level below the sweep folder: ``<n>_<overrides>`` with a path's ``/`` written ``
 value like ``data.root=/scenes/a`` made a tree of folders, in which the sweep report found
 no job), cut at :data:`JOB_FOLDER_CHARS` characters (a file name holds 255 bytes; the
 number keeps it unique).
+
+``${seg.tiles:<tiling.q>}``: tiles per side as a word for run names: ``2`` for ``2``,
+``1x4`` for ``[1, 4]`` (rows x cols; the list itself would put brackets and a space in
+the run's folder name).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-__all__ = ["register_resolvers", "job_folder", "JOB_FOLDER_CHARS"]
+__all__ = ["register_resolvers", "job_folder", "tiles_word", "JOB_FOLDER_CHARS"]
 
 JOB_FOLDER_CHARS = 120
 
@@ -50,6 +54,13 @@ def job_folder(num: Any, overrides: Any = "") -> str:
     return name[:JOB_FOLDER_CHARS]
 
 
+def tiles_word(q: Any) -> str:
+    """``tiling.q`` in a run name: ``2``, ``1x4`` for a ``[rows, cols]`` pair."""
+    if isinstance(q, str | int) or q is None:
+        return str(q)
+    return "x".join(str(v) for v in q)
+
+
 def register_resolvers() -> None:
     """Register the project's resolvers (idempotent)."""
     if not OmegaConf.has_resolver("seg.class_weights"):
@@ -59,3 +70,5 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("seg.gradient_reduction", _gradient_reduction)
     if not OmegaConf.has_resolver("seg.job_folder"):
         OmegaConf.register_new_resolver("seg.job_folder", job_folder)
+    if not OmegaConf.has_resolver("seg.tiles"):
+        OmegaConf.register_new_resolver("seg.tiles", tiles_word)

@@ -41,7 +41,7 @@ class PredictOptions:
             device's memory holds for this network, or the whole image as one tile
             (:mod:`seg_at_scale.tiling.auto_tile`); None with ``q``.
         q: tiles per side (wins over ``tile_size``); ``[rows, cols]`` for each axis its own
-            (a strip 50,000 wide and 2,000 high: ``q=[1,25]``).
+            (a strip 50,000 wide and 2,000 high: ``'q=[1,25]'``, quoted in a shell).
         batch_size: tiles per forward pass; None = 1 on CPU, ~16 Mpix on a GPU.
         fast: bf16 autocast + channels_last; False = the exact fp32 reference.
         tta: ``"flips"`` or ``"d4"``: exact test-time augmentation (mean softmax).
@@ -169,7 +169,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
     >>> field_docs(PredictOptions)["fast"]
     'bf16 autocast + channels_last; False = the exact fp32 reference.'
-    >>> field_docs(PredictOptions)["q"].endswith("2,000 high: ``q=[1,25]``).")  # lines joined
+    >>> field_docs(PredictOptions)["q"].endswith("``'q=[1,25]'``, quoted in a shell).")  # joined
     True
     """
     import inspect

@@ -42,6 +42,17 @@ def test_every_experiment_composes(experiment):
     assert cfg.task.num_classes == cfg.data.num_classes == cfg.model.num_classes
 
 
+@pytest.mark.parametrize("experiment, q, name", [
+    ("exact_grid", "2", "exact_grid_q2"), ("exact_grid", "[1,4]", "exact_grid_q1x4"),
+    ("summit_like", "[3,2]", "summit_like_q3x2")])
+def test_tiles_per_side_of_each_axis_name_the_run_in_one_folder(experiment, q, name):
+    """``tiling.q=[rows,cols]`` gives the run's folder ``..._q1x4``, not ``..._q[1, 4]``."""
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={experiment}", *TINY, f"tiling.q={q}"],
+                      return_hydra_config=True)
+    assert cfg.run_name == name
+
+
 def test_train_saves_computed_halo_and_predicts_test_scene(tmp_path):
     summary = train(tmp_path, "run")
     run = tmp_path / "run"
