@@ -225,6 +225,10 @@ def main(argv: list[str] | None = None) -> None:
             "tile_size": options.tile_size, "tiles": len(grid), "bare_s": bares,
             "library_s": library, "command": command,
             "library_over_bare": round(bare_s / min(library), 3),
+            # each alternation's own pair (run back to back): the drift of the shared cores
+            # between alternations cancels, where the fastest of each may come from two
+            "library_over_bare_pairs_median": round(statistics.median(
+                b / lib for b, lib in zip(bares, library, strict=True)), 3),
             # CPU seconds of all threads: what the file path adds to the network (reading,
             # normalising, labels, chunks, the COG). Where the network already fills every
             # core, library_over_bare cannot pass about bare_cpu / library_cpu
