@@ -86,6 +86,7 @@ from seg_at_scale.tasks.interrupt import (
     newest_checkpoint,
     slurm_plugins,
 )
+from seg_at_scale.tasks.progress import EpochLines, bar_is_seen
 from seg_at_scale.tiling import make_grid
 
 log = logging.getLogger("seg_at_scale.train")
@@ -456,10 +457,17 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
         MemoryReport(memory.label), stop, RecordMeaning(run.path), FiniteLoss(cfg)]
     if not loggers:  # logger=none: Lightning refuses a learning-rate monitor with no logger
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    # the live bar where it is seen as it goes; elsewhere (a Slurm job's output, nohup, a
+    # pipe) a line per epoch: the bar written to a file shows nothing until the run ends
+    bar = OmegaConf.select(cfg, "trainer.enable_progress_bar", default=True) is not False \
+        and bar_is_seen()
+    if not bar:
+        callbacks.append(EpochLines())
     # the trainer before the run's config: what Lightning refuses leaves no run behind, so
     # the corrected command may use the same folder (a saved config is a run to resume)
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=loggers or False,
-                            plugins=plugins or None, **pipeline_strategy(cfg.trainer, pipeline))
+                            plugins=plugins or None, enable_progress_bar=bar,
+                            **pipeline_strategy(cfg.trainer, pipeline))
     run.save(cfg, computed)
     for lg in loggers:
         lg.log_hyperparams({"computed": computed})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -170,7 +171,6 @@ def test_a_size_of_another_family_fails_at_composition_listing_the_models(model)
 def test_each_model_composes_into_its_own_family():
     """Every ``conf/model/*.yaml`` composes and builds the network of the family its
     defaults list names (``/model_family@_here_: <family>``)."""
-    import re
 
     from seg_at_scale.models import GSCNN, SMPModel, UNet, UResNet
 
@@ -193,13 +193,23 @@ def test_the_summary_names_the_kept_checkpoints_score_and_the_last_epochs(tmp_pa
     """Before: the summary's val/miou was the last epoch's, beside the best checkpoint it
     named (and predicted the test scenes with)."""
     summary = train(tmp_path, "run", "predict_after_fit=false", "trainer.max_epochs=4",
-                    "task.optimizer.lr=0.2")  # a rate the last epoch does worse with
+                    "task.optimizer.lr=0.2",  # a rate the last epoch does worse with
+                    "trainer.enable_progress_bar=true")
     with open(tmp_path / "run" / "csv" / "version_0" / "metrics.csv") as fh:
         history = [float(m["val/miou"]) for m in csv.DictReader(fh) if m["val/miou"]]
     assert len(history) == 4 and max(history) > history[-1]
     assert summary["val/miou"] == pytest.approx(max(history), abs=1e-6)
     assert summary["val/miou_last"] == pytest.approx(history[-1], abs=1e-6)
     assert f"miou{max(history):.4f}" in summary["checkpoint"]
+    # no terminal here (the output is a pipe, as in a Slurm job's file): a line per epoch
+    # with the bar's figures, not a bar that shows nothing until the run ends
+    lines = re.findall(r"epoch (\d+)/4: (\d+) steps in [\d.]+ s, .*val/miou ([\d.]+)",
+                       summary["log"])
+    assert [int(e) for e, _, _ in lines] == [1, 2, 3, 4]
+    assert [float(m) for _, _, m in lines] == [round(h, 4) for h in history]
+    assert all(int(n) > 0 for _, n, _ in lines)
+    assert not re.search(r"Epoch \d+/\d+", summary["log"])  # the bar's own words
+    assert len(re.findall(r"epoch \d+/4: ", (tmp_path / "run" / "train.log").read_text())) == 4
     # the same command again has no epoch left to fit: the same figures (val/miou_last was
     # null: no validation ran), from the run's record
     again = train(tmp_path, "run", "predict_after_fit=false", "trainer.max_epochs=4",
