@@ -495,6 +495,19 @@ def test_logger_none_trains_without_a_logger(tmp_path):
     assert not (run / "csv").exists() and not (run / "wandb").exists()
 
 
+def test_the_default_wandb_logger_writes_its_offline_run_without_wandbs_warning(tmp_path):
+    """Before: every run with the default logger (``make demo``) printed ``wandb: WARNING
+    The anonymous setting has no effect ...``: Lightning passes wandb a setting it no longer
+    reads (run_train refuses that line among the noise)."""
+    tiny = [o for o in TINY if not o.startswith("logger=")]
+    summary = run_train(tmp_path, "run", *tiny, "logger=wandb")
+    assert "wandb: " in summary["log"]  # wandb's own lines are there, its warning is not
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    record = b"".join(p.read_bytes() for p in runs[0].glob("run-*.wandb"))
+    assert b"computed" in record and b"efficiency" in record  # the run's hyperparameters
+
+
 def test_a_diverged_run_stops_at_its_nan_loss(tmp_path):
     """Before: ``task.optimizer.lr=1e12`` trained to the end (exit 0, val/miou 0.06), saved
     NaN weights as its best checkpoint, and seg-predict labelled every pixel 0."""

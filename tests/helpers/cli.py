@@ -54,9 +54,10 @@ def run_train(tmp: Path, run: str, *overrides: str, timeout: int = 400,
     assert "`weights_only` was not set" not in out.stdout + out.stderr
     # nor warnings about what is neither the user's nor the project's: Lightning's hint to
     # use srun on a machine with Slurm's tools and no Slurm job (this one, under .ci/run),
-    # torch's deprecation of the pytree class Lightning uses, Lightning's advertisement
+    # torch's deprecation of the pytree class Lightning uses, Lightning's advertisement,
+    # wandb's warning about the setting Lightning passes it
     for noise in ("The `srun` command is available", "`isinstance(treespec, LeafSpec)`",
-                  "💡 Tip:"):
+                  "💡 Tip:", "The anonymous setting has no effect"):
         assert noise not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
     assert_plain_checkpoints(tmp / run)
     return json.loads((tmp / run / "summary.json").read_text()) | {"log": out.stdout + out.stderr}
