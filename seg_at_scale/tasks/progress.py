@@ -5,9 +5,10 @@ notebook) shows as it goes; written to a file (a Slurm job's output, ``nohup``, 
 it shows nothing until the run ends. Where the bar would not be seen, ``seg-train`` turns
 it off and :class:`EpochLines` logs each epoch instead, to the console and ``train.log``::
 
-    epoch 3/12: 32 steps in 21.4 s, train/loss 0.0810, val/miou 0.9120
+    epoch 3/12 (32 steps, 21.4 s): train/loss 0.0810, val/miou 0.9120
 
-The figures are those the bar shows (Lightning's ``progress_bar_metrics``).
+The seconds are the epoch's, its validation included; the figures are those the bar shows
+(Lightning's ``progress_bar_metrics``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,6 @@ class EpochLines(pl.Callback):
                             for name, value in sorted(trainer.progress_bar_metrics.items())
                             if name != "v_num")
         total = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else "?"
-        log.info("epoch %d/%s: %d steps in %.1f s%s", trainer.current_epoch + 1, total,
+        log.info("epoch %d/%s (%d steps, %.1f s)%s", trainer.current_epoch + 1, total,
                  self._steps, time.perf_counter() - self._t0,
-                 f", {figures}" if figures else "")
+                 f": {figures}" if figures else "")

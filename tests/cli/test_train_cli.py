@@ -203,13 +203,13 @@ def test_the_summary_names_the_kept_checkpoints_score_and_the_last_epochs(tmp_pa
     assert f"miou{max(history):.4f}" in summary["checkpoint"]
     # no terminal here (the output is a pipe, as in a Slurm job's file): a line per epoch
     # with the bar's figures, not a bar that shows nothing until the run ends
-    lines = re.findall(r"epoch (\d+)/4: (\d+) steps in [\d.]+ s, .*val/miou ([\d.]+)",
+    lines = re.findall(r"epoch (\d+)/4 \((\d+) steps, [\d.]+ s\): .*val/miou ([\d.]+)",
                        summary["log"])
     assert [int(e) for e, _, _ in lines] == [1, 2, 3, 4]
     assert [float(m) for _, _, m in lines] == [round(h, 4) for h in history]
     assert all(int(n) > 0 for _, n, _ in lines)
     assert not re.search(r"Epoch \d+/\d+", summary["log"])  # the bar's own words
-    assert len(re.findall(r"epoch \d+/4: ", (tmp_path / "run" / "train.log").read_text())) == 4
+    assert len(re.findall(r"epoch \d+/4 \(", (tmp_path / "run" / "train.log").read_text())) == 4
     # the same command again has no epoch left to fit: the same figures (val/miou_last was
     # null: no validation ran), from the run's record
     again = train(tmp_path, "run", "predict_after_fit=false", "trainer.max_epochs=4",
