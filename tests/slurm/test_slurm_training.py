@@ -5,6 +5,7 @@ job cancelled (``scancel``) mid-training, submitted again into its run folder.""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -79,6 +80,9 @@ def test_a_cancelled_two_node_job_resumes_in_its_folder_to_the_same_weights(
     log = job_log(tmp_path / "again.out")
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert f"Restoring states from the checkpoint path at {last}" in log
+    # the job's file shows the epochs as they end: rank 0's line each, not a bar
+    epochs = re.findall(rf"epoch (\d+)/{EPOCHS} \(\d+ steps, ", log)
+    assert epochs and epochs[-1] == str(EPOCHS) and len(set(epochs)) == len(epochs), log[-3000:]
     resumed = torch.load(last, map_location="cpu", weights_only=True)
     assert resumed["global_step"] == 2 * EPOCHS
     assert_same_weights(params(reference()), params(run))
