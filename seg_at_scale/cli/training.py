@@ -86,7 +86,7 @@ from seg_at_scale.tasks.interrupt import (
     newest_checkpoint,
     slurm_plugins,
 )
-from seg_at_scale.tasks.progress import EpochLines, bar_is_seen
+from seg_at_scale.tasks.progress import EpochLines, ModelTable, bar_is_seen
 from seg_at_scale.tiling import make_grid
 
 log = logging.getLogger("seg_at_scale.train")
@@ -463,10 +463,13 @@ def fit(cfg: DictConfig, run: RunFolder, model: Any, fp: Any, memory: MemoryConf
         and bar_is_seen()
     if not bar:
         callbacks.append(EpochLines())
+    if OmegaConf.select(cfg, "trainer.enable_model_summary", default=True) is not False:
+        callbacks.append(ModelTable())  # Lightning's table, less the FLOPs it never counts
     # the trainer before the run's config: what Lightning refuses leaves no run behind, so
     # the corrected command may use the same folder (a saved config is a run to resume)
     trainer = build_trainer(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                             plugins=plugins or None, enable_progress_bar=bar,
+                            enable_model_summary=False,  # ModelTable instead, when asked
                             **pipeline_strategy(cfg.trainer, pipeline))
     run.save(cfg, computed)
     for lg in loggers:

@@ -15,6 +15,7 @@ from helpers import warm
 from helpers.cli import CONF, TINY, run_train
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from pytorch_lightning.utilities.model_summary.model_summary import get_human_readable_count
 
 from seg_at_scale.cli.predict import run_prediction
 from seg_at_scale.data.normalize import Normalizer
@@ -209,7 +210,18 @@ def test_the_summary_names_the_kept_checkpoints_score_and_the_last_epochs(tmp_pa
     assert [float(m) for _, _, m in lines] == [round(h, 4) for h in history]
     assert all(int(n) > 0 for _, n, _ in lines)
     assert not re.search(r"Epoch \d+/\d+", summary["log"])  # the bar's own words
-    assert len(re.findall(r"epoch \d+/4 \(", (tmp_path / "run" / "train.log").read_text())) == 4
+    train_log = (tmp_path / "run" / "train.log").read_text()
+    assert len(re.findall(r"epoch \d+/4 \(", train_log)) == 4
+    # the model's table, in the log too, without the FLOPs Lightning never counted here (it
+    # printed a FLOPs column of 0 and "Total FLOPs: 0"); its count is the network's
+    weights = torch.load(summary["checkpoint"], map_location="cpu", weights_only=True)
+    params = sum(t.numel() for k, t in weights["state_dict"].items()
+                 if k.startswith("model.") and not k.rsplit(".", 1)[1].startswith(
+                     ("running_", "num_batches")))
+    said = f"model: {get_human_readable_count(params).strip()} parameters ("
+    assert said in summary["log"] and said in train_log
+    assert re.search(r"\n +model +UNet +\S+ K +train\n", train_log)
+    assert "FLOPs" not in summary["log"] + train_log
     # the same command again has no epoch left to fit: the same figures (val/miou_last was
     # null: no validation ran), from the run's record
     again = train(tmp_path, "run", "predict_after_fit=false", "trainer.max_epochs=4",
