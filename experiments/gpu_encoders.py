@@ -8,8 +8,8 @@ call (whose labels count), with the device's peak memory above the image and wei
 
 * ``untiled_fp32`` (TF32 off, contiguous: the reference labels) and ``untiled_fp32_cl``;
 * ``ours_fp32_cl``: ``predict_tiled_exact`` (DeepLab's image pooling by its statistic pass)
-  at ``enc_tile``, channels_last, logits back on the host; ``ours_bf16``: the same under
-  bf16 autocast (the fast path);
+  at ``enc_tile``, channels_last, logits on the device (where the image is);
+  ``ours_bf16``: the same under bf16 autocast (the fast path);
 * ``ours_auto_fp32`` / ``ours_auto_bf16``: ``infer(tile_size="auto")``, NCHW: what a user
   gets by default (untiled where the scene fits the device; ``auto_tile`` says the side);
 * ``monai_<window>_<overlap>``: MONAI's Gaussian sliding window, fp32, ``sw_batch_size=4``,

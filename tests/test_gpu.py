@@ -36,7 +36,14 @@ from seg_at_scale.models.trained import load_run
 from seg_at_scale.parallel.launch import all_reduce_gradients, spawn
 from seg_at_scale.parallel.pipe import PipelineConfig, build_pipe, close_pipe
 from seg_at_scale.tasks.losses import CrossEntropy
-from seg_at_scale.tiling import extend, footprint, predict_full, predict_tiled, tiled_backward
+from seg_at_scale.tiling import (
+    extend,
+    footprint,
+    infer,
+    predict_full,
+    predict_tiled,
+    tiled_backward,
+)
 from seg_at_scale.tiling.tile_sides import legal_side
 
 HAS_CUDA = torch.cuda.is_available()
@@ -119,11 +126,18 @@ def test_tiled_prediction_equals_untiled(device, padding, shape, q):
     net = lively(UNet(in_channels=4, num_classes=5, levels=4, convs_per_level=2, base_width=4,
                       padding=padding)).to(device)
     x = torch.randn(2, 4, *shape, device=device)
-    ref = predict_full(net, x).cpu()
-    tiled = predict_tiled(net, x, q=q)  # tiles go to the model's device, logits come back
-    assert tiled.shape == ref.shape and tiled.device.type == "cpu"
+    ref = predict_full(net, x)
+    # the cores stay where the image is, as the untiled forward's logits (they came back to
+    # the host, copied and waited for tile by tile, whatever the image's device)
+    tiled = predict_tiled(net, x, q=q)
+    assert tiled.shape == ref.shape and tiled.device == x.device
     assert (tiled - ref).abs().max() <= 1e-5 * ref.abs().max()
-    assert_labels_equal(tiled.argmax(1), ref)
+    assert_labels_equal(tiled.argmax(1).cpu(), ref.cpu())
+    # a scene in host memory, the network on the device: tiles go there, cores come back
+    host = predict_tiled(net, x.cpu(), q=q)
+    assert host.device.type == "cpu" and (host - ref.cpu()).abs().max() <= 1e-5 * ref.abs().max()
+    whole = infer(net, x.cpu())  # untiled, too: the image to the network and back
+    assert whole.device.type == "cpu" and (whole - ref.cpu()).abs().max() <= 1e-6 * ref.abs().max()
 
 
 def test_bf16_fast_path_agrees(device):
@@ -359,7 +373,6 @@ def test_prediction_tile_auto_predicts_its_memory_and_runs_a_fitting_scene_whole
     """``tile_size=auto`` on the device: three small forwards predict a larger window's peak
     (CUDA's ``max_memory_allocated``, the CPU's live tensors) within 5 %; a scene whose
     window fits is one tile, and the prediction equals the untiled forward."""
-    from seg_at_scale.tiling import infer
     from seg_at_scale.tiling.auto_tile import tile_memory
     from seg_at_scale.tiling.staged.peak_memory import LiveMemory
 
@@ -384,6 +397,10 @@ def test_prediction_tile_auto_predicts_its_memory_and_runs_a_fitting_scene_whole
     image = torch.randn(1, 3, 517, 389, device=device)
     ref = predict_full(net, image)
     assert torch.equal(infer(net, image, tile_size="auto"), ref)  # fits: untiled
+    # tiled or not, the result is where the image is (auto's choice does not move it)
+    for method, size in (("tiled", 192), ("blended", 192)):
+        out = infer(net, image, method=method, tile_size=size)
+        assert out.device == image.device and out.shape == ref.shape
 
 
 # ----- the file path ----------------------------------------------------------------------

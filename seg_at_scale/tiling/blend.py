@@ -93,7 +93,8 @@ def predict_blended(model: nn.Module, image: Tensor, *, window: int, overlap: fl
         align: downsampling factor (default ``model.downsampling_factor`` or 1).
         autocast: e.g. ``torch.bfloat16``; None is fp32.
         channels_last: run the windows in NHWC layout.
-        out_dtype: dtype of the result.
+        out_dtype: dtype of the result, on the image's device (the windows run on the
+            model's).
     """
     a = int(align or alignment(model))
     win = _checked(window, overlap, a)
@@ -101,10 +102,10 @@ def predict_blended(model: nn.Module, image: Tensor, *, window: int, overlap: fl
     eh, ew = math.ceil(h / a) * a, math.ceil(w / a) * a
     x = F.pad(image, (0, ew - w, 0, eh - h))  # zeros: the model's own padding value
     wh, ww = min(win, eh), min(win, ew)
-    weight = gaussian_weights(wh, ww, sigma_scale)
+    weight = gaussian_weights(wh, ww, sigma_scale).to(image.device)
     device = next(model.parameters()).device
-    acc: Tensor | None = None
-    total = torch.zeros(eh, ew)
+    acc: Tensor | None = None  # on the image's device, as predict_tiled's result
+    total = torch.zeros(eh, ew, device=image.device)
     ctx = torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext()
     for r in window_starts(eh, wh, overlap, a):
         for c in window_starts(ew, ww, overlap, a):
@@ -112,9 +113,9 @@ def predict_blended(model: nn.Module, image: Tensor, *, window: int, overlap: fl
             if channels_last:
                 tile = tile.contiguous(memory_format=torch.channels_last)
             with ctx:
-                y = model(tile).float().cpu()
+                y = model(tile).float().to(image.device)
             if acc is None:
-                acc = torch.zeros(image.shape[0], y.shape[1], eh, ew)
+                acc = torch.zeros(image.shape[0], y.shape[1], eh, ew, device=image.device)
             acc[..., r : r + wh, c : c + ww] += y * weight
             total[r : r + wh, c : c + ww] += weight
     assert acc is not None

@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from seg_at_scale.devices import module_device
 from seg_at_scale.errors import ConfigError
 from seg_at_scale.tiling.auto_tile import auto_side
 from seg_at_scale.tiling.blend import predict_blended
@@ -134,7 +135,8 @@ def infer(model: nn.Module, image: Tensor, *, method: Method = "auto",
 
     Args:
         model: the network, in eval mode.
-        image: ``[B, C, H, W]`` (or ``[C, H, W]``), already normalised.
+        image: ``[B, C, H, W]`` (or ``[C, H, W]``), already normalised, on any device: the
+            network runs on its own (tiles, or the whole image, copied there as needed).
         method: ``auto`` (the exact method the network allows; the default), or one by
             name: ``untiled``, ``tiled``, ``passes``, ``two_pass``, ``blended`` (inexact).
         q: tiles per side, or
@@ -150,7 +152,8 @@ def infer(model: nn.Module, image: Tensor, *, method: Method = "auto",
         out_dtype: the dtype of the result.
 
     Returns:
-        ``[B, K, H, W]`` logits (TTA: probabilities); ``[K, H, W]`` for an unbatched input.
+        ``[B, K, H, W]`` logits (TTA: probabilities); ``[K, H, W]`` for an unbatched input;
+        on the image's device whatever the method (``tile_size=auto`` may or may not tile).
 
     Raises:
         ConfigError: an unknown method, a method the network cannot run exactly, or options
@@ -201,12 +204,13 @@ def _run(chosen: str, model: nn.Module, x: Tensor, *, q: int | tuple[int, int] |
                           "its own whole-image statistics; predict without tta")
     if chosen == "untiled":  # the reference, whatever its layers
         fp = fp or _untiled_footprint(model)
+        home, x = x.device, x.to(module_device(model))  # the image where the network is
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         if tta is not None:
-            return predict_full_tta(model, x, tta, fp).to(out_dtype)
+            return predict_full_tta(model, x, tta, fp).to(home, out_dtype)
         with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
-            return predict_full(model, x, fp).to(out_dtype)
+            return predict_full(model, x, fp).to(home, out_dtype)
     refuse_inexact_layers(model)
     check_footprint(model, fp, "infer")
     if chosen == "tiled":

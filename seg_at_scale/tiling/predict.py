@@ -75,7 +75,8 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
 
     Args:
         model: the network, in eval mode for exactness (train-mode norms see tile statistics).
-        image: input tensor; stays where it is, tiles are moved to the model's device.
+        image: input tensor; stays where it is, tiles are moved to the model's device and
+            their cores back to the image's (a scene in host memory, a network on a GPU).
         q: tiles per side, or
         tile_size: largest input window per tile.
         fp: footprint; computed from the model when omitted.
@@ -89,7 +90,9 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
             float rounding of the contiguous one, so fp32 exactness holds.
 
     Returns:
-        Logits (or TTA probabilities) ``[B, K, H, W]`` (``[K, H, W]`` for an unbatched input).
+        Logits (or TTA probabilities) ``[B, K, H, W]`` (``[K, H, W]`` for an unbatched input),
+        on the image's device, as the untiled forward's: an image on the GPU keeps its
+        tiles' outputs there, with no copy to the host and no wait for each tile.
     """
     refuse_training_norms(model, "predict_tiled")
     check_image(model, image, "predict_tiled", autocast)
@@ -104,9 +107,10 @@ def predict_tiled(model: nn.Module, image: Tensor, *, q: int | tuple[int, int] |
     for tile, y in iter_tile_outputs(model, image, grid, device=device, autocast=autocast,
                                      tta=tta, channels_last=channels_last):
         if out is None:
-            out = torch.empty(image.shape[0], y.shape[1], *image.shape[-2:], dtype=out_dtype)
+            out = torch.empty(image.shape[0], y.shape[1], *image.shape[-2:], dtype=out_dtype,
+                              device=image.device)
         out[..., tile.core.row : tile.core.row_end, tile.core.col : tile.core.col_end] = y.to(
-            "cpu", out_dtype)
+            image.device, out_dtype)
     assert out is not None
     return out.squeeze(0) if squeeze else out
 
