@@ -86,6 +86,7 @@ from seg_at_scale.tasks.interrupt import (
     newest_checkpoint,
     slurm_plugins,
 )
+from seg_at_scale.tasks.loggers import own_tracker_run
 from seg_at_scale.tasks.progress import EpochLines, ModelTable, bar_is_seen
 from seg_at_scale.tiling import make_grid
 
@@ -552,7 +553,8 @@ def run(cfg: DictConfig) -> float | None:
     predict_options(cfg)  # the predict: block checked before any work
     synthesize(cfg)  # the scenes first: data.class_weights may be read from their masks
     folder = Path(HydraConfig.get().runtime.output_dir)
-    with run_lock(folder):  # one seg-train per run folder
+    # one seg-train per run folder; its wandb run ends with it (a sweep's next run its own)
+    with run_lock(folder), own_tracker_run():
         return _train(cfg, folder)
 
 

@@ -100,15 +100,22 @@ def test_interrupted_run_resumes_from_last_checkpoint(tmp_path):
 def test_exact_grid_training_runs_and_multirun_sweeps(tmp_path):
     """With a path among the overrides (``data.root=/scenes``, as the README's sweep of a
     user's scenes): before, its slashes made each job a tree of folders named after the
-    path, and the sweep report found no job. ``tiling.q=[1,2]``: rows and columns apart."""
+    path, and the sweep report found no job. ``tiling.q=[1,2]``: rows and columns apart.
+    With the default logger (wandb), each job has its own wandb run: before, the second
+    found the first's still open and logged into it ("There is a wandb run already in
+    progress"), and the first's closing lines came with raw colour codes."""
     root = tmp_path / "data" / "mine"
-    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "-m", *TINY, "tiling=grid",
+    tiny = [o for o in TINY if not o.startswith("logger=")]
+    cmd = [sys.executable, "-m", "seg_at_scale.cli.train", "-m", *tiny, "tiling=grid",
            "tiling.q=1,[1,2]", "trainer.limit_train_batches=4", "predict_after_fit=false",
            f"hydra.sweep.dir={tmp_path / 'sweep'}",
            f"data.root={root}"]
-    env = {"SEG_DATA_DIR": str(tmp_path / "data"), "PATH": "/usr/bin:/bin"}
+    env = {"SEG_DATA_DIR": str(tmp_path / "data"), "PATH": "/usr/bin:/bin",
+           "WANDB_MODE": "offline"}
     out = warm.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    log = out.stdout + out.stderr
+    assert "already in progress" not in log and "\x1b[" not in log, log[-3000:]
     assert (root / "train").is_dir()
     jobs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert [p.name[:2] for p in jobs] == ["0_", "1_"] and "_tmp_" in jobs[0].name
@@ -119,6 +126,10 @@ def test_exact_grid_training_runs_and_multirun_sweeps(tmp_path):
     computed = [json.loads(p.read_text())["computed"] for p in summaries]
     assert [c["grid"] for c in computed] == [[1, 1], [1, 2]]
     assert computed[0]["efficiency"] < computed[1]["efficiency"]  # 2 tiles: more halo
+    for job, grid in zip(jobs, (b'"grid":[1,1]', b'"grid":[1,2]'), strict=True):
+        (wandb_run,) = (job / "wandb").glob("offline-run-*")  # its own, in its folder
+        record = b"".join(p.read_bytes() for p in wandb_run.glob("run-*.wandb"))
+        assert grid in record  # the job's own hyperparameters
 
 
 def _predict_cfg(run: Path, image: Path, output: Path, *extra: str):
