@@ -239,7 +239,12 @@ class RunFolder:
 
         Not in :meth:`open`: its lines would go into the run's ``train.log`` before a
         refusal (another config, no checkpoint), and a refused rerun changes no file.
+        Global rank 0 says it for the run: the DDP ranks Lightning starts open the folder
+        rank 0 has written, a new run's too, and said "resuming the run" for it.
         """
+        if global_rank() != 0:
+            self._notes.clear()
+            return
         for note in self._notes:
             log.info("%s", note)
         self._notes.clear()

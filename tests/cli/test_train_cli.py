@@ -92,6 +92,8 @@ def test_interrupted_run_resumes_from_last_checkpoint(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
     again = train(tmp_path, "run", "predict_after_fit=false", "trainer.max_epochs=2")
     assert "Restoring states from the checkpoint" in again["log"]
+    assert f"resuming the run in {tmp_path / 'run'} (same config)" in again["log"]
+    assert "resuming the run" not in first["log"]
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     assert first["val/miou"] is not None
     assert (ckpt["epoch"], ckpt["global_step"]) == (2, 4)  # epoch 2 ran on top of epoch 1

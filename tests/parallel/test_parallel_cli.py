@@ -96,6 +96,9 @@ def test_ddp_validation_grid_with_fewer_tiles_than_ranks(tmp_path: Path) -> None
     assert 0.0 <= summary["val/miou"] <= 1.0
     # the validation IoUs are every rank's already: logged without Lightning's warning
     assert "sync_dist=True" not in summary["log"], summary["log"][-2000:]
+    # a new run: rank 1, started by Lightning into the folder rank 0 had written, said
+    # "resuming the run in ... (same config)"
+    assert "resuming the run" not in summary["log"], summary["log"][-3000:]
     test = summary["test"][0]  # the whole scene, tiled, from the best checkpoint
     trained = load_run(tmp_path / "run")
     image = next((tmp_path / "data").glob("*/test/scene_0_image.tif"))
