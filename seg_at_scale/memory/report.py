@@ -80,7 +80,10 @@ class MemoryReport(pl.Callback):
             "step_s_median": round(statistics.median(steady), 4),
             "mpix_per_s": round(self.pixels / 1e6 / max(self.seconds, 1e-9), 4),
             "steps": len(self.times)}
-        line = (f"memory={self.mode} precision={trainer.precision}: peak "
+        # each rank measures its own process: said apart (two lines of other figures)
+        rank = (f" (rank {trainer.global_rank} of {trainer.world_size})"
+                if trainer.world_size > 1 else "")
+        line = (f"memory={self.mode} precision={trainer.precision}{rank}: peak "
                 f"{self.summary['peak_mem_mib']:.0f} MiB, step {self.summary['step_s_median']:.3g}"
                 f" s (median of {len(steady)}), {self.summary['mpix_per_s']:.3g} Mpix/s")
         _say(line)

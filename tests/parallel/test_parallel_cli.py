@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -99,6 +100,9 @@ def test_ddp_validation_grid_with_fewer_tiles_than_ranks(tmp_path: Path) -> None
     # a new run: rank 1, started by Lightning into the folder rank 0 had written, said
     # "resuming the run in ... (same config)"
     assert "resuming the run" not in summary["log"], summary["log"][-3000:]
+    # each rank's own memory line, named (two unnamed lines of different figures before)
+    ranks = re.findall(r"memory=none precision=32-true \(rank (\d) of 2\): peak", summary["log"])
+    assert sorted(ranks) == ["0", "1"], summary["log"][-3000:]
     test = summary["test"][0]  # the whole scene, tiled, from the best checkpoint
     trained = load_run(tmp_path / "run")
     image = next((tmp_path / "data").glob("*/test/scene_0_image.tif"))
