@@ -19,6 +19,12 @@ number keeps it unique).
 ``${seg.tiles:<tiling.q>}``: tiles per side as a word for run names: ``2`` for ``2``,
 ``1x4`` for ``[1, 4]`` (rows x cols; the list itself would put brackets and a space in
 the run's folder name).
+
+``${seg.tracker_name:<run_name>}`` and ``${seg.tracker_group:}``: an experiment tracker's
+run name and group (``conf/logger/wandb.yaml``). A single run: its ``run_name``, no group.
+A job of a multirun sweep: ``<run_name>/<job folder>`` in the group of its sweep folder's
+name, so the trials of one sweep are told apart and shown together (every trial was named
+``run_name`` alone).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-__all__ = ["register_resolvers", "job_folder", "tiles_word", "JOB_FOLDER_CHARS"]
+__all__ = ["register_resolvers", "job_folder", "tiles_word", "tracker_group", "tracker_name",
+           "JOB_FOLDER_CHARS"]
 
 JOB_FOLDER_CHARS = 120
 
@@ -61,6 +68,32 @@ def tiles_word(q: Any) -> str:
     return "x".join(str(v) for v in q)
 
 
+def _sweep_job() -> tuple[str, str] | None:
+    """``(sweep folder's name, job folder)`` inside a multirun's job, else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra = HydraConfig.get()
+    if hydra.mode != RunMode.MULTIRUN:
+        return None
+    return (os.path.basename(os.path.normpath(str(hydra.sweep.dir))),
+            job_folder(hydra.job.num, hydra.job.override_dirname))
+
+
+def tracker_name(run_name: Any) -> str:
+    """A tracker's run name: ``run_name``, and in a sweep ``<run_name>/<job folder>``."""
+    job = _sweep_job()
+    return f"{run_name}/{job[1]}" if job else str(run_name)
+
+
+def tracker_group() -> str | None:
+    """A tracker's group: a sweep's folder name; none for a single run."""
+    job = _sweep_job()
+    return job[0] if job else None
+
+
 def register_resolvers() -> None:
     """Register the project's resolvers (idempotent)."""
     if not OmegaConf.has_resolver("seg.class_weights"):
@@ -72,3 +105,7 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("seg.job_folder", job_folder)
     if not OmegaConf.has_resolver("seg.tiles"):
         OmegaConf.register_new_resolver("seg.tiles", tiles_word)
+    if not OmegaConf.has_resolver("seg.tracker_name"):
+        OmegaConf.register_new_resolver("seg.tracker_name", tracker_name)
+    if not OmegaConf.has_resolver("seg.tracker_group"):
+        OmegaConf.register_new_resolver("seg.tracker_group", tracker_group)

@@ -132,6 +132,10 @@ def test_exact_grid_training_runs_and_multirun_sweeps(tmp_path):
         (wandb_run,) = (job / "wandb").glob("offline-run-*")  # its own, in its folder
         record = b"".join(p.read_bytes() for p in wandb_run.glob("run-*.wandb"))
         assert grid in record  # the job's own hyperparameters
+        # named after its job (every trial was "same_unet_tiny"), in its sweep's group (the
+        # run record's run_group, protobuf field 6: tag 0x32, then the length)
+        assert f"same_unet_tiny/{job.name}".encode() in record
+        assert b"\x32\x05sweep" in record
 
 
 def _predict_cfg(run: Path, image: Path, output: Path, *extra: str):
