@@ -16,6 +16,7 @@ from wandb's service with their colour codes, raw in a Slurm job's output or a `
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,8 @@ from typing import Any
 from pytorch_lightning.loggers import WandbLogger as _LightningWandbLogger
 
 __all__ = ["WandbLogger", "own_tracker_run"]
+
+log = logging.getLogger("seg_at_scale.train")
 
 
 class WandbLogger(_LightningWandbLogger):
@@ -60,4 +63,7 @@ def own_tracker_run() -> Iterator[None]:
     finally:
         run = _wandb_run()
         if run is not None and run is not before:
-            run.finish(exit_code=code)
+            try:
+                run.finish(exit_code=code)
+            except Exception as exc:  # the training's outcome stands; its record is wandb's
+                log.warning("wandb could not finish its run (%s): %s", type(exc).__name__, exc)

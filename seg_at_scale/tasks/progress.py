@@ -72,6 +72,7 @@ class ModelTable(ModelSummary):
         rows = [[name for name, _ in columns], *zip(*(values for _, values in columns))]
         table = "\n".join("  " + "  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths))
                           .rstrip() for row in rows)
+
         def count(n: int) -> str:
             return str(get_human_readable_count(int(n))).strip()
 
