@@ -506,6 +506,12 @@ def test_the_default_wandb_logger_writes_its_offline_run_without_wandbs_warning(
     assert len(runs) == 1
     record = b"".join(p.read_bytes() for p in runs[0].glob("run-*.wandb"))
     assert b"computed" in record and b"efficiency" in record  # the run's hyperparameters
+    # resumed, it goes on in the same wandb run (before: a new run at every resume): offline,
+    # a second folder of the same id, which `wandb sync` uploads into that run
+    again = run_train(tmp_path, "run", *tiny, "logger=wandb", "trainer.max_epochs=2")
+    assert "resuming the run" in again["log"]
+    starts = sorted(p.name for p in (tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(starts) == 2 and starts[0].split("-")[-1] == starts[1].split("-")[-1], starts
 
 
 def test_a_diverged_run_stops_at_its_nan_loss(tmp_path):

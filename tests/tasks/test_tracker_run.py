@@ -63,3 +63,30 @@ def test_no_wandb_imported_is_nothing_to_end(monkeypatch):
     with own_tracker_run():
         assert "wandb" not in sys.modules
 
+
+
+def test_a_run_folder_records_the_wandb_run_it_began_and_a_rerun_takes_its_id(
+        tmp_path, monkeypatch):
+    """The id of the wandb run a run folder began is recorded there, and a logger made again
+    for the folder (a resume, a requeue: tests/cli/test_train_faults.py runs one) takes it;
+    another folder begins its own; a logger that never began a run records nothing (a
+    command Lightning refuses leaves the folder as it was)."""
+    import wandb as real_wandb
+
+    from seg_at_scale.tasks.loggers import WandbLogger, recorded_run_id
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    ids = []
+    for folder in ("run", "other"):
+        logger = WandbLogger(project="p", save_dir=str(tmp_path / folder), offline=True)
+        with own_tracker_run():
+            logger.log_metrics({"x": 1.0}, step=0)
+        assert real_wandb.run is None  # finished
+        ids.append(recorded_run_id(tmp_path / folder))
+        (start,) = (tmp_path / folder / "wandb").glob("offline-run-*")
+        assert start.name.endswith(f"-{ids[-1]}")
+    assert None not in ids and ids[0] != ids[1]
+    assert WandbLogger(project="p", save_dir=str(tmp_path / "run"), offline=True).version \
+        == ids[0]
+    unused = WandbLogger(project="p", save_dir=str(tmp_path / "refused"), offline=True)
+    assert unused.version and not (tmp_path / "refused").exists()
