@@ -13,11 +13,13 @@ Two comparisons, each alternated in one run so that the shared cores' drift canc
    writing a COG costs; below, the pixels' way around the network costs more than GDAL's.
 2. ``bare``: the demo's U-Net (levels 4, width 16), ``tile_size=auto``, file to COG, in
    process (``predict_scene``) and as the whole ``seg-predict`` command, against the same
-   network on the same tiles already in memory (normalised, channels-last, bf16, cores
-   cropped, labels made): the bare model's seconds over the file path's. This process
-   runs torch as the commands do (tcmalloc where installed, :mod:`seg_at_scale.cli.malloc`,
-   and huge pages for its tensors under glibc's malloc, :mod:`seg_at_scale.cli`), so the
-   in-memory network is as fast here as inside ``seg-predict``.
+   network on the same tiles already in memory (normalised, in the layout and precision
+   the prediction takes: bf16 channels-last where the CPU has bfloat16 kernels, float32
+   where it would be emulated; cores cropped, labels made): the bare model's seconds over
+   the file path's. This process runs torch as the commands do (tcmalloc where installed,
+   :mod:`seg_at_scale.cli.malloc`, and huge pages for its tensors under glibc's malloc,
+   :mod:`seg_at_scale.cli`), so the in-memory network is as fast here as inside
+   ``seg-predict``.
 3. ``vrt``: the near-free U-Net's ``seg-predict`` of the scene given as a VRT mosaic of
    4 x 4 GeoTIFF pieces (read through GDAL, :class:`~seg_at_scale.io.raster.GdalReader`)
    against the scene's own TIFF (the project's reader), the same labels checked.
@@ -142,11 +144,14 @@ def bare_case(run: Path, image: Path) -> tuple[Any, Any, list[torch.Tensor], Pre
     return net, grid, inputs, options
 
 
-def bare_seconds(net: Any, grid: Any, inputs: list[torch.Tensor]) -> tuple[float, float]:
-    """The network alone on the in-memory tiles: cores cropped, labels made as the
-    prediction makes them (argmax in NHWC, uint8). Wall and CPU seconds (all threads)."""
+def bare_seconds(net: Any, grid: Any, inputs: list[torch.Tensor],
+                 autocast: torch.dtype | None) -> tuple[float, float]:
+    """The network alone on the in-memory tiles, in the prediction's precision: cores
+    cropped, labels made as the prediction makes them (argmax in NHWC, uint8). Wall and CPU
+    seconds (all threads)."""
     t0, c0 = time.perf_counter(), time.process_time()
-    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.inference_mode(), torch.autocast("cpu", dtype=autocast or torch.float32,
+                                                enabled=autocast is not None):
         for t, x in zip(grid.tiles, inputs, strict=True):
             c = t.crop
             y = net(x)[:, :, c.row : c.row_end, c.col : c.col_end]
@@ -206,10 +211,10 @@ def main(argv: list[str] | None = None) -> None:
         demo = fake_run(DATA / "demo_unet_run")
         predict(demo, image, work / "demo.tif")  # once per machine: layout=auto's timing
         net, grid, inputs, options = bare_case(demo, image)
-        bare_seconds(net, grid, inputs)  # oneDNN makes its kernels once per input size
+        bare_seconds(net, grid, inputs, options.autocast)  # oneDNN's kernels, once per size
         bares, library, command, bare_cpu, library_cpu = [], [], [], [], []
         for _ in range(repeats):
-            wall, cpu = bare_seconds(net, grid, inputs)
+            wall, cpu = bare_seconds(net, grid, inputs, options.autocast)
             bares.append(round(wall, 2))
             bare_cpu.append(round(cpu, 2))
             wall, cpu = library_seconds(demo, image, work / "lib.tif", options)
@@ -222,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
                     "process (file -> COG) and seg-predict (whole command) vs the same "
                     "network on the same tiles in memory (the commands' malloc and huge "
                     "pages in both), alternated; ratios of the fastest",
-            "tile_size": options.tile_size, "tiles": len(grid), "bare_s": bares,
+            "tile_size": options.tile_size, "tiles": len(grid),
+            "precision": str(options.autocast or torch.float32), "bare_s": bares,
             "library_s": library, "command": command,
             "library_over_bare": round(bare_s / min(library), 3),
             # each alternation's own pair (run back to back): the drift of the shared cores

@@ -30,7 +30,7 @@ import torch
 from filelock import FileLock
 from torch import nn
 
-from seg_at_scale.prediction.options import PredictOptions
+from seg_at_scale.prediction.options import PredictOptions, with_precision
 
 __all__ = ["with_layout", "cache_path", "layout_key", "measure_layouts", "network_text",
            "device_name", "read_cache", "write_cache"]
@@ -111,11 +111,16 @@ def measure_layouts(model: nn.Module, bands: int, side: int,
 
 def with_layout(options: PredictOptions, model: nn.Module, bands: int,
                 decide: Any = None) -> PredictOptions:
-    """``options`` with ``layout=auto`` made the faster layout (measured once, cached).
+    """``options`` as the model's device runs them: precision, then layout.
+
+    The fast path's precision there
+    (:func:`~seg_at_scale.prediction.options.with_precision`), then with ``layout=auto``
+    the faster layout in that precision (measured once, cached).
 
     ``decide(fn)`` runs ``fn`` on one process and gives its answer to
-    every process (several ranks take one layout); by default ``fn()`` here.
+    every process (several ranks take one precision and one layout); by default ``fn()``.
     """
+    options = with_precision(options, next(model.parameters()).device, decide)
     if options.layout != "auto":
         return options
     side = PROBE_SIDE
