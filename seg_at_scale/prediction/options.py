@@ -50,7 +50,7 @@ class PredictOptions:
         batch_size: tiles per forward pass; None = 1 on CPU, ~16 Mpix on a GPU.
         fast: bf16 autocast + channels_last where the device has native bfloat16 kernels
             (a GPU of compute capability 8 or later, a CPU with AVX-512 BF16 or AMX), else
-            float32 (:func:`with_precision`); False = the exact fp32 reference.
+            float32, faster there than emulated bf16; False = the exact fp32 reference.
         tta: ``"flips"`` or ``"d4"``: exact test-time augmentation (mean softmax).
         probabilities: ``"uint8"`` (round(255 p)) or ``"float16"``: also write the softmax.
         nodata: the input's no-data value (overrides the file's tag); NaN allowed.
