@@ -80,14 +80,15 @@ def predict_archive_job(job: PredictJob, trained: TrainedModel,
                                   checked=work.refused)
         if rank != 0:
             return {}
-        score(records, work.scenes, trained.num_classes, trained.ignore_index)
+        scores = score(records, work.scenes, trained.num_classes, trained.ignore_index)
         merged = merge_vectors(records, work.scenes, output_dir) if job.vector_merge else None
-        doc = write_report(records, output_dir, stac=job.options.stac)
+        doc = write_report(records, output_dir, stac=job.options.stac, scores=scores)
     computed = sum(r.tiles_computed for r in records)
     return {"model": trained.source, "scenes": doc["scenes"],
             **{k: doc[k] for k in ("done", "reused", "skipped", "failed")},
             "tiles_computed": computed,
             "tiles_resumed": sum(r.tiles_resumed for r in records),
+            **({"score": scores} if scores is not None else {}),
             "summary": str(output_dir / "summary.csv"), "mosaics": doc.get("mosaics", []),
             "items": doc.get("items"), "vectors": str(merged) if merged else None,
             "problems": {r.stem: r.reason for r in records

@@ -39,17 +39,36 @@ SUMMARY_COLUMNS = ("stem", "status", "reason", "tiles", "tiles_computed", "tiles
 
 
 def score(records: Sequence[SceneRecord], scenes: Sequence[ArchiveScene], num_classes: int,
-          ignore_index: int) -> None:
-    """MIoU and per-class IoU of every finished scene that has a mask (in place)."""
+          ignore_index: int) -> dict[str, Any] | None:
+    """MIoU and per-class IoU of every scored scene (in place), and the archive's.
+
+    A scored scene is a finished one with a mask. The archive's score is over the pixels of
+    all of them at once (their confusion matrices summed, as a test set is scored), not the
+    mean of the scenes' mIoU, which weighs a small scene as much as a large one; None when
+    no scene was scored.
+    """
     by_stem = {s.stem: s for s in scenes}
+    total = np.zeros((num_classes, num_classes), np.int64)
+    scored = 0
     for rec in records:
         mask = by_stem[rec.stem].mask if rec.stem in by_stem else None
         if mask is None or rec.status not in ("done", "reused"):
             continue
-        iou = iou_from_confusion(confusion_from_rasters(Path(rec.output), mask, num_classes,
-                                                         ignore_index))
-        rec.iou = [None if np.isnan(v) else round(float(v), 4) for v in iou]
-        rec.miou = round(float(np.nanmean(iou)), 4)
+        cm = confusion_from_rasters(Path(rec.output), mask, num_classes, ignore_index)
+        rec.iou, rec.miou = _ious(cm)
+        total += cm
+        scored += 1
+    if not scored:
+        return None
+    iou, miou = _ious(total)
+    return {"scenes": scored, "miou": miou, "iou": iou}
+
+
+def _ious(cm: np.ndarray) -> tuple[list[float | None], float]:
+    """Per-class IoU (None: a class absent from truth and labels) and their mean."""
+    iou = iou_from_confusion(cm)
+    return [None if np.isnan(v) else round(float(v), 4) for v in iou], \
+        round(float(np.nanmean(iou)), 4)
 
 
 def _row(rec: SceneRecord) -> dict[str, Any]:
@@ -165,8 +184,11 @@ _COUNTS = ("done", "reused", "skipped", "failed")
 
 
 def write_report(records: Sequence[SceneRecord], output_dir: Path, *,
-                 stac: bool) -> dict[str, Any]:
-    """Write the summary, the mosaics and the ItemCollection; what was written."""
+                 stac: bool, scores: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the summary, the mosaics and the ItemCollection; what was written.
+
+    ``scores``: the archive's own (:func:`score`), into ``summary.json`` as ``score``.
+    """
     rows = [_row(r) for r in records]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
@@ -176,7 +198,8 @@ def write_report(records: Sequence[SceneRecord], output_dir: Path, *,
                                    for k in ("class_pixels", "iou", "tiles_by_rank")}})
     _atomic(output_dir / "summary.csv", buf.getvalue())
     counts = {k: sum(r.status == k for r in records) for k in _COUNTS}
-    doc: dict[str, Any] = {"scenes": len(records), **counts, "summary": rows}
+    doc: dict[str, Any] = {"scenes": len(records), **counts,
+                           **({"score": scores} if scores is not None else {}), "summary": rows}
     finished = [Path(r.output) for r in records if r.status in ("done", "reused")]
     tifs = [p for p in finished if p.suffix.lower() in (".tif", ".tiff")]
     from seg_at_scale.io.vrt import write_mosaics

@@ -138,12 +138,23 @@ def test_a_split_folder_of_a_training_layout_predicts_its_images_scored_by_its_m
     assert (res["scenes"], res["done"], res["failed"]) == (4, 4, 0)
     rows = _rows(out)
     assert sorted(rows) == sorted(SIZES)  # the scenes' names, no mask among them
+    every_label, every_truth = [], []
     for stem in SIZES:
         assert (out / f"{stem}.tif").read_bytes() == (tmp / "single" / f"{stem}.tif").read_bytes()
         truth = read_raster(tmp / "masks" / f"{stem}_mask.tif")[0]
         labels = read_raster(out / f"{stem}.tif")[0]
         assert rows[stem]["miou"] != "", stem  # scored: its mask was found
         assert float(rows[stem]["miou"]) == pytest.approx(_miou(labels, truth, 5), abs=5e-5)
+        every_label.append(labels.ravel())
+        every_truth.append(truth.ravel())
+    # the archive's own score: over all its pixels at once (before: none; the scenes' mean
+    # mIoU weighs the smallest scene as much as the largest)
+    pooled = _miou(np.concatenate(every_label), np.concatenate(every_truth), 5)
+    assert res["score"]["scenes"] == 4
+    assert res["score"]["miou"] == pytest.approx(pooled, abs=5e-5)
+    assert res["score"]["miou"] != pytest.approx(
+        np.mean([float(r["miou"]) for r in rows.values()]), abs=5e-5)
+    assert json.loads((out / "summary.json").read_text())["score"] == res["score"]
 
 
 def _miou(labels: np.ndarray, truth: np.ndarray, classes: int) -> float:
